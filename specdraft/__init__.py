@@ -1,0 +1,17 @@
+"""specdraft: make any Hugging Face causal LM generate the same text faster, with no draft model.
+
+Draft sources guess the next tokens, their guesses merge into one token tree, the model checks the
+tree in one forward pass and an exact verifier keeps the longest path the model agrees with.
+"""
+
+from .decoder import Decoder, GenerationOutput
+from .sampling import SamplingSettings, UnsupportedOptionError
+from .sources import Context, Draft, DraftSource, Feedback, PromptLookup, SideBlock
+from .stats import GenerationStats, SourceStats
+from .tree import TokenTree
+
+__all__ = [
+    "Decoder", "GenerationOutput", "GenerationStats", "SourceStats", "SamplingSettings", "UnsupportedOptionError",
+    "Context", "Draft", "DraftSource", "Feedback", "PromptLookup", "SideBlock", "TokenTree",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,300 @@
+"""The decoding loop: draft, merge into a tree, check it in one forward pass, verify, compact.
+
+One step, in order:
+
+1. every source proposes branches (and optionally a side block) for the current context;
+2. the branches merge into one :class:`~specdraft.tree.TokenTree` of at most ``max_tree_nodes``
+   draft nodes below the root (the last committed token, not yet in the cache);
+3. one forward of ``[root, tree nodes, side tokens]`` over the KV cache, with an ancestor mask
+   and depth-based positions;
+4. the verifier walks the tree and commits the accepted path plus one token of the model's own,
+   so even a step whose drafts all fail commits one token, like plain decoding;
+5. stop rules cut the step's tokens; the cache keeps only the root and the accepted path;
+   sources learn from what was committed.
+
+The decoder knows the sources, the verifier and the runner; none of them knows the decoder.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .runner import ModelRunner
+from .sampling import NodeScorer, SamplingSettings, resolve_settings
+from .sources.base import Context, Draft, DraftSource, Feedback
+from .sources.prompt_lookup import PromptLookup
+from .stats import GenerationStats, SourceStats
+from .stopping import StopRule
+from .tree import TokenTree
+from .verify import Verdict, multinomial_draw, verify_greedy, verify_sampling
+
+_request_ids = itertools.count(1)
+
+
+@dataclass
+class GenerationOutput:
+    """The result of :meth:`Decoder.generate`: new tokens only (the prompt is not repeated)."""
+
+    token_ids: list[int]
+    text: str | None
+    stats: GenerationStats
+
+
+class Decoder:
+    """Lossless speculative decoding of a Hugging Face causal LM with draft-model-free sources.
+
+    >>> dec = Decoder(model, tokenizer, sources=[PromptLookup()], max_tree_nodes=32)
+    >>> out = dec.generate("def add(a, b):", max_new_tokens=64)
+    >>> out.text, out.stats.mean_accepted
+
+    Greedy output equals ``model.generate(do_sample=False)`` token for token; sampled output has
+    the distribution of ``model.generate(do_sample=True)`` with the same settings. One decoder
+    runs one request at a time (it owns a KV cache); make one per thread. Sources may be shared.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, sources: Sequence[DraftSource] | None = None,
+                 max_tree_nodes: int = 32) -> None:
+        if not isinstance(max_tree_nodes, int) or max_tree_nodes < 0:
+            raise ValueError(f"max_tree_nodes must be an int >= 0 (0 = plain decoding), got {max_tree_nodes!r}")
+        self.sources: list[DraftSource] = list(sources) if sources is not None else [PromptLookup()]
+        if len(self.sources) > 62:
+            raise ValueError(f"at most 62 sources can be combined, got {len(self.sources)}")
+        for s in self.sources:
+            if not isinstance(s, DraftSource):
+                raise TypeError(f"{s!r} is not a DraftSource: it needs name, begin, propose, observe and end")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_tree_nodes = max_tree_nodes
+        self.runner = ModelRunner(model)
+        self._source_names = _unique_names([s.name for s in self.sources])
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, sources: Sequence[DraftSource] | None = None,
+                        dtype: str | torch.dtype = "float32", max_tree_nodes: int = 32,
+                        attn_implementation: str | None = None) -> "Decoder":
+        """Load model and tokenizer (a checkpoint dir, a ``.gguf`` file or a hub id, see
+        :func:`specdraft.models.load_model`) and wrap them in a decoder."""
+        from .models import load_model
+
+        model, tokenizer = load_model(name_or_path, dtype=dtype, attn_implementation=attn_implementation)
+        return cls(model, tokenizer, sources=sources, max_tree_nodes=max_tree_nodes)
+
+    # -- public API -----------------------------------------------------------------------
+
+    def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128,
+                 do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, repetition_penalty: float | None = None, seed: int | None = None,
+                 stop: Sequence[str] | str | None = None, **options: Any) -> GenerationOutput:
+        """Generate up to ``max_new_tokens`` tokens after ``prompt``.
+
+        Options left as ``None`` take the model's ``generation_config`` value, then transformers'
+        default (so ``do_sample=True`` alone means top-k 50, as in ``model.generate``). ``seed``
+        fixes the sampling stream; without it the global torch RNG is used, as in transformers.
+        Any other keyword raises, naming what is supported.
+        """
+        tokens: list[int] = []
+        stats = GenerationStats()
+        for chunk in self._steps(prompt, max_new_tokens, stats, stop, seed, dict(
+                do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                repetition_penalty=repetition_penalty, **options)):
+            tokens.extend(chunk)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+        return GenerationOutput(token_ids=tokens, text=text, stats=stats)
+
+    def stream(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128,
+               do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+               top_p: float | None = None, repetition_penalty: float | None = None, seed: int | None = None,
+               stop: Sequence[str] | str | None = None, stats: GenerationStats | None = None,
+               **options: Any) -> Iterator[str | list[int]]:
+        """Like :meth:`generate`, but yield output as it is committed: text pieces when the decoder
+        has a tokenizer (held back while a character is incomplete), else lists of token ids.
+        Pass a :class:`GenerationStats` as ``stats`` to read the statistics afterwards."""
+        stats = stats if stats is not None else GenerationStats()
+        steps = self._steps(prompt, max_new_tokens, stats, stop, seed, dict(
+            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+            repetition_penalty=repetition_penalty, **options))
+        if self.tokenizer is None:
+            yield from steps
+            return
+        tokens: list[int] = []
+        shown = 0
+        for chunk in steps:
+            tokens.extend(chunk)
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                continue  # a multi-byte character is split across tokens: wait for the rest
+            if len(text) > shown:
+                yield text[shown:]
+                shown = len(text)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if len(text) > shown:
+            yield text[shown:]
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _steps(self, prompt: Any, max_new_tokens: int, stats: GenerationStats, stop: Any, seed: int | None,
+               options: dict[str, Any]) -> Iterator[list[int]]:
+        """Run one request, yielding the tokens committed by each step."""
+        prompt_ids = self._encode(prompt)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        limit = self.runner.max_positions
+        if limit is not None and len(prompt_ids) + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the model's context "
+                f"of {limit} tokens; shorten the prompt or lower max_new_tokens")
+        settings = resolve_settings(getattr(self.model, "generation_config", None), **options)
+        stop_strings = [stop] if isinstance(stop, str) else list(stop or [])
+        rule = StopRule(_eos_ids(self.model), max_new_tokens, stop_strings, self.tokenizer)
+        stats.per_source = {name: SourceStats() for name in self._source_names}
+        if max_new_tokens == 0:
+            return
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        yield from self._decode(prompt_ids, settings, rule, stats, generator)
+
+    def _decode(self, prompt_ids: list[int], settings: SamplingSettings, rule: StopRule, stats: GenerationStats,
+                generator: torch.Generator | None) -> Iterator[list[int]]:
+        started = time.perf_counter()
+        scorer = NodeScorer(settings)
+        draw = multinomial_draw(generator)
+        request_id = next(_request_ids)
+        committed = list(prompt_ids)
+        prompt_length = len(prompt_ids)
+        begun: list[DraftSource] = []
+        try:
+            self.runner.prefill(committed[:-1])
+            stats.prefill_time = time.perf_counter() - started
+            for source in self.sources:
+                source.begin(Context(tuple(committed), prompt_length, request_id))
+                begun.append(source)
+            done = False
+            while not done:
+                context = Context(tuple(committed), prompt_length, request_id)
+                generated = len(committed) - prompt_length
+                depth_limit = rule.max_new_tokens - generated - 1  # the bonus token takes the last slot
+                drafts = [self._propose(s, context, depth_limit) for s in self.sources]
+                tree = TokenTree.from_drafts(context.root, [d.branches for d in drafts], self.max_tree_nodes)
+                tokens, offsets, block, side_slices = _step_input(tree, drafts)
+                logits = self.runner.forward(tokens, offsets, block)
+                verdict = self._verify(tree, logits[: len(tree)], settings, scorer, committed, draw)
+                step_tokens, done = rule.cut(committed[prompt_length:], verdict.tokens)
+                self._record(stats, tree, verdict, len(step_tokens))
+                if not done:
+                    self.runner.compact([0] + verdict.path)
+                committed.extend(step_tokens)
+                after = Context(tuple(committed), prompt_length, request_id)
+                for source, side in zip(self.sources, side_slices):
+                    source.observe(Feedback(committed=list(step_tokens), context=after,
+                                            side_logits=logits[side] if side is not None else None))
+                stats.new_tokens += len(step_tokens)
+                stats.wall_time = time.perf_counter() - started
+                if step_tokens:
+                    yield step_tokens
+        finally:
+            final = Context(tuple(committed), prompt_length, request_id)
+            for source in begun:
+                source.end(final)
+            stats.wall_time = time.perf_counter() - started
+
+    def _propose(self, source: DraftSource, context: Context, depth_limit: int) -> Draft:
+        """Ask one source for a draft; cut its branches so a step never commits past the limit."""
+        draft = source.propose(context, self.max_tree_nodes)
+        if self.max_tree_nodes == 0 or depth_limit < 1:
+            return Draft(side_block=draft.side_block)
+        draft.branches = [list(b[:depth_limit]) for b in draft.branches if len(b)]
+        return draft
+
+    @staticmethod
+    def _verify(tree: TokenTree, logits: torch.Tensor, settings: SamplingSettings, scorer: NodeScorer,
+                committed: list[int], draw) -> Verdict:
+        if settings.do_sample:
+            return verify_sampling(tree, logits, scorer, committed, draw)
+        return verify_greedy(tree, logits, None if scorer.is_identity else scorer, committed)
+
+    def _record(self, stats: GenerationStats, tree: TokenTree, verdict: Verdict, kept: int) -> None:
+        stats.steps += 1
+        stats.accept_lengths.append(kept)
+        stats.tree_sizes.append(len(tree))
+        accepted_nodes = verdict.path[:kept]
+        for index, name in enumerate(self._source_names):
+            bit = 1 << index
+            per = stats.per_source[name]
+            per.proposed += sum(1 for s in tree.sources[1:] if s & bit)
+            per.accepted += sum(1 for n in accepted_nodes if tree.sources[n] & bit)
+
+    def _encode(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a string prompt needs a tokenizer: pass tokenizer= to Decoder, or pass token ids")
+            ids = self.tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, torch.Tensor):
+            if prompt.dim() == 2 and prompt.shape[0] == 1:
+                prompt = prompt[0]
+            if prompt.dim() != 1:
+                raise ValueError(f"a tensor prompt must be 1-D token ids (or [1, n]), got shape {tuple(prompt.shape)}; "
+                                 "batches are not supported yet")
+            ids = prompt.tolist()
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = list(np.asarray(prompt).reshape(-1).tolist()) if len(prompt) else []
+        else:
+            raise TypeError(f"prompt must be a str, a list of token ids or a 1-D tensor, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token)")
+        vocab = self.runner.vocab_size
+        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
+        return [int(t) for t in ids]
+
+
+def _step_input(tree: TokenTree, drafts: Sequence[Draft]) -> tuple[list[int], np.ndarray, np.ndarray, list[slice | None]]:
+    """Lay out one forward: tree nodes, then each source's side block, with the block mask.
+
+    Tree nodes see their ancestors; side tokens see the root (if asked) and what their own mask
+    allows; nothing crosses between the tree and a side block or between two side blocks.
+    """
+    n = len(tree)
+    sides = [d.side_block for d in drafts]
+    total = n + sum(len(s.tokens) for s in sides if s is not None)
+    block = np.zeros((total, total), dtype=bool)
+    block[:n, :n] = tree.ancestor_mask()
+    tokens = list(tree.tokens)
+    offsets = [tree.position_offsets()]
+    slices: list[slice | None] = []
+    at = n
+    for side in sides:
+        if side is None or not side.tokens:
+            slices.append(None)
+            continue
+        m = len(side.tokens)
+        block[at : at + m, at : at + m] = side.mask
+        if side.sees_root:
+            block[at : at + m, 0] = True
+        tokens.extend(int(t) for t in side.tokens)
+        offsets.append(np.asarray(side.positions, dtype=np.int64))
+        slices.append(slice(at, at + m))
+        at += m
+    return tokens, np.concatenate(offsets), block, slices
+
+
+def _eos_ids(model: Any) -> list[int]:
+    cfg = getattr(model, "generation_config", None)
+    eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _unique_names(names: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return out

@@ -1,0 +1,187 @@
+"""Sampling settings, resolved and applied exactly as ``model.generate`` would.
+
+Exactness under sampling needs two things: the same settings (a model's ``generation_config``
+supplies defaults, ``do_sample=True`` alone means ``top_k=50`` unless that config says
+otherwise), and the same logits processing per position, with the position's *own* prefix
+(repetition penalty depends on it). We build transformers' own public processor classes in
+transformers' order and apply them per tree node with that node's prefix.
+
+Options we cannot honour raise :class:`UnsupportedOptionError`; nothing is silently dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+
+class UnsupportedOptionError(ValueError):
+    """A generation option specdraft cannot apply losslessly (or does not know)."""
+
+
+#: Options ``Decoder.generate`` accepts besides the prompt.
+SUPPORTED_OPTIONS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+#: Values transformers uses when neither the caller nor the model's generation config sets one.
+_GLOBAL_DEFAULTS: dict[str, Any] = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
+                                    "min_p": None, "repetition_penalty": 1.0}
+
+#: generation_config fields that change the token distribution and that we do not implement.
+#: A model whose own generation config sets one of these is refused rather than decoded wrongly.
+_UNSUPPORTED_IF_SET: dict[str, Callable[[Any], bool]] = {
+    "num_beams": lambda v: v is not None and v > 1,
+    "no_repeat_ngram_size": lambda v: bool(v),
+    "encoder_no_repeat_ngram_size": lambda v: bool(v),
+    "bad_words_ids": lambda v: v is not None,
+    "sequence_bias": lambda v: v is not None,
+    "min_length": lambda v: bool(v),
+    "min_new_tokens": lambda v: bool(v),
+    "typical_p": lambda v: v is not None and v < 1.0,
+    "epsilon_cutoff": lambda v: v is not None and 0.0 < v < 1.0,
+    "eta_cutoff": lambda v: v is not None and 0.0 < v < 1.0,
+    "top_h": lambda v: v is not None,
+    "guidance_scale": lambda v: v is not None and v != 1,
+    "forced_bos_token_id": lambda v: v is not None,
+    "forced_eos_token_id": lambda v: v is not None,
+    "suppress_tokens": lambda v: v is not None,
+    "begin_suppress_tokens": lambda v: v is not None,
+    "exponential_decay_length_penalty": lambda v: v is not None,
+    "watermarking_config": lambda v: v is not None,
+    "renormalize_logits": lambda v: bool(v),
+    "remove_invalid_values": lambda v: bool(v),
+    "encoder_repetition_penalty": lambda v: v is not None and v != 1.0,
+}
+
+#: Options whose meaning only exists under sampling; passing one with greedy decoding raises.
+_SAMPLING_ONLY = {"temperature": 1.0, "top_k": None, "top_p": 1.0, "min_p": None}
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """The resolved settings of one generation."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature is None or not self.temperature > 0:
+            raise UnsupportedOptionError(f"temperature must be > 0, got {self.temperature!r} (use do_sample=False for greedy)")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+            raise UnsupportedOptionError(f"top_k must be a non-negative int or None, got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UnsupportedOptionError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise UnsupportedOptionError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not self.repetition_penalty > 0:
+            raise UnsupportedOptionError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+
+    @property
+    def needs_prefix(self) -> bool:
+        """Whether processing a node's logits depends on the node's prefix."""
+        return self.repetition_penalty != 1.0
+
+    def processors(self) -> LogitsProcessorList:
+        """transformers' processor list for these settings, in ``_get_logits_processor`` order."""
+        procs = LogitsProcessorList()
+        if self.repetition_penalty != 1.0:
+            procs.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
+        if self.do_sample:
+            if self.temperature != 1.0:
+                procs.append(TemperatureLogitsWarper(self.temperature))
+            if self.top_k is not None and self.top_k != 0:
+                procs.append(TopKLogitsWarper(top_k=self.top_k, min_tokens_to_keep=1))
+            if self.top_p < 1.0:
+                procs.append(TopPLogitsWarper(top_p=self.top_p, min_tokens_to_keep=1))
+            if self.min_p is not None:
+                procs.append(MinPLogitsWarper(min_p=self.min_p, min_tokens_to_keep=1))
+        return procs
+
+
+def resolve_settings(generation_config: GenerationConfig | None, **requested: Any) -> SamplingSettings:
+    """Merge the caller's options over the model's generation config over transformers' defaults.
+
+    ``requested`` holds what the caller passed (``None`` meaning "not given"). Unknown names and
+    options we cannot apply raise :class:`UnsupportedOptionError` naming them.
+    """
+    unknown = sorted(set(requested) - set(SUPPORTED_OPTIONS))
+    if unknown:
+        known_hf = [u for u in unknown if hasattr(GenerationConfig(), u)]
+        if known_hf:
+            raise UnsupportedOptionError(
+                f"generation option(s) {known_hf} are not supported by specdraft (they cannot be applied losslessly "
+                f"to a token tree yet); supported options: {list(SUPPORTED_OPTIONS)}"
+            )
+        raise UnsupportedOptionError(f"unknown generation option(s) {unknown}; supported options: {list(SUPPORTED_OPTIONS)}")
+
+    model_cfg = generation_config.to_dict() if generation_config is not None else {}
+    for name, is_set in _UNSUPPORTED_IF_SET.items():
+        value = model_cfg.get(name)
+        if is_set(value):
+            raise UnsupportedOptionError(
+                f"the model's generation_config sets {name}={value!r}, which specdraft does not support; "
+                f"reset it (model.generation_config.{name} = None) to decode without it"
+            )
+
+    def pick(name: str) -> Any:
+        if requested.get(name) is not None:
+            return requested[name]
+        if model_cfg.get(name) is not None:
+            return model_cfg[name]
+        return _GLOBAL_DEFAULTS[name]
+
+    do_sample = bool(pick("do_sample"))
+    if not do_sample:
+        conflicting = {k: v for k, v in requested.items() if k in _SAMPLING_ONLY and v is not None and v != _SAMPLING_ONLY[k]}
+        if conflicting:
+            raise UnsupportedOptionError(
+                f"{conflicting} only apply when sampling; pass do_sample=True, or drop them for greedy decoding"
+            )
+        return SamplingSettings(do_sample=False, repetition_penalty=float(pick("repetition_penalty")))
+    top_k = pick("top_k")
+    return SamplingSettings(
+        do_sample=True,
+        temperature=float(pick("temperature")),
+        top_k=int(top_k) if top_k is not None else None,
+        top_p=float(pick("top_p")),
+        min_p=pick("min_p"),
+        repetition_penalty=float(pick("repetition_penalty")),
+    )
+
+
+class NodeScorer:
+    """Turns a tree node's raw logits into processed scores, using the node's own prefix.
+
+    ``prefix`` is the committed sequence (the root included); a node's input ids are that prefix
+    followed by the tokens on the path from the root to the node, exactly what plain decoding
+    would have as ``input_ids`` at that position.
+    """
+
+    def __init__(self, settings: SamplingSettings) -> None:
+        self.settings = settings
+        self._processors = settings.processors()
+
+    def __call__(self, logits_row: torch.Tensor, input_ids: Sequence[int]) -> torch.Tensor:
+        scores = logits_row.to(torch.float32).reshape(1, -1).clone()
+        if not self._processors:
+            return scores[0]
+        ids = torch.as_tensor(list(input_ids), dtype=torch.long).reshape(1, -1)
+        return self._processors(ids, scores)[0]
+
+    @property
+    def is_identity(self) -> bool:
+        return not self._processors

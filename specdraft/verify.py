@@ -1,0 +1,105 @@
+"""Verification: accept the longest path of the tree that the model itself would have produced.
+
+Pure functions over a :class:`~specdraft.tree.TokenTree` and its logits; no model, no cache.
+
+Greedy
+    From the root, ``t = argmax(scores[node])``; if a child carries ``t`` move there and repeat,
+    else stop. The committed tokens are the path walked plus the last ``t``. Every committed token
+    is the argmax given its own prefix, which is the definition of greedy decoding.
+
+Sampling
+    From the root, draw ``x ~ p(node)`` where ``p`` is the processed distribution given the node's
+    own prefix; if a child carries ``x`` move there and repeat, else commit ``x`` and stop.
+    Each committed token is drawn from exactly the conditional plain sampling would use at that
+    position, with one draw per committed token, so the output sequence has the plain-sampling
+    distribution (and, fed the same random stream, the very same draws). This is the multi-round
+    rejection rule of SpecInfer / lookahead decoding (Algorithm 4) for one-hot drafts written in
+    its equivalent "draw, then look for a matching child" form: accepting child ``c`` with
+    probability ``p[c]``, else zeroing it and renormalising, then sampling the residual, gives
+    every token ``t`` total probability ``p[t]`` -- the same law as one draw from ``p``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .tree import TokenTree
+
+#: A node scorer: raw logits row + the node's input ids -> processed scores (see sampling.NodeScorer).
+Scorer = Callable[[torch.Tensor, Sequence[int]], torch.Tensor]
+#: Draws one token id from a probability vector.
+Draw = Callable[[torch.Tensor], int]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of verifying one tree.
+
+    ``path`` holds the accepted draft nodes (the root excluded) in order; ``tokens`` the tokens to
+    commit: those nodes' tokens followed by the model's own next token (the "bonus"), so
+    ``len(tokens) == len(path) + 1`` always.
+    """
+
+    path: list[int]
+    tokens: list[int]
+
+
+def _walk(tree: TokenTree, choose: Callable[[int, list[int]], int]) -> Verdict:
+    node, path, tokens = 0, [], []
+    while True:
+        token = choose(node, tokens)
+        tokens.append(token)
+        child = tree.child(node, token)
+        if child is None:
+            return Verdict(path=path, tokens=tokens)
+        path.append(child)
+        node = child
+
+
+def verify_greedy(tree: TokenTree, logits: torch.Tensor, scorer: Scorer | None = None,
+                  prefix: Sequence[int] = ()) -> Verdict:
+    """Greedy verification of ``tree`` given ``logits[len(tree), vocab]`` (row i = node i).
+
+    ``scorer`` (with the committed ``prefix``, root included) applies logits processors such as a
+    repetition penalty per node; without one, all argmaxes are taken in one vectorised call.
+    """
+    _check_shapes(tree, logits)
+    if scorer is None:
+        best = logits.argmax(dim=-1).tolist()
+        return _walk(tree, lambda node, _: best[node])
+    prefix = list(prefix)
+    return _walk(tree, lambda node, walked: int(torch.argmax(scorer(logits[node], prefix + walked))))
+
+
+def verify_sampling(tree: TokenTree, logits: torch.Tensor, scorer: Scorer, prefix: Sequence[int],
+                    draw: Draw) -> Verdict:
+    """Sampling verification (see the module docstring for why it is lossless).
+
+    ``prefix`` is the committed sequence, root included; ``draw`` takes a probability vector and
+    returns a token id (``torch.multinomial`` in production, a scripted choice in the exact tests).
+    """
+    _check_shapes(tree, logits)
+    prefix = list(prefix)
+
+    def choose(node: int, walked: list[int]) -> int:
+        scores = scorer(logits[node], prefix + walked)
+        return int(draw(torch.softmax(scores, dim=-1)))
+
+    return _walk(tree, choose)
+
+
+def multinomial_draw(generator: torch.Generator | None) -> Draw:
+    """The production draw: ``torch.multinomial`` on a ``[1, vocab]`` row, as transformers does."""
+
+    def draw(probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs.reshape(1, -1), num_samples=1, generator=generator)[0, 0])
+
+    return draw
+
+
+def _check_shapes(tree: TokenTree, logits: torch.Tensor) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(tree):
+        raise ValueError(f"expected logits of shape [{len(tree)}, vocab] for a tree of {len(tree)} nodes, got {tuple(logits.shape)}")
