@@ -1,0 +1,317 @@
+"""End-to-end statistical test of sampled decoding on a tiny random Llama (float64, CPU).
+
+With ``max_new_tokens=3`` and a 10-token vocabulary the whole output space (10^3 sequences) can
+be enumerated, so the exact plain-sampling law is known: the product of the processed
+conditionals, each taken from ``model.generate(..., output_scores=True)`` itself (transformers'
+own processors, its own defaults, its own float32 cast). ``Decoder.generate`` samples are then
+compared with that law by a chi-square goodness-of-fit test (cells with expected count < 5
+pooled), with fixed seeds, so the test is deterministic.
+
+The draft sources make sure the tree path is really exercised: an "oracle" table source that
+proposes the model's likely chains (several siblings at the root, depth 2) plus ``PromptLookup``
+on a repetitive prompt; the mean accepted tokens per step is checked to be > 1.3.
+
+Teeth: the same harness with a wrong verifier injected into the decoder must be rejected
+(p < 1e-4): the bonus token drawn from the unreduced ``p`` instead of the residual, and the
+warpers fed only the committed context (visible through the repetition penalty, because the
+prompt uses only tokens {1, 2, 3}, so generated tokens outside it are penalised only if the
+node's own path is seen).
+
+Finally, a stronger exactness check: fed the same random stream (``torch.manual_seed(s)``, then
+``seed=None`` so the decoder uses the global generator), ``Decoder`` reproduces
+``model.generate(do_sample=True)`` token for token, because the verifier makes exactly one
+``torch.multinomial`` draw on a ``[1, V]`` row per committed token from the very same float32
+probabilities, as transformers does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Sequence
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as scipy_stats
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import specdraft.decoder
+from specdraft import Decoder, PromptLookup
+from specdraft.sources.base import Context, Draft, Feedback
+
+from _verifier_variants import bonus_from_p_verify, committed_context_verify, specinfer_verify
+
+VOCAB = 10
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repetitive (prompt lookup fires), uses only tokens {1, 2, 3}
+NEW = 3
+LM_HEAD_SCALE = 25.0  # random init gives near-uniform conditionals; this makes them peaked but not one-hot
+P_THRESHOLD = 1e-4
+
+SETTING_A = dict(temperature=0.8, top_k=6, top_p=0.9, repetition_penalty=1.3)
+SETTING_DEFAULTS: dict = {}  # do_sample=True alone: transformers' defaults (top_k=50, T=1, ...)
+
+N_CORRECT = 3000
+N_DEFAULTS = 2000
+N_MUTANT = 1200  # mutants then give p ~ 1e-15 (warp bug) and ~ 1e-45 (bonus bug); see the report
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures: the model, the exact law, the sources
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """A 16-wide model is pure overhead; extra intra-op threads only add contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(20240607)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float64, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(LM_HEAD_SCALE)
+    m.generation_config.pad_token_id = None
+    m.generation_config.eos_token_id = None
+    return m
+
+
+class ExactLaw:
+    """The plain-sampling law of the first ``NEW`` tokens, by enumeration.
+
+    Each conditional is what ``model.generate(do_sample=True, **options)`` samples from after
+    that prefix: its processed scores (``output_scores``), softmaxed in float32 as transformers
+    does, then normalised in float64 as ``torch.multinomial`` does.
+    """
+
+    def __init__(self, model, options: dict) -> None:
+        self.model, self.options = model, options
+        self.cond: dict[tuple[int, ...], np.ndarray] = {}
+        self.probs: dict[tuple[int, ...], float] = {}
+        self._walk((), 1.0)
+
+    def conditional(self, seq: tuple[int, ...]) -> np.ndarray:
+        if seq not in self.cond:
+            ids = torch.tensor([PROMPT + list(seq)])
+            out = self.model.generate(ids, max_new_tokens=1, do_sample=True, output_scores=True,
+                                      return_dict_in_generate=True, **self.options)
+            p = torch.softmax(out.scores[0][0], dim=-1).to(torch.float64).numpy()
+            self.cond[seq] = p / p.sum()
+        return self.cond[seq]
+
+    def _walk(self, seq: tuple[int, ...], prob: float) -> None:
+        if len(seq) == NEW:
+            self.probs[seq] = prob
+            return
+        p = self.conditional(seq)
+        for t in np.flatnonzero(p > 0):
+            self._walk(seq + (int(t),), prob * p[t])
+
+
+class TableSource:
+    """A draft source reading a fixed table: for each context, the ``width`` most likely next
+    tokens, each continued greedily for ``depth`` tokens (an "oracle" that makes the tree wide
+    and deep and gets accepted often -- exactly the situation the mutants get wrong)."""
+
+    name = "table"
+
+    def __init__(self, law: ExactLaw, width: int = 3, depth: int = 2) -> None:
+        self.law, self.width, self.depth = law, width, depth
+
+    def begin(self, context: Context) -> None:
+        pass
+
+    def observe(self, feedback: Feedback) -> None:
+        pass
+
+    def end(self, context: Context) -> None:
+        pass
+
+    def propose(self, context: Context, budget: int) -> Draft:
+        seq = tuple(context.tokens[len(PROMPT):])
+        if seq not in self.law.cond:
+            return Draft()
+        branches = []
+        for first in np.argsort(-self.law.cond[seq], kind="stable")[: self.width]:
+            branch = [int(first)]
+            while len(branch) < self.depth and seq + tuple(branch) in self.law.cond:
+                branch.append(int(np.argmax(self.law.cond[seq + tuple(branch)])))
+            branches.append(branch)
+        return Draft(branches=branches)
+
+
+@pytest.fixture(scope="module")
+def law_a(model) -> ExactLaw:
+    return ExactLaw(model, SETTING_A)
+
+
+@pytest.fixture(scope="module")
+def law_defaults(model) -> ExactLaw:
+    return ExactLaw(model, SETTING_DEFAULTS)
+
+
+def make_decoder(model, law: ExactLaw) -> Decoder:
+    return Decoder(model, sources=[TableSource(law), PromptLookup(max_ngram=3, min_ngram=1, num_tokens=3)],
+                   max_tree_nodes=12)
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness
+# ---------------------------------------------------------------------------------------------
+
+
+def sample(decoder: Decoder, n: int, options: dict, seed0: int) -> tuple[Counter, float]:
+    counts: Counter = Counter()
+    steps = tokens = 0
+    for i in range(n):
+        out = decoder.generate(PROMPT, max_new_tokens=NEW, do_sample=True, seed=seed0 + i, **options)
+        counts[tuple(out.token_ids)] += 1
+        steps += out.stats.steps
+        tokens += out.stats.new_tokens
+    return counts, tokens / steps
+
+
+def chi_square(counts: Counter, law: ExactLaw) -> tuple[float, int, int]:
+    """(p-value, degrees of freedom, impossible samples). Cells with expected count < 5 are
+    pooled into one cell (itself merged into the smallest big cell if still < 5)."""
+    n = sum(counts.values())
+    impossible = sum(c for s, c in counts.items() if law.probs.get(s, 0.0) == 0.0)
+    if impossible:
+        return 0.0, 0, impossible
+    big = sorted((s for s, p in law.probs.items() if n * p >= 5), key=lambda s: law.probs[s])
+    small = [s for s in law.probs if n * law.probs[s] < 5]
+    obs = [counts.get(s, 0) for s in big]
+    exp = [n * law.probs[s] for s in big]
+    pooled_obs, pooled_exp = sum(counts.get(s, 0) for s in small), n * sum(law.probs[s] for s in small)
+    if pooled_exp >= 5:
+        obs.append(pooled_obs)
+        exp.append(pooled_exp)
+    elif small:
+        obs[0] += pooled_obs
+        exp[0] += pooled_exp
+    exp = np.asarray(exp) * (n / sum(exp))  # absorb float round-off so both sides sum to n
+    result = scipy_stats.chisquare(np.asarray(obs, dtype=float), exp)
+    return float(result.pvalue), len(obs) - 1, 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_tiny_model_is_a_fair_test_bed(law_a: ExactLaw, law_defaults: ExactLaw) -> None:
+    """Conditionals neither near-uniform nor near-deterministic; the laws are proper."""
+    for law in (law_a, law_defaults):
+        assert abs(sum(law.probs.values()) - 1.0) < 1e-9
+    top = [p.max() for p in law_defaults.cond.values()]
+    assert 0.2 < float(np.mean(top)) < 0.8, np.mean(top)
+    assert len([s for s, p in law_a.probs.items() if p > 1e-3]) >= 20
+
+
+def test_sampled_decoding_matches_plain_sampling_chi_square(model, law_a: ExactLaw) -> None:
+    decoder = make_decoder(model, law_a)
+    started = time.perf_counter()
+    counts, mean_accepted = sample(decoder, N_CORRECT, SETTING_A, seed0=0)
+    elapsed = time.perf_counter() - started
+    pvalue, dof, impossible = chi_square(counts, law_a)
+    print(f"\n[setting A] N={N_CORRECT} p={pvalue:.4g} dof={dof} mean_accepted={mean_accepted:.2f} "
+          f"{1e3 * elapsed / N_CORRECT:.1f} ms/generate")
+    assert mean_accepted > 1.3, "the drafts are not being accepted: the tree path is not exercised"
+    assert impossible == 0
+    assert pvalue > P_THRESHOLD
+
+
+def test_sampled_decoding_with_transformers_defaults_chi_square(model, law_defaults: ExactLaw) -> None:
+    """``do_sample=True`` alone: top_k=50 (> vocab), temperature 1, no penalty -- resolved by the
+    decoder as transformers resolves it; the reference comes from model.generate itself."""
+    decoder = make_decoder(model, law_defaults)
+    counts, mean_accepted = sample(decoder, N_DEFAULTS, SETTING_DEFAULTS, seed0=10_000)
+    pvalue, dof, impossible = chi_square(counts, law_defaults)
+    print(f"\n[defaults] N={N_DEFAULTS} p={pvalue:.4g} dof={dof} mean_accepted={mean_accepted:.2f}")
+    assert mean_accepted > 1.3
+    assert impossible == 0
+    assert pvalue > P_THRESHOLD
+
+
+def test_specinfer_multi_round_rejection_passes_the_same_harness(model, law_a: ExactLaw, monkeypatch) -> None:
+    """The correct SpecInfer-style verifier (accept/reject coin flips, bonus from the residual)
+    injected into the decoder passes too (fewer samples: this documents, not duplicates)."""
+    monkeypatch.setattr(specdraft.decoder, "verify_sampling", specinfer_verify)
+    counts, _ = sample(make_decoder(model, law_a), N_MUTANT, SETTING_A, seed0=20_000)
+    pvalue, dof, impossible = chi_square(counts, law_a)
+    print(f"\n[specinfer] N={N_MUTANT} p={pvalue:.4g} dof={dof}")
+    assert impossible == 0 and pvalue > P_THRESHOLD
+
+
+@pytest.mark.parametrize("mutant", [bonus_from_p_verify, committed_context_verify],
+                         ids=["bonus-from-unreduced-p", "warp-with-committed-context-only"])
+def test_chi_square_rejects_a_wrong_verifier(model, law_a: ExactLaw, monkeypatch, mutant) -> None:
+    monkeypatch.setattr(specdraft.decoder, "verify_sampling", mutant)
+    counts, mean_accepted = sample(make_decoder(model, law_a), N_MUTANT, SETTING_A, seed0=30_000)
+    pvalue, dof, impossible = chi_square(counts, law_a)
+    print(f"\n[{mutant.__name__}] N={N_MUTANT} p={pvalue:.4g} dof={dof} impossible={impossible} "
+          f"mean_accepted={mean_accepted:.2f}")
+    assert pvalue < P_THRESHOLD
+
+
+@pytest.mark.parametrize("options, gen_config", [
+    (SETTING_A, {}),
+    (SETTING_DEFAULTS, {}),
+    (dict(temperature=1.3, top_p=0.8, min_p=0.05), {}),
+    (SETTING_A, {"eos_token_id": "likely"}),
+    # defaults taken from the model's own generation_config (do_sample=True is all the caller says)
+    (SETTING_DEFAULTS, {"top_k": 3, "temperature": 0.7, "repetition_penalty": 1.2}),
+], ids=["setting-A", "defaults", "min-p", "setting-A-with-eos", "model-generation-config"])
+def test_same_random_stream_gives_the_very_same_tokens_as_model_generate(model, law_a: ExactLaw, options, gen_config,
+                                                                         monkeypatch) -> None:
+    """torch.manual_seed(s) then model.generate == torch.manual_seed(s) then Decoder.generate
+    (seed=None uses the global generator): one multinomial draw per committed token, from the
+    same float32 probabilities, in the same order, whatever the drafts were. With an EOS id
+    (the most likely first token, so it is hit often, also in the middle of accepted paths)
+    both must stop at the same place."""
+    eos = None
+    for key, value in gen_config.items():
+        if key == "eos_token_id":
+            eos = value = int(np.argmax(law_a.cond[()]))
+            monkeypatch.setattr(model.generation_config, "pad_token_id", eos)
+        monkeypatch.setattr(model.generation_config, key, value)
+    decoder = make_decoder(model, law_a)
+    prompt = torch.tensor([PROMPT])
+    mismatches, accepted, stopped_early = [], [], 0
+    for s in range(100):
+        new = 3 if s % 2 else 12  # longer runs: later steps start from a compacted cache
+        torch.manual_seed(s)
+        ref = model.generate(prompt, max_new_tokens=new, do_sample=True, **options)[0, len(PROMPT):].tolist()
+        torch.manual_seed(s)
+        out = decoder.generate(PROMPT, max_new_tokens=new, do_sample=True, seed=None, **options)
+        accepted.append(out.stats.mean_accepted)
+        stopped_early += len(out.token_ids) < new
+        if out.token_ids != ref:
+            mismatches.append((s, ref, out.token_ids))
+    assert not mismatches, mismatches[:5]
+    if eos is None:
+        assert np.mean(accepted) > 1.3
+    else:  # generations often end after a token or two here, so acceptance is not the point
+        assert stopped_early >= 10 and max(accepted) > 1.0
+
+
+def test_seed_reproducibility_and_isolation(model, law_a: ExactLaw) -> None:
+    decoder = make_decoder(model, law_a)
+    run = lambda seed: decoder.generate(PROMPT, max_new_tokens=12, do_sample=True, seed=seed, **SETTING_A).token_ids
+    first = [run(s) for s in range(10)]
+    global_state = torch.get_rng_state()
+    again = [run(s) for s in range(10)]
+    assert first == again
+    assert len({tuple(x) for x in first}) > 1, "different seeds should give different samples"
+    assert torch.equal(global_state, torch.get_rng_state()), "seed= must not touch the global RNG"
+    # a fresh decoder (fresh cache, sources) gives the same thing for the same seed
+    assert make_decoder(model, law_a).generate(PROMPT, max_new_tokens=12, do_sample=True, seed=3,
+                                               **SETTING_A).token_ids == first[3]
