@@ -55,8 +55,10 @@ class ModelRunner:
         if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
             raise UnsupportedModelError(
                 f"{type(model).__name__} has no language-modeling head; load the model with AutoModelForCausalLM")
-        if getattr(config, "is_decoder", True) is False and not getattr(model, "_is_causal_lm", True):
-            raise UnsupportedModelError(f"{type(model).__name__} is not a causal language model")
+        if not (hasattr(model, "can_generate") and model.can_generate()):
+            raise UnsupportedModelError(
+                f"{type(model).__name__} is not a causal language model that can generate (e.g. a masked LM); "
+                "load a decoder with AutoModelForCausalLM")
         impl = getattr(config, "_attn_implementation", None) or "eager"
         if impl not in _MASK_KIND:
             raise UnsupportedModelError(
