@@ -5,6 +5,7 @@ tree in one forward pass and an exact verifier keeps the longest path the model 
 """
 
 from .decoder import Decoder, GenerationOutput
+from .runner import UnsupportedModelError
 from .sampling import SamplingSettings, UnsupportedOptionError
 from .sources import Context, Draft, DraftSource, Feedback, PromptLookup, SideBlock
 from .stats import GenerationStats, SourceStats
@@ -12,6 +13,7 @@ from .tree import TokenTree
 
 __all__ = [
     "Decoder", "GenerationOutput", "GenerationStats", "SourceStats", "SamplingSettings", "UnsupportedOptionError",
+    "UnsupportedModelError",
     "Context", "Draft", "DraftSource", "Feedback", "PromptLookup", "SideBlock", "TokenTree",
 ]
 __version__ = "0.1.0"
