@@ -25,6 +25,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from .attention import ATTENTION_CHOICES, select_attention
+from .budget import AdaptiveBudget, BudgetDecision
 from .runner import ModelRunner
 from .sampling import NodeScorer, SamplingSettings, resolve_settings
 from .sources.base import Context, Draft, DraftSource, Feedback
@@ -56,12 +58,22 @@ class Decoder:
     Greedy output equals ``model.generate(do_sample=False)`` token for token; sampled output has
     the distribution of ``model.generate(do_sample=True)`` with the same settings. One decoder
     runs one request at a time (it owns a KV cache); make one per thread. Sources may be shared.
+
+    ``max_tree_nodes`` caps the draft nodes checked per forward. With ``adaptive_budget`` (the
+    default) each step's tree is sized below that cap from measured acceptance and step cost, down
+    to plain one-token decoding when drafts do not pay (see :mod:`specdraft.budget`); pass
+    ``adaptive_budget=False`` to always use the cap, e.g. to benchmark fixed budgets.
+    ``attention`` picks the backend (see :func:`specdraft.attention.select_attention`): ``"auto"``,
+    ``"sdpa"``, ``"eager"`` or ``"flash"``; choosing one switches the model's attention
+    implementation through transformers' public ``set_attn_implementation``.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, sources: Sequence[DraftSource] | None = None,
-                 max_tree_nodes: int = 32) -> None:
+                 max_tree_nodes: int = 32, adaptive_budget: bool = True, attention: str = "auto") -> None:
         if not isinstance(max_tree_nodes, int) or max_tree_nodes < 0:
             raise ValueError(f"max_tree_nodes must be an int >= 0 (0 = plain decoding), got {max_tree_nodes!r}")
+        if attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {attention!r}")
         self.sources: list[DraftSource] = list(sources) if sources is not None else [PromptLookup()]
         if len(self.sources) > 62:
             raise ValueError(f"at most 62 sources can be combined, got {len(self.sources)}")
@@ -71,19 +83,22 @@ class Decoder:
         self.model = model
         self.tokenizer = tokenizer
         self.max_tree_nodes = max_tree_nodes
+        self.attention = select_attention(model, attention)
         self.runner = ModelRunner(model)
+        self.budget: AdaptiveBudget | None = AdaptiveBudget(max_tree_nodes) if adaptive_budget else None
         self._source_names = _unique_names([s.name for s in self.sources])
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, sources: Sequence[DraftSource] | None = None,
                         dtype: str | torch.dtype = "float32", max_tree_nodes: int = 32,
-                        attn_implementation: str | None = None) -> "Decoder":
+                        adaptive_budget: bool = True, attention: str = "auto") -> "Decoder":
         """Load model and tokenizer (a checkpoint dir, a ``.gguf`` file or a hub id, see
         :func:`specdraft.models.load_model`) and wrap them in a decoder."""
         from .models import load_model
 
-        model, tokenizer = load_model(name_or_path, dtype=dtype, attn_implementation=attn_implementation)
-        return cls(model, tokenizer, sources=sources, max_tree_nodes=max_tree_nodes)
+        model, tokenizer = load_model(name_or_path, dtype=dtype)
+        return cls(model, tokenizer, sources=sources, max_tree_nodes=max_tree_nodes,
+                   adaptive_budget=adaptive_budget, attention=attention)
 
     # -- public API -----------------------------------------------------------------------
 
@@ -174,12 +189,16 @@ class Decoder:
                 source.begin(Context(tuple(committed), prompt_length, request_id))
                 begun.append(source)
             done = False
+            if self.budget is not None:
+                self.budget.new_request()
             while not done:
+                step_started = time.perf_counter()
                 context = Context(tuple(committed), prompt_length, request_id)
                 generated = len(committed) - prompt_length
                 depth_limit = rule.max_new_tokens - generated - 1  # the bonus token takes the last slot
                 drafts = [self._propose(s, context, depth_limit) for s in self.sources]
-                tree = TokenTree.from_drafts(context.root, [d.branches for d in drafts], self.max_tree_nodes)
+                decision = self._decide(drafts)
+                tree = TokenTree.from_drafts(context.root, [d.branches for d in drafts], decision.nodes)
                 tokens, offsets, block, side_slices = _step_input(tree, drafts)
                 logits = self.runner.forward(tokens, offsets, block)
                 verdict = self._verify(tree, logits[: len(tree)], settings, scorer, committed, draw)
@@ -192,6 +211,9 @@ class Decoder:
                 for source, side in zip(self.sources, side_slices):
                     source.observe(Feedback(committed=list(step_tokens), context=after,
                                             side_logits=logits[side] if side is not None else None))
+                if self.budget is not None:
+                    self.budget.record(decision, tree.num_draft_nodes, [n - 1 for n in verdict.path], len(tokens),
+                                       time.perf_counter() - step_started)
                 stats.new_tokens += len(step_tokens)
                 stats.wall_time = time.perf_counter() - started
                 if step_tokens:
@@ -201,6 +223,13 @@ class Decoder:
             for source in begun:
                 source.end(final)
             stats.wall_time = time.perf_counter() - started
+
+    def _decide(self, drafts: Sequence[Draft]) -> BudgetDecision:
+        """This step's tree budget: the fixed cap, or the adaptive controller's choice."""
+        if self.budget is None:
+            return BudgetDecision(self.max_tree_nodes, 0.0, 0.0, False)
+        side = sum(len(d.side_block.tokens) for d in drafts if d.side_block is not None)
+        return self.budget.choose(side)
 
     def _propose(self, source: DraftSource, context: Context, depth_limit: int) -> Draft:
         """Ask one source for a draft; cut its branches so a step never commits past the limit."""

@@ -25,8 +25,9 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-#: Attention implementations that take our 4D tree mask correctly, with the mask kind they need.
-_MASK_KIND = {"sdpa": "bool", "eager": "additive"}
+#: Attention implementations that take our 4D tree mask correctly, with the mask kind they need
+#: ("specdraft_split" is our own split + merge backend, see attention.py).
+_MASK_KIND = {"sdpa": "bool", "eager": "additive", "specdraft_split": "bool"}
 
 
 class UnsupportedModelError(ValueError):
