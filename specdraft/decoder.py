@@ -87,6 +87,7 @@ class Decoder:
         self.runner = ModelRunner(model)
         self.budget: AdaptiveBudget | None = AdaptiveBudget(max_tree_nodes) if adaptive_budget else None
         self._source_names = _unique_names([s.name for s in self.sources])
+        self._busy = False
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, sources: Sequence[DraftSource] | None = None,
@@ -175,6 +176,10 @@ class Decoder:
 
     def _decode(self, prompt_ids: list[int], settings: SamplingSettings, rule: StopRule, stats: GenerationStats,
                 generator: torch.Generator | None) -> Iterator[list[int]]:
+        if self._busy:
+            raise RuntimeError("this Decoder is already running a request (a stream() not yet exhausted or closed); "
+                               "finish or close() it first, or use one Decoder per concurrent request")
+        self._busy = True
         started = time.perf_counter()
         scorer = NodeScorer(settings)
         draw = multinomial_draw(generator)
@@ -189,6 +194,7 @@ class Decoder:
                 source.begin(Context(tuple(committed), prompt_length, request_id))
                 begun.append(source)
             done = False
+            side_tokens = 0
             if self.budget is not None:
                 self.budget.new_request()
             while not done:
@@ -196,8 +202,9 @@ class Decoder:
                 context = Context(tuple(committed), prompt_length, request_id)
                 generated = len(committed) - prompt_length
                 depth_limit = rule.max_new_tokens - generated - 1  # the bonus token takes the last slot
-                drafts = [self._propose(s, context, depth_limit) for s in self.sources]
-                decision = self._decide(drafts)
+                decision = self._decide(side_tokens)
+                drafts = [self._propose(s, context, decision.nodes, depth_limit) for s in self.sources]
+                side_tokens = self._fit_side_blocks(drafts)
                 tree = TokenTree.from_drafts(context.root, [d.branches for d in drafts], decision.nodes)
                 tokens, offsets, block, side_slices = _step_input(tree, drafts)
                 logits = self.runner.forward(tokens, offsets, block)
@@ -223,21 +230,45 @@ class Decoder:
             for source in begun:
                 source.end(final)
             stats.wall_time = time.perf_counter() - started
+            self._busy = False
 
-    def _decide(self, drafts: Sequence[Draft]) -> BudgetDecision:
-        """This step's tree budget: the fixed cap, or the adaptive controller's choice."""
+    def _decide(self, side_tokens: int) -> BudgetDecision:
+        """This step's tree budget: the fixed cap, or the adaptive controller's choice (given the
+        side-block width of the previous step, the best guess of this one's)."""
         if self.budget is None:
             return BudgetDecision(self.max_tree_nodes, 0.0, 0.0, False)
-        side = sum(len(d.side_block.tokens) for d in drafts if d.side_block is not None)
-        return self.budget.choose(side)
+        return self.budget.choose(side_tokens)
 
-    def _propose(self, source: DraftSource, context: Context, depth_limit: int) -> Draft:
-        """Ask one source for a draft; cut its branches so a step never commits past the limit."""
-        draft = source.propose(context, self.max_tree_nodes)
-        if self.max_tree_nodes == 0 or depth_limit < 1:
-            return Draft(side_block=draft.side_block)
+    def _propose(self, source: DraftSource, context: Context, budget: int, depth_limit: int) -> Draft:
+        """Ask one source for a draft within ``budget`` nodes; cut its branches so a step never
+        commits past the token limit; refuse token ids the model does not have."""
+        draft = source.propose(context, budget)
+        vocab = self.runner.vocab_size
+        side = draft.side_block
+        for tokens in [*draft.branches, side.tokens if side is not None else []]:
+            bad = [t for t in tokens if not 0 <= int(t) < vocab]
+            if bad:
+                raise ValueError(f"draft source {source.name!r} proposed token ids {bad[:5]} outside the model's "
+                                 f"vocabulary [0, {vocab})")
+        if budget == 0 or depth_limit < 1:
+            return Draft(side_block=side)
         draft.branches = [list(b[:depth_limit]) for b in draft.branches if len(b)]
         return draft
+
+    def _fit_side_blocks(self, drafts: Sequence[Draft]) -> int:
+        """Drop side blocks that would reach past the model's context (near the end of a long
+        sequence); their sources get ``side_logits=None`` for this step. Returns the side width."""
+        limit = self.runner.max_positions
+        width = 0
+        for draft in drafts:
+            side = draft.side_block
+            if side is None:
+                continue
+            if limit is not None and side.tokens and self.runner.cache_len + max(side.positions) >= limit:
+                draft.side_block = None
+                continue
+            width += len(side.tokens)
+        return width
 
     @staticmethod
     def _verify(tree: TokenTree, logits: torch.Tensor, settings: SamplingSettings, scorer: NodeScorer,
@@ -270,7 +301,11 @@ class Decoder:
                                  "batches are not supported yet")
             ids = prompt.tolist()
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            ids = list(np.asarray(prompt).reshape(-1).tolist()) if len(prompt) else []
+            array = np.asarray(prompt, dtype=object) if len(prompt) else np.zeros(0)
+            if array.ndim != 1:
+                raise ValueError(f"a prompt must be one sequence of token ids, got a nested sequence of shape "
+                                 f"{array.shape}; batches are not supported yet")
+            ids = list(array.tolist())
         else:
             raise TypeError(f"prompt must be a str, a list of token ids or a 1-D tensor, got {type(prompt).__name__}")
         if not ids:
@@ -285,8 +320,8 @@ class Decoder:
 def _step_input(tree: TokenTree, drafts: Sequence[Draft]) -> tuple[list[int], np.ndarray, np.ndarray, list[slice | None]]:
     """Lay out one forward: tree nodes, then each source's side block, with the block mask.
 
-    Tree nodes see their ancestors; side tokens see the root (if asked) and what their own mask
-    allows; nothing crosses between the tree and a side block or between two side blocks.
+    Tree nodes see their ancestors; side tokens see themselves, the root (if asked) and what their
+    own mask allows; nothing crosses between the tree and a side block or between two side blocks.
     """
     n = len(tree)
     sides = [d.side_block for d in drafts]
@@ -302,7 +337,9 @@ def _step_input(tree: TokenTree, drafts: Sequence[Draft]) -> tuple[list[int], np
             slices.append(None)
             continue
         m = len(side.tokens)
-        block[at : at + m, at : at + m] = side.mask
+        # a side token always sees itself, so no attention row is empty (an empty row is NaN in
+        # eager attention, and a NaN there spreads to every token at the next layer)
+        block[at : at + m, at : at + m] = side.mask | np.eye(m, dtype=bool)
         if side.sees_root:
             block[at : at + m, 0] = True
         tokens.extend(int(t) for t in side.tokens)

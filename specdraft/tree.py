@@ -88,11 +88,9 @@ class TokenTree:
         rounds = max((len(b) for b in branches_per_source), default=0)
         for r in range(rounds):
             for source_index, branches in enumerate(branches_per_source):
-                room = max_nodes - tree.num_draft_nodes
-                if room <= 0:
-                    return tree
                 if r < len(branches):
-                    tree.add_branch(branches[r], source_index, room)
+                    # with no room left this still credits the source for nodes it shares
+                    tree.add_branch(branches[r], source_index, max(0, max_nodes - tree.num_draft_nodes))
         return tree
 
     def path_to(self, node: int) -> list[int]:

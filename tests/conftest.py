@@ -1,0 +1,418 @@
+"""Shared helpers for the fast test suite: tiny random models, a reference decoder, toy draft sources.
+
+Everything here is deterministic and CPU-only. Models are float64, so KV caches can be compared to
+1e-10 and logits (which specdraft hands back in float32, as ``model.generate`` also argmaxes them)
+to one float32 ulp, and greedy argmaxes are never decided by float noise. Models are built once per
+process (``functools.lru_cache``) and are shared between tests: a test that changes a model's
+``generation_config`` must use :func:`generation_config_override` so the change is undone.
+
+The toy sources satisfy the :class:`specdraft.sources.DraftSource` protocol and are meant to be
+imported by other test modules (``from conftest import RandomGuess``; pytest puts ``tests/`` on
+``sys.path``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import warnings
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+from specdraft.sources import Context, Draft, Feedback, SideBlock
+
+#: Vocabulary size of every tiny model.
+VOCAB = 80
+
+#: Architectures :func:`tiny_model` can build.
+ARCHS = ("llama", "qwen2", "qwen2_swa", "mistral", "phi", "gpt2", "gemma3")
+
+#: Sliding windows of the sliding-window archs (small, so prompts of ~20 tokens exceed them).
+SLIDING_WINDOW = {"mistral": 7, "gemma3": 5, "qwen2_swa": 6}
+
+# Random init scale per arch, picked so that greedy output is neither constant nor pure noise
+# (tiny models at the default 0.02 mostly repeat one token; Gemma 3 scales its embeddings by
+# sqrt(hidden) and saturates above ~0.05).
+_INIT_RANGE = {"llama": 0.3, "qwen2": 0.3, "qwen2_swa": 0.3, "mistral": 0.3, "phi": 0.3, "gpt2": 0.5, "gemma3": 0.02}
+_SEEDS = {arch: 1000 + i for i, arch in enumerate(ARCHS)}
+
+#: Settings shared by every hypothesis test here: deterministic, no example database, no deadline.
+FAST = settings(derandomize=True, database=None, deadline=None, print_blob=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.function_scoped_fixture])
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+try:  # transformers' own logger ignores the stdlib level once it has configured itself
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+except Exception:  # pragma: no cover
+    pass
+
+
+# -- models ------------------------------------------------------------------------------------
+
+
+def _config(arch: str, overrides: dict[str, Any]):
+    from transformers import (Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig, PhiConfig,
+                              Qwen2Config)
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=_INIT_RANGE[arch], bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        cfg = dict(common)
+        cls = LlamaConfig
+    elif arch == "qwen2":
+        cfg = dict(common)
+        cls = Qwen2Config
+    elif arch == "qwen2_swa":  # layer 0 full attention, layer 1 sliding: a hybrid model
+        cfg = dict(common, use_sliding_window=True, sliding_window=SLIDING_WINDOW[arch], max_window_layers=1)
+        cls = Qwen2Config
+    elif arch == "mistral":
+        cfg = dict(common, sliding_window=SLIDING_WINDOW[arch])
+        cls = MistralConfig
+    elif arch == "phi":
+        cfg = dict(common)
+        cls = PhiConfig
+    elif arch == "gpt2":
+        cfg = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256,
+                   initializer_range=_INIT_RANGE[arch], bos_token_id=1, eos_token_id=2)
+        cls = GPT2Config
+    elif arch == "gemma3":
+        cfg = dict(common, head_dim=8, sliding_window=SLIDING_WINDOW[arch],
+                   layer_types=["sliding_attention", "full_attention"])
+        cls = Gemma3TextConfig
+    else:
+        raise ValueError(f"unknown arch {arch!r}; known: {ARCHS}")
+    if "max_position_embeddings" in overrides and arch == "gpt2":
+        overrides = dict(overrides)
+        overrides["n_positions"] = overrides.pop("max_position_embeddings")
+    cfg.update(overrides)
+    return cls(**cfg)
+
+
+@functools.lru_cache(maxsize=None)
+def _build_tiny_model(arch: str, attn: str, **overrides: Any):
+    from transformers import AutoModelForCausalLM
+
+    config = _config(arch, overrides)
+    torch.manual_seed(_SEEDS[arch])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float64)
+    model.eval()
+    assert model.config._attn_implementation == attn
+    return model
+
+
+def tiny_model(arch: str, attn: str = "sdpa", **overrides: Any):
+    """A tiny random float64 causal LM of ``arch`` (hidden 32, 2 layers, 4 heads, 2 kv heads,
+    vocab 80), in eval mode, built once per (arch, attn, overrides) (``functools.lru_cache``) and
+    shared. Do not mutate it: change its generation config only through
+    :func:`generation_config_override`, and do not hand it to ``Decoder(attention="flash")`` or
+    ``select_attention`` (that switches the shared model's attention; build your own model for it).
+    A switched backend is put back here, with a warning, so one test cannot skew the others."""
+    model = _build_tiny_model(arch, attn, **overrides)
+    if model.config._attn_implementation != attn:
+        warnings.warn(f"a test switched the shared tiny {arch} model from {attn!r} to "
+                      f"{model.config._attn_implementation!r}; switching it back")
+        model.set_attn_implementation(attn)
+    return model
+
+
+tiny_model.cache_clear = _build_tiny_model.cache_clear  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def generation_config_override(model, **fields: Any) -> Iterator[None]:
+    """Temporarily set ``model.generation_config.<field>`` values (restored on exit)."""
+    cfg = model.generation_config
+    missing = object()
+    saved = {k: getattr(cfg, k, missing) for k in fields}
+    try:
+        for k, v in fields.items():
+            setattr(cfg, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is missing:
+                delattr(cfg, k)
+            else:
+                setattr(cfg, k, v)
+
+
+@torch.inference_mode()
+def reference_greedy(model, prompt: Sequence[int], n: int, **generate_kwargs: Any) -> list[int]:
+    """The new tokens of plain ``model.generate(do_sample=False)`` (the ground truth)."""
+    if n == 0:
+        return []
+    ids = torch.tensor([list(prompt)], dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             **generate_kwargs)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@torch.inference_mode()
+def full_logits(model, tokens: Sequence[int]) -> torch.Tensor:
+    """Logits ``[len(tokens), vocab]`` of one fresh, cache-free forward (the model's own masks)."""
+    ids = torch.tensor([list(tokens)], dtype=torch.long)
+    return model(input_ids=ids, use_cache=False).logits[0]
+
+
+def assert_float32_logits_match(actual: torch.Tensor, expected: torch.Tensor, model=None) -> None:
+    """``actual`` are specdraft's float32 logits, ``expected`` float64 ones of the same numbers.
+
+    Under SDPA both come from float64 computations that agree to ~1e-13, so after rounding to
+    float32 they differ by at most one float32 ulp (relative 6e-8). transformers' *eager*
+    attention takes its softmax in float32 even for a float64 model, so there two different but
+    equivalent masks legitimately differ by ~1e-7 relative; we allow 2e-5 there. A wrong mask
+    moves logits by ~1e-2.
+    """
+    eager = model is not None and model.config._attn_implementation == "eager"
+    rtol, atol = (2e-5, 2e-6) if eager else (2e-7, 1e-12)
+    torch.testing.assert_close(actual.to(torch.float64), expected.to(torch.float64), rtol=rtol, atol=atol)
+
+
+# -- toy draft sources ---------------------------------------------------------------------------
+
+
+def _rng(seed: int, context: Context) -> np.random.Generator:
+    """A generator that depends on the seed and the context only (not on test order)."""
+    return np.random.default_rng([seed, len(context.tokens), *[int(t) for t in context.tokens[-64:]]])
+
+
+class RandomGuess:
+    """Proposes a few random branches: some copied (and maybe mutated) from what followed an
+    earlier occurrence of a context token, some pure noise; duplicates, prefixes of each other and
+    empty branches included on purpose. Wrong most of the time, right now and then."""
+
+    def __init__(self, seed: int = 0, vocab_size: int = VOCAB, max_branches: int = 4, max_len: int = 6,
+                 copy_prob: float = 0.6, name: str = "random") -> None:
+        self.seed = seed
+        self.vocab_size = vocab_size
+        self.max_branches = max_branches
+        self.max_len = max_len
+        self.copy_prob = copy_prob
+        self.name = name
+        self.active: set[int] = set()
+        self.calls = 0
+
+    def begin(self, context: Context) -> None:
+        self.active.add(context.request_id)
+
+    def end(self, context: Context) -> None:
+        self.active.discard(context.request_id)
+
+    def observe(self, feedback: Feedback) -> None:
+        assert feedback.context.request_id in self.active
+
+    def propose(self, context: Context, budget: int) -> Draft:
+        assert context.request_id in self.active
+        self.calls += 1
+        rng = _rng(self.seed, context)
+        toks = list(context.tokens)
+        branches: list[list[int]] = []
+        left = budget
+        for _ in range(int(rng.integers(0, self.max_branches + 1))):
+            if left <= 0:
+                break
+            length = int(rng.integers(1, self.max_len + 1))
+            r = rng.random()
+            if r < self.copy_prob and len(toks) > 1:
+                # what followed an earlier occurrence of the root (or of a random token)
+                hits = [i for i in range(len(toks) - 1) if toks[i] == toks[-1]]
+                start = (int(rng.choice(hits)) if hits else int(rng.integers(0, len(toks) - 1))) + 1
+                branch = toks[start:start + length]
+                if branch and rng.random() < 0.3:
+                    branch[int(rng.integers(0, len(branch)))] = int(rng.integers(0, self.vocab_size))
+            elif r < self.copy_prob + 0.1 and branches:
+                branch = list(branches[int(rng.integers(0, len(branches)))])
+                branch = branch[: int(rng.integers(0, len(branch) + 1))]  # a prefix (maybe empty)
+            else:
+                branch = rng.integers(0, self.vocab_size, size=length).tolist()
+            branch = [int(t) for t in branch][:left]
+            left -= len(branch)
+            branches.append(branch)
+        return Draft(branches=branches)
+
+
+class OracleSource:
+    """Proposes the exact continuation of ``sequence`` (prompt + reference output) while the
+    context is a prefix of it, using the whole budget, so long runs are accepted; its draft runs
+    past EOS and past ``max_new_tokens`` whenever ``sequence`` does. With ``decoy`` it also
+    proposes, before the true branch, a branch that shares the true first token and then goes
+    wrong, and a wrong single token."""
+
+    def __init__(self, sequence: Sequence[int], decoy: bool = False, vocab_size: int = VOCAB,
+                 name: str = "oracle") -> None:
+        self.sequence = [int(t) for t in sequence]
+        self.decoy = decoy
+        self.vocab_size = vocab_size
+        self.name = name
+        self.proposed_lengths: list[int] = []
+
+    def begin(self, context: Context) -> None:
+        pass
+
+    def end(self, context: Context) -> None:
+        pass
+
+    def observe(self, feedback: Feedback) -> None:
+        pass
+
+    def propose(self, context: Context, budget: int) -> Draft:
+        n = len(context.tokens)
+        if tuple(self.sequence[:n]) != tuple(context.tokens) or budget <= 0:
+            return Draft()
+        true = self.sequence[n:n + budget]
+        branches = [true] if true else []
+        if self.decoy and true:
+            wrong = (true[0] + 1) % self.vocab_size
+            decoys = [[wrong]]
+            if len(true) > 1:
+                decoys.insert(0, [true[0], (true[1] + 1) % self.vocab_size, true[0]])
+            branches = decoys + branches
+        self.proposed_lengths.append(len(true))
+        return Draft(branches=branches)
+
+
+class SideBlockToy:
+    """Asks for a side block of a few random tokens every step and records the logits it gets back.
+
+    ``mode``:
+      * ``"chain"``: tokens s1..sm at offsets 1..m, lower-triangular mask, sees the root -- side
+        token j is then exactly "the model after committed + s1..sj";
+      * ``"forest"``: each side token's parent is the root or an earlier side token, offset =
+        depth, mask = ancestors-or-self, sees the root -- side token j is "the model after
+        committed + the path to j";
+      * ``"wild"``: random offsets >= 1, a random lower-triangular mask, ``sees_root`` random: no
+        exact expectation, used to check the side block never disturbs the tree. Each token sees
+        itself unless ``allow_blind`` (a token that sees no key at all trips a known eager-attention
+        bug, see test_runner.py::test_side_token_that_sees_nothing_does_not_corrupt_the_tree).
+
+    ``records`` holds one dict per step: the context tokens at proposal time, the side tokens,
+    their parents (-1 = root; ``None`` in wild mode) and the side logits from ``observe``.
+    With ``branches=True`` it also proposes one random branch, so it is in the tree as well.
+    """
+
+    def __init__(self, seed: int = 0, vocab_size: int = VOCAB, max_side: int = 4, mode: str = "chain",
+                 branches: bool = False, allow_blind: bool = False, name: str = "side") -> None:
+        if mode not in ("chain", "forest", "wild"):
+            raise ValueError(mode)
+        self.seed = seed
+        self.vocab_size = vocab_size
+        self.max_side = max_side
+        self.mode = mode
+        self.branches = branches
+        self.allow_blind = allow_blind
+        self.name = name
+        self.records: list[dict[str, Any]] = []
+        self.dropped = 0  # steps whose side block the decoder dropped (past the model's context)
+        self._pending: dict[int, dict[str, Any]] = {}
+
+    def begin(self, context: Context) -> None:
+        self._pending.pop(context.request_id, None)
+
+    def end(self, context: Context) -> None:
+        self._pending.pop(context.request_id, None)
+
+    def propose(self, context: Context, budget: int) -> Draft:
+        rng = _rng(self.seed + 7, context)
+        m = int(rng.integers(1, self.max_side + 1))
+        tokens = rng.integers(0, self.vocab_size, size=m).tolist()
+        sees_root = True
+        if self.mode == "chain":
+            parents = list(range(-1, m - 1))
+        elif self.mode == "forest":
+            parents = [int(rng.integers(-1, j)) for j in range(m)]  # -1 = the root
+        else:
+            parents = None
+        if parents is not None:
+            depth, mask = [], np.zeros((m, m), dtype=bool)
+            for j, p in enumerate(parents):
+                depth.append(1 if p < 0 else depth[p] + 1)
+                if p >= 0:
+                    mask[j] = mask[p]
+                mask[j, j] = True
+            positions = depth
+        else:
+            positions = rng.integers(1, 12, size=m).tolist()
+            mask = np.tril(rng.random((m, m)) < 0.6)
+            if not self.allow_blind:
+                mask |= np.eye(m, dtype=bool)
+            sees_root = bool(rng.random() < 0.7)
+        side = SideBlock(tokens=[int(t) for t in tokens], positions=[int(p) for p in positions], mask=mask,
+                         sees_root=sees_root)
+        self._pending[context.request_id] = dict(context=tuple(context.tokens), tokens=side.tokens,
+                                                 parents=parents, positions=side.positions)
+        branch = [rng.integers(0, self.vocab_size, size=int(rng.integers(1, 4))).tolist()] if self.branches else []
+        return Draft(branches=branch, side_block=side)
+
+    def observe(self, feedback: Feedback) -> None:
+        rec = self._pending.pop(feedback.context.request_id)
+        if feedback.side_logits is None:
+            # the decoder drops a side block that would reach past the model's context (documented);
+            # anywhere else a missing answer is a bug, which the tests see through ``dropped``
+            self.dropped += 1
+            return
+        rec["side_logits"] = feedback.side_logits.detach().clone()
+        rec["committed"] = list(feedback.committed)
+        self.records.append(rec)
+
+    @staticmethod
+    def path(rec: dict[str, Any], j: int) -> list[int]:
+        """Side tokens on the path root -> side token j (j included)."""
+        out = []
+        while j >= 0:
+            out.append(rec["tokens"][j])
+            j = rec["parents"][j]
+        return out[::-1]
+
+
+def check_side_records(model, records: Sequence[dict[str, Any]]) -> int:
+    """Assert every chain/forest side logit equals a fresh forward of context + path; return the
+    number of side tokens checked."""
+    checked = 0
+    for rec in records:
+        if rec["parents"] is None:
+            continue
+        logits = rec["side_logits"]
+        assert logits.shape == (len(rec["tokens"]), model.config.get_text_config().vocab_size)
+        for j in range(len(rec["tokens"])):
+            expected = full_logits(model, list(rec["context"]) + SideBlockToy.path(rec, j))[-1]
+            assert_float32_logits_match(logits[j], expected, model)
+            checked += 1
+    return checked
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """Run a module's tiny-model tests on one torch thread (restored afterwards).
+
+    Tiny matrices gain nothing from a second thread, and when the machine is oversubscribed
+    (parallel CI jobs, benchmarks) OpenMP's spinning threads slow tiny forwards down ~10x.
+    Opt in with ``pytestmark = pytest.mark.usefixtures("single_thread")``.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def make_model():
+    """The :func:`tiny_model` factory as a fixture."""
+    return tiny_model
