@@ -375,3 +375,20 @@ def test_builtin_datasets_load_offline(tiny, name: str, package: str) -> None:
     else:  # first turns, in the chat template when the tokenizer has one
         assert prompts[0].id == 81 and prompts[0].chat and prompts[0].category == "writing"
     assert len(ds.load_prompts(name, 0, tokenizer)) == {"humaneval": 164, "mtbench": 80}[name]
+
+
+def test_fixed_suffix_turns_the_adaptive_budget_off():
+    from specdraft.bench.methods import MethodError, build_method, parse_methods
+
+    names = parse_methods("specdraft:prompt@fixed,specdraft:prompt")
+    assert names == ["baseline", "specdraft:prompt@fixed", "specdraft:prompt"]
+    with pytest.raises(MethodError, match="@fixed applies to our decoder"):
+        parse_methods("hf-prompt-lookup@fixed")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                                         num_hidden_layers=1, num_attention_heads=2))
+    fixed = build_method("specdraft:prompt@fixed", model, None, 8)
+    adaptive = build_method("specdraft:prompt", model, None, 8)
+    assert fixed.decoder.budget is None and adaptive.decoder.budget is not None
+    assert fixed.name == "specdraft:prompt@fixed"

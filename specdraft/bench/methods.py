@@ -113,11 +113,28 @@ def valid_method_names() -> str:
     """The valid ``--methods`` names, for help and error messages."""
     sources = ", ".join(_sources())
     return (f"{BASELINE}, {HF_PROMPT_LOOKUP}, {DEFAULT}, or {PREFIX}<sources joined by +> "
-            f"with sources from: {sources}")
+            f"with sources from: {sources}; add {FIXED_SUFFIX} to one of ours to switch its adaptive budget off")
+
+
+#: Suffix of a method name that turns the adaptive tree budget off (``default@fixed``,
+#: ``specdraft:prompt@fixed``): every step then checks up to ``--max-tree-nodes`` nodes.
+FIXED_SUFFIX = "@fixed"
+
+
+def _split_fixed(name: str) -> tuple[str, bool]:
+    name = name.strip()
+    if name.endswith(FIXED_SUFFIX):
+        return name[: -len(FIXED_SUFFIX)], True
+    return name, False
 
 
 def _canonical(name: str) -> str:
-    name = name.strip()
+    name, fixed = _split_fixed(name)
+    if fixed:
+        base = _canonical(name)
+        if base in (BASELINE, HF_PROMPT_LOOKUP):
+            raise MethodError(f"{FIXED_SUFFIX} applies to our decoder's methods, not to {base!r}")
+        return base + FIXED_SUFFIX
     if name in (BASELINE, HF_PROMPT_LOOKUP, DEFAULT):
         return name
     body = name[len(PREFIX):] if name.startswith(PREFIX) else name
@@ -250,18 +267,21 @@ class SpecdraftMethod:
     docstring on state across prompts)."""
 
     def __init__(self, name: str, model: Any, tokenizer: Any, source_names: Sequence[str],
-                 max_tree_nodes: int = 32) -> None:
+                 max_tree_nodes: int = 32, adaptive_budget: bool = True) -> None:
         from specdraft.cli import make_sources
         from specdraft.decoder import Decoder
 
         self.name = name
         self.source_names = list(source_names)
-        self.description = "specdraft Decoder with sources " + "+".join(self.source_names)
+        self.adaptive_budget = adaptive_budget
+        self.description = ("specdraft Decoder with sources " + "+".join(self.source_names)
+                            + ("" if adaptive_budget else f", fixed budget of {max_tree_nodes} nodes"))
         self.model = model
         self.tokenizer = tokenizer
         self.max_tree_nodes = max_tree_nodes
         self.sources = make_sources(self.source_names)
-        self.decoder = Decoder(model, tokenizer, sources=self.sources, max_tree_nodes=max_tree_nodes)
+        self.decoder = Decoder(model, tokenizer, sources=self.sources, max_tree_nodes=max_tree_nodes,
+                               adaptive_budget=adaptive_budget)
 
     def _throwaway_decoder(self) -> Any:
         from specdraft.decoder import Decoder
@@ -272,7 +292,8 @@ class SpecdraftMethod:
             raise RuntimeError(
                 f"method {self.name}: a draft source cannot be copied ({type(exc).__name__}: {exc}), so repeated "
                 "timings would let it learn from its own repeats; run with --repeats 1") from exc
-        return Decoder(self.model, self.tokenizer, sources=sources, max_tree_nodes=self.max_tree_nodes)
+        return Decoder(self.model, self.tokenizer, sources=sources, max_tree_nodes=self.max_tree_nodes,
+                       adaptive_budget=self.adaptive_budget)
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool = True) -> MethodResult:
         import time
@@ -294,11 +315,13 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32
     if name == HF_PROMPT_LOOKUP:
         return PlainGenerate(name, model, {"do_sample": False, "prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS},
                              f"model.generate(do_sample=False, prompt_lookup_num_tokens={HF_PROMPT_LOOKUP_TOKENS})")
-    if name == DEFAULT:
+    base, fixed = _split_fixed(name)
+    if base == DEFAULT:
         sources = _canonical("+".join(default_source_names()))[len(PREFIX):].split("+")
-        return SpecdraftMethod(name, model, tokenizer, sources, max_tree_nodes)
-    canonical = _canonical(name)
-    return SpecdraftMethod(canonical, model, tokenizer, canonical[len(PREFIX):].split("+"), max_tree_nodes)
+        return SpecdraftMethod(name, model, tokenizer, sources, max_tree_nodes, adaptive_budget=not fixed)
+    canonical = _canonical(base)
+    return SpecdraftMethod(canonical + (FIXED_SUFFIX if fixed else ""), model, tokenizer,
+                           canonical[len(PREFIX):].split("+"), max_tree_nodes, adaptive_budget=not fixed)
 
 
 def build_methods(names: Sequence[str], model: Any, tokenizer: Any, max_tree_nodes: int = 32) -> list[Method]:
