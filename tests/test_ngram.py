@@ -192,7 +192,7 @@ def test_back_off_longest_seen_context_wins() -> None:
     assert model.predict([3]) == (7, 2)
     # the same through the source: the first drafted token follows the back-off
     # (the source also counts the tail itself: in (.., 8, 8, 8) the pair (8, 8) -> 8 has been seen)
-    source = MultiLevelNGram(max_ngram=4, num_tokens=1)
+    source = MultiLevelNGram(max_ngram=4, num_tokens=1, top_b=1)
     stream = (1, 2, 3, 9, 5, 3, 7, 6, 3, 7)
     for tail, expected in [((1, 2, 3), 9), ((8, 2, 3), 9), ((8, 8, 3), 7), ((8, 8, 8), 8), ((8,), None)]:
         ctx = Context(stream + tail, len(stream), 1)
@@ -217,12 +217,12 @@ def test_chaining_feeds_each_drafted_token_back_into_the_context() -> None:
     # With N=3: after root 4 the 2-token context (3,4) says 5, then (4,5) says 6 ... a 1-token
     # context alone would say 4 -> 9 (more frequent), so the chain must use the drafted tokens.
     prompt = [3, 4, 5, 6, 7, 0, 4, 9, 0, 4, 9, 0, 3, 4]
-    source = MultiLevelNGram(max_ngram=3, num_tokens=7)
+    source = MultiLevelNGram(max_ngram=3, num_tokens=7, top_b=1)
     ctx = Context(tuple(prompt), len(prompt), 1)
     source.begin(ctx)
     assert source.propose(ctx, 32).branches == [[5, 6, 7, 0, 4, 9, 0]]
     assert source.propose(ctx, 3).branches == [[5, 6, 7]]  # the budget caps K
-    assert MultiLevelNGram(max_ngram=2, num_tokens=3).propose(ctx, 32).branches == [[9, 0, 4]]
+    assert MultiLevelNGram(max_ngram=2, num_tokens=3, top_b=1).propose(ctx, 32).branches == [[9, 0, 4]]
     # a chain stops where no level matches: 8 was never followed by anything
     model = NGramModel(max_ngram=3)
     model.add([1, 2, 3, 8])
@@ -233,7 +233,7 @@ def test_chaining_feeds_each_drafted_token_back_into_the_context() -> None:
 @given(prompt=streams, chunks=chunk_lists, N=st.integers(2, 5), K=st.integers(1, 9))
 @settings(SETTINGS, max_examples=100)
 def test_chain_equals_iterated_brute_force_prediction(prompt, chunks, N, K) -> None:
-    source = MultiLevelNGram(max_ngram=N, num_tokens=K)
+    source = MultiLevelNGram(max_ngram=N, num_tokens=K, top_b=1)
     ctx = run_request(source, prompt, chunks, end=False)
     stream = list(ctx.tokens)
     chain = brute_chain([stream], stream, N, K)
@@ -248,7 +248,7 @@ def test_top_b_tree_shape() -> None:
     # (3, 1) -> {2, 5} once each: 5 is more recent; (7, 1) -> {5, 6}: 6 is more recent.
     prompt = [1, 2, 3, 1, 2, 3, 1, 5, 7, 1, 5, 7, 1, 6, 8, 1, 2, 3, 9, 1]
     ctx = Context(tuple(prompt), len(prompt), 1)
-    paper = MultiLevelNGram(max_ngram=3, num_tokens=4).propose(ctx, 32).branches
+    paper = MultiLevelNGram(max_ngram=3, num_tokens=4, top_b=1).propose(ctx, 32).branches
     assert paper == [[2, 3, 1, 5]]
     two = MultiLevelNGram(max_ngram=3, num_tokens=4, top_b=2).propose(ctx, 32).branches
     assert two == [[2, 3, 1, 5], [5, 7, 1, 6]]
@@ -297,7 +297,7 @@ def test_tree_matches_brute_force_and_respects_the_budget(prompt, chunks, N, K, 
     for br, whole in zip(branches, full):
         assert tuple(whole[: len(br)]) == tuple(br)
     if d == 0 or b == 1:
-        assert branches == MultiLevelNGram(max_ngram=N, num_tokens=K).propose(ctx, budget).branches
+        assert branches == MultiLevelNGram(max_ngram=N, num_tokens=K, top_b=1).propose(ctx, budget).branches
 
 
 def test_budget_zero_and_empty_context() -> None:
