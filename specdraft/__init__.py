@@ -8,6 +8,9 @@ from .decoder import Decoder, GenerationOutput
 from .runner import UnsupportedModelError
 from .sampling import SamplingSettings, UnsupportedOptionError
 from .sources import Context, Draft, DraftSource, Feedback, PromptLookup, SideBlock
+from .sources import MultiLevelNGram
+from .sources import FrequencyTrie
+from .sources import JacobiLookahead
 from .stats import GenerationStats, SourceStats
 from .tree import TokenTree
 
@@ -15,5 +18,8 @@ __all__ = [
     "Decoder", "GenerationOutput", "GenerationStats", "SourceStats", "SamplingSettings", "UnsupportedOptionError",
     "UnsupportedModelError",
     "Context", "Draft", "DraftSource", "Feedback", "PromptLookup", "SideBlock", "TokenTree",
+    "MultiLevelNGram",
+    "FrequencyTrie",
+    "JacobiLookahead",
 ]
 __version__ = "0.1.0"

@@ -46,6 +46,9 @@ def _lazy(module: str, attr: str, **kwargs: Any) -> Callable[[], Any]:
 #: Draft sources selectable with ``--sources``: name -> factory. A new source is one line here.
 SOURCES: dict[str, Callable[[], Any]] = {
     "prompt": _lazy("specdraft.sources", "PromptLookup"),
+    "trie": _lazy("specdraft.sources", "FrequencyTrie"),
+    "ngram": _lazy("specdraft.sources", "MultiLevelNGram"),
+    "jacobi": _lazy("specdraft.sources", "JacobiLookahead"),
 }
 
 
@@ -130,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop after N new tokens (or at end of sequence) (default: %(default)s)")
     gen.add_argument("--max-tree-nodes", type=_int_at_least(0), default=32, metavar="N",
                      help="draft tokens checked per forward pass; 0 = plain decoding (default: %(default)s)")
+    gen.add_argument("--fixed-budget", action="store_true",
+                     help="check --max-tree-nodes every step instead of sizing the tree adaptively")
+    gen.add_argument("--attention", choices=["auto", "sdpa", "eager", "flash"], default="auto",
+                     help="attention backend; flash = split+merge flash kernel (default: %(default)s)")
     gen.add_argument("--dtype", choices=list(DTYPES), default="float32",
                      help="float32/float64 give token-exact greedy output; bfloat16 is faster (default: %(default)s)")
     gen.add_argument("--threads", type=_int_at_least(1), default=1, metavar="N",
@@ -159,12 +166,54 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default: %(default)s)")
     demo.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="N", help="(default: %(default)s)")
     demo.add_argument("--max-tree-nodes", type=_int_at_least(0), default=32, metavar="N", help="(default: %(default)s)")
+    demo.add_argument("--fixed-budget", action="store_true",
+                      help="check --max-tree-nodes every step instead of sizing the tree adaptively")
     demo.add_argument("--threads", type=_int_at_least(1), default=1, metavar="N", help="(default: %(default)s)")
     demo.add_argument("--repeats", type=_int_at_least(1), default=3, metavar="N",
                       help="timed rounds per method; medians are reported (default: %(default)s)")
     demo.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
     demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser(
+        "bench", help="benchmark plain decoding, transformers' prompt lookup and our sources on a prompt set",
+        description="Run every method on the same prompts in one process, interleaved, and report tokens/s, "
+                    "speedup vs plain model.generate, mean accepted tokens, per-source shares and greedy "
+                    "identity. Writes Spec-Bench JSONL per method, summary.json, results.md and speedup.png "
+                    "to --out; prints the markdown table. See benchmarks/README.md.")
+    bench.add_argument("--model", default=DEFAULT_MODEL, metavar="PATH_OR_ID",
+                       help="checkpoint directory, .gguf file, hub id or mirrored alias (default: %(default)s)")
+    bench.add_argument("--dataset", required=True, metavar="NAME_OR_FILE",
+                       help="humaneval, mtbench, or a .jsonl file with a 'prompt' field per line (comma-separate "
+                            "several)")
+    bench.add_argument("--methods", default=None, metavar="LIST",
+                       help="comma list of baseline, hf-prompt-lookup, default, specdraft:<source>[+<source>...] "
+                            "(default: baseline, hf-prompt-lookup, each registered source, and 'default' when it "
+                            "combines several)")
+    bench.add_argument("--limit", type=_int_at_least(0), default=10, metavar="K",
+                       help="first K prompts of each dataset; 0 = all (default: %(default)s)")
+    bench.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="T",
+                       help="(default: %(default)s)")
+    bench.add_argument("--max-tree-nodes", type=_int_at_least(0), default=32, metavar="N",
+                       help="draft tokens per forward for our methods (default: %(default)s)")
+    bench.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default: %(default)s)")
+    bench.add_argument("--threads", type=_int_at_least(1), default=1, metavar="N", help="(default: %(default)s)")
+    bench.add_argument("--repeats", type=_int_at_least(1), default=1, metavar="R",
+                       help="time each method R times per prompt and take the median (default: %(default)s)")
+    bench.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
+                       help="chat template: auto = for mtbench and .jsonl prompts when the tokenizer has one, "
+                            "never for humaneval (default: %(default)s)")
+    bench.add_argument("--out", default="bench-out", metavar="DIR", help="output directory (default: %(default)s)")
+    bench.add_argument("--no-plot", action="store_true", help="skip speedup.png (no matplotlib needed)")
+    bench.add_argument("-q", "--quiet", action="store_true", help="no progress bar or messages on stderr")
+    bench.set_defaults(func=cmd_bench)
     return parser
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``specdraft bench``: see :mod:`specdraft.bench` (imported only when this command runs)."""
+    from specdraft.bench.command import run_bench
+
+    return run_bench(args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,7 +316,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdraft.decoder import Decoder  # imported late: it is the newest module
 
     prompt_ids = _encode_prompt(tokenizer, prompt_text, args.chat)
-    decoder = Decoder(model, tokenizer, sources=sources, max_tree_nodes=args.max_tree_nodes)
+    decoder = Decoder(model, tokenizer, sources=sources, max_tree_nodes=args.max_tree_nodes,
+                      adaptive_budget=not args.fixed_budget, attention=args.attention)
     seed_kw = {} if args.seed is None else {"seed": args.seed}
 
     # One warm-up forward serves both runs (same weights, same threads); then one timed run each.
@@ -362,7 +412,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=args.dtype, progress=not args.quiet)
     prompt_ids = _encode_prompt(tokenizer, DEMO_PROMPT, chat=bool(getattr(tokenizer, "chat_template", None)))
-    decoder = Decoder(model, tokenizer, sources=[PromptLookup()], max_tree_nodes=args.max_tree_nodes)
+    decoder = Decoder(model, tokenizer, sources=[PromptLookup()], max_tree_nodes=args.max_tree_nodes,
+                      adaptive_budget=not args.fixed_budget)
     warmup_forward(model, prompt_ids)
     times: dict[str, list[float]] = {"plain": [], "hf-prompt-lookup": [], "specdraft": []}
     outputs: dict[str, list[int]] = {}

@@ -85,7 +85,11 @@ class Decoder:
         self.max_tree_nodes = max_tree_nodes
         self.attention = select_attention(model, attention)
         self.runner = ModelRunner(model)
-        self.budget: AdaptiveBudget | None = AdaptiveBudget(max_tree_nodes) if adaptive_budget else None
+        # a source may say how many steps it needs before its drafts mean anything (Jacobi fills its
+        # window first): the controller keeps the full budget that long before judging
+        warmup = max([3] + [int(getattr(s, "warmup_steps", 0)) for s in self.sources])
+        self.budget: AdaptiveBudget | None = (AdaptiveBudget(max_tree_nodes, warmup=warmup)
+                                              if adaptive_budget else None)
         self._source_names = _unique_names([s.name for s in self.sources])
         self._busy = False
 

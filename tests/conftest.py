@@ -24,6 +24,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+# Tiny models are fastest on one thread, and on a loaded 2-core machine two threads can make a
+# tiny forward 10-30x slower; every test module gets one thread (the single_thread fixture below
+# remains for modules that want to be explicit).
+torch.set_num_threads(1)
+
 from specdraft.sources import Context, Draft, Feedback, SideBlock
 
 #: Vocabulary size of every tiny model.
