@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("trie (warm)", lambda: [FrequencyTrie()], warm_trie),
         ("prompt+trie (cold)", lambda: [PromptLookup(), FrequencyTrie()], None),
         ("prompt+trie (warm)", lambda: [PromptLookup(), FrequencyTrie()], warm_trie),
-        ("trie cap 65536 (warm)", lambda: [FrequencyTrie(capacity=65536)], warm_trie),
+        ("trie max_nodes 262144 (warm)", lambda: [FrequencyTrie(max_nodes=262144)], warm_trie),
     ]
     for n in (2, 3, 5):
         for k in (4, 7):

@@ -18,7 +18,13 @@ timed. Besides time, the run reports the simulated mean accepted tokens per step
 what a configuration buys.
 
 It also times the selection step through pygtrie's public API (``Trie.traverse`` with lazy
-children) against the child index ``FrequencyTrie`` keeps next to the pygtrie.
+children) against the child index ``FrequencyTrie`` keeps next to the pygtrie, one prune of each
+kind on every warmed trie (its largest first-token tree down to ``prune_to`` of its size, and the
+whole trie down to ``prune_to`` of its size), and the memory a node takes (``tracemalloc``).
+
+``capacity`` is per first-token tree (the paper's 16 x decoding length, read as in the authors'
+implementation) and ``max_nodes`` bounds the whole trie; the "global cap 1024" row is the earlier
+reading, one 16 x decoding-length capacity for the whole trie, for comparison.
 
     python benchmarks/trie_overhead.py            # full run (~1-2 minutes)
     python benchmarks/trie_overhead.py --quick    # fewer requests
@@ -44,7 +50,7 @@ from specdraft.tree import TokenTree
 ONE_TOKEN_STEP_MS = 145.0  # Qwen2.5-0.5B fp32, 1 thread, one-token step (this machine)
 TREE_STEP_MS = 390.0  # same, 16-token tree step
 TOKENIZER = "/work/scratch/models/qwen2.5-coder-0.5b"
-SELECTION_ON = "cap 262144"  # the configuration whose warmed trie the two selection methods are compared on
+SELECTION_ON = "max_nodes 262144"  # the configuration whose warmed trie the two selection methods are compared on
 CLOCK = time.perf_counter_ns  # --clock cpu: time.thread_time_ns (CPU time, immune to a busy machine)
 
 
@@ -146,6 +152,25 @@ def make_requests(streams, prompt_tokens: int, output_tokens: int, per_file: int
     return out
 
 
+def bytes_per_node(streams, tokens: int = 20_000) -> tuple[int, float]:
+    """Memory per node of a trie built from ``tokens`` stream tokens (output windows), by tracemalloc:
+    everything allocated and still alive (nodes, child dicts, pygtrie nodes, keys), over the node count."""
+    import tracemalloc
+
+    toks = [t for s in streams for t in s][:tokens]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        trie = FrequencyTrie(capacity=10**9, max_nodes=10**9)
+        trie.insert(toks)
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    return len(trie), used / len(trie)
+
+
 def pct(values, q):
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
@@ -234,16 +259,18 @@ def main(argv=None) -> int:
           f"{args.output_tokens} output tokens; budget {args.budget}; {args.clock} clock; python {sys.version.split()[0]}")
 
     configs = [
-        ("default (L_d=64, L_b=12, cap 1024)", dict()),
-        ("L_d=32 (cap 512)", dict(decoding_length=32)),
-        ("cap 16384", dict(capacity=16384)),
-        ("cap 65536", dict(capacity=65536)),
-        ("cap 262144", dict(capacity=262144)),
-        ("cap 65536, parallel", dict(capacity=65536, mode="parallel")),
-        ("cap 65536, no prompt", dict(capacity=65536, insert_prompt=False)),
+        ("default (1024/tree, max_nodes 131072)", dict()),
+        ("L_d=32 (512/tree)", dict(decoding_length=32)),
+        ("4096/tree", dict(capacity=4096)),
+        ("max_nodes 16384", dict(max_nodes=16384)),
+        ("max_nodes 262144", dict(max_nodes=262144)),
+        ("default, parallel", dict(mode="parallel")),
+        ("default, no prompt", dict(insert_prompt=False)),
+        ("global cap 1024 (earlier reading)", dict(capacity=10**9, max_nodes=1024)),
     ]
     header = (f"{'configuration':<38} {'nodes':>7} {'propose':>8} {'observe':>8} {'begin+end':>9} {'total':>8} "
-              f"{'(gc)':>7} {'%145ms':>7} {'%390ms':>7} {'p99':>7} {'max':>7} {'prune':>7} {'accepted':>8}")
+              f"{'(gc)':>7} {'%145ms':>7} {'%390ms':>7} {'p99':>7} {'max':>7} {'tree':>7} {'prune':>7} "
+              f"{'accepted':>8}")
     print()
     print(header)
     print("-" * len(header))
@@ -257,8 +284,14 @@ def main(argv=None) -> int:
         if label == SELECTION_ON:  # selection through pygtrie's public API vs the child index, same trie
             contexts = [tuple(p + a[:i]) for p, a in measured[:12] for i in range(0, len(a), 7)]
             selection = (len(trie), len(contexts), compare_selection(trie, contexts, args.budget))
+        prunes = (trie.tree_prunes, trie.global_prunes)  # made by the run, before the timed ones below
+        sizes = trie.tree_sizes()  # one prune of the warmed trie's largest tree, timed
+        largest = max(sizes, key=sizes.get)
         t0 = CLOCK()
-        pruned = trie.prune(int(len(trie) * trie.prune_to))  # one prune of the warmed trie, timed
+        tree_pruned = trie.prune(int(sizes[largest] * trie.prune_to), first_token=largest)
+        tree_prune_ms = (CLOCK() - t0) / 1e6
+        t0 = CLOCK()
+        pruned = trie.prune(int(len(trie) * trie.prune_to))  # one global prune of the warmed trie, timed
         prune_ms = (CLOCK() - t0) / 1e6
         per_step = [p + o for p, o in zip(r["propose_ns"], r["observe_ns"])]
         amortized = (r["begin_ns"] + r["end_ns"]) / steps
@@ -269,24 +302,30 @@ def main(argv=None) -> int:
                    frac_one_token_step=total_us / 1e3 / ONE_TOKEN_STEP_MS, frac_tree_step=total_us / 1e3 / TREE_STEP_MS,
                    mean_accepted=sum(r["accepts"]) / steps, begin_ms_per_request=r["begin_ns"] / r["requests"] / 1e6,
                    prunes=trie.prunes, gc_per_step_us=gc_clock.ns / steps / 1e3, gc_collections=gc_clock.collections,
-                   max_step_us=max(per_step) / 1e3, prune_ms=prune_ms, prune_removed=pruned)
+                   max_step_us=max(per_step) / 1e3, prune_ms=prune_ms, prune_removed=pruned,
+                   tree_prune_ms=tree_prune_ms, tree_prune_size=sizes[largest], tree_prune_removed=tree_pruned,
+                   trees=len(sizes), tree_prunes=prunes[0], global_prunes=prunes[1])
         results[label] = row
         del trie  # a live trie would make every later configuration's garbage collections slower
         print(f"{label:<38} {row['nodes']:>7} {row['propose_us']:>6.0f}us {row['observe_us']:>6.0f}us "
               f"{row['begin_end_per_step_us']:>7.0f}us {row['total_per_step_us']:>6.0f}us {row['gc_per_step_us']:>5.0f}us "
               f"{100 * row['frac_one_token_step']:>6.2f}% {100 * row['frac_tree_step']:>6.2f}% "
-              f"{row['p99_step_us'] / 1e3:>5.1f}ms {row['max_step_us'] / 1e3:>5.1f}ms {row['prune_ms']:>5.1f}ms "
+              f"{row['p99_step_us'] / 1e3:>5.1f}ms {row['max_step_us'] / 1e3:>5.1f}ms {row['tree_prune_ms']:>5.1f}ms "
+              f"{row['prune_ms']:>5.0f}ms "
               f"{row['mean_accepted']:>8.2f}")
         if args.json:
             print(json.dumps(row))
     print("\npropose/observe: mean per step; begin+end: per-request prompt insertion and elimination spread over the "
           "request's steps;\ntotal: their sum per step, of which (gc) was Python's garbage collector; %145ms / %390ms: "
           "total as a share of a\none-token / 16-token Qwen2.5-0.5B step; p99 / max: propose + observe of one step; "
-          "prune: one prune of the warmed trie\nto prune_to x its size; accepted: simulated tokens committed per step "
+          "tree: one prune of the warmed trie's\nlargest first-token tree to prune_to x its size; prune: one global "
+          "prune of the warmed trie to prune_to x its size;\naccepted: simulated tokens committed per step "
           "(1.00 = plain decoding).")
     for label, row in results.items():
         print(f"  {label}: begin() {row['begin_ms_per_request']:.1f} ms per {args.prompt_tokens}-token prompt, "
-              f"{row['prunes']} prunes")
+              f"{row['trees']} trees, {row['tree_prunes']} tree prunes + {row['global_prunes']} global prunes; "
+              f"timed: tree prune {row['tree_prune_removed']} of {row['tree_prune_size']} nodes, "
+              f"global prune {row['prune_removed']} nodes")
 
     nodes, n_contexts, cmp = selection
     print(f"\nretrieval on the warmed '{SELECTION_ON}' trie ({nodes} nodes), {n_contexts} contexts, budget {args.budget}:")
@@ -296,6 +335,13 @@ def main(argv=None) -> int:
           f"{cmp['pygtrie_traverse_p99_us']:.0f} us p99")
     if args.json:
         print(json.dumps(dict(selection=cmp, nodes=nodes)))
+
+    n_nodes, per_node = bytes_per_node(streams)
+    default_max = FrequencyTrie().max_nodes
+    print(f"\nmemory: {per_node:.0f} bytes per node (tracemalloc, a {n_nodes}-node trie); the default max_nodes "
+          f"{default_max} is {default_max * per_node / 2**20:.0f} MiB")
+    if args.json:
+        print(json.dumps(dict(bytes_per_node=per_node, nodes=n_nodes)))
     return 0
 
 

@@ -4,7 +4,10 @@ The invariants are checked against a model of the ideal, unpruned trie: every in
 counted on every prefix, prompt windows only while their request runs. Without pruning the trie
 must equal the model exactly; with pruning, every surviving count is at most the model's (a pruned
 node made anew has counted only what came after), never negative, prompt counts all zero once
-no request runs, the key set prefix-closed and the node count within capacity after every call.
+no request runs, the key set prefix-closed, every first-token tree within ``capacity`` and the
+whole trie within ``max_nodes`` after every call. Ending a request must take back exactly its own
+prompt counts (on the nodes that lived through the request) and add exactly its last output
+windows, whatever was pruned in between.
 """
 
 from __future__ import annotations
@@ -84,8 +87,20 @@ class Model:
         return {k: (out[k], prompt[k]) for k in keys}
 
 
+def check_bounds(trie: FrequencyTrie) -> None:
+    """The pruning bounds, from the public view alone: per first-token tree and in total."""
+    snap = trie.snapshot()
+    per_tree = Counter(key[0] for key in snap)
+    assert per_tree == Counter(trie.tree_sizes())
+    assert all(n <= trie.capacity for n in per_tree.values()), (per_tree, trie.capacity)
+    assert len(snap) == len(trie) <= trie.max_nodes, (len(snap), trie.max_nodes)
+    assert all(key[:-1] in snap for key in snap if len(key) > 1), "not prefix-closed"
+    assert all(out >= 0 and prompt >= 0 for out, prompt in snap.values()), "negative count"
+
+
 def check_against_model(trie: FrequencyTrie, model: Model) -> None:
     trie.check_invariants()
+    check_bounds(trie)
     snap = trie.snapshot()
     expected = model.expected()
     if trie.prunes == 0:
@@ -110,14 +125,17 @@ class TrieMachine(RuleBasedStateMachine):
     requests on one trie, with the model alongside."""
 
     @initialize(branch_length=st.integers(1, 4), capacity=st.sampled_from([1, 3, 8, 20, 60, 10**9]),
+                max_nodes=st.sampled_from([1, 10, 40, 150, 10**9]),
                 mode=st.sampled_from(["hierarchical", "parallel"]), prompt_weight=st.sampled_from([1, 3, 10_000]),
                 prune_to=st.sampled_from([0.0, 0.5, 0.9, 1.0]), min_nodes=st.integers(1, 6))
-    def setup(self, branch_length, capacity, mode, prompt_weight, prune_to, min_nodes):
+    def setup(self, branch_length, capacity, max_nodes, mode, prompt_weight, prune_to, min_nodes):
         self.trie = FrequencyTrie(decoding_length=8, branch_length=branch_length, capacity=capacity, mode=mode,
-                                  prompt_weight=prompt_weight, prune_to=prune_to, min_nodes=min_nodes)
+                                  prompt_weight=prompt_weight, prune_to=prune_to, min_nodes=min_nodes,
+                                  max_nodes=max_nodes)
         self.model = Model(branch_length)
         self.next_id = 1
         self.contexts: dict[int, Context] = {}
+        self.begun: dict[int, dict] = {}  # request id -> {key: node object} of its prompt nodes right after begin
 
     @rule(prompt=st.lists(SMALL_VOCAB, min_size=1, max_size=14))
     def begin(self, prompt):
@@ -127,6 +145,10 @@ class TrieMachine(RuleBasedStateMachine):
         self.trie.begin(ctx)
         self.model.begin(rid, prompt)
         self.contexts[rid] = ctx
+        # The nodes this prompt counted on and that survived begin's own pruning (by identity: a
+        # node pruned later and made anew is another object, which holds none of this request).
+        keys = {k for s, e in prompt_windows(prompt, self.trie.branch_length) for k in window_keys(prompt, s, e)}
+        self.begun[rid] = {k: self.trie.trie[k] for k in keys if k in self.trie.trie}
 
     @precondition(lambda self: self.contexts)
     @rule(data=st.data(), tokens=st.lists(SMALL_VOCAB, min_size=0, max_size=5))
@@ -141,9 +163,38 @@ class TrieMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.contexts)
     @rule(data=st.data())
     def end(self, data):
+        """Elimination restores counts: ``end`` adds the request's last output windows and takes
+        back one prompt count per prompt window from every node that lived through the request;
+        the surviving nodes must hold exactly that, and without a prune every such node survives."""
         rid = data.draw(st.sampled_from(sorted(self.contexts)))
-        self.trie.end(self.contexts.pop(rid))
+        trie = self.trie
+        prompt, tokens = self.model.active[rid]
+        L = trie.branch_length
+        tail = Counter()
+        for s, e in output_windows(tokens, len(prompt), L, final=True):
+            tail.update(window_keys(tokens, s, e))
+        for s, e in output_windows(tokens, len(prompt), L, final=False):
+            tail.subtract(window_keys(tokens, s, e))
+        mine = self.begun.pop(rid)
+        taken = Counter()
+        for s, e in prompt_windows(prompt, L):
+            for key in window_keys(prompt, s, e):
+                if key not in mine or trie.trie.get(key) is not mine[key]:
+                    break  # pruned since (and its subtree with it)
+                taken[key] += 1
+        before, prunes = trie.snapshot(), trie.prunes
+        trie.end(self.contexts.pop(rid))
         self.model.end(rid)
+        after = trie.snapshot()
+        expected = {}
+        for key in set(before) | set(tail):
+            out, p = before.get(key, (0, 0))
+            expected[key] = (out + tail[key], p - taken[key])
+        assert all(out >= 0 and p >= 0 for out, p in expected.values()), "elimination would go negative"
+        for key, counts in after.items():
+            assert counts == expected.get(key), (key, counts, expected.get(key))
+        if trie.prunes == prunes:
+            assert set(after) == {k for k, (out, p) in expected.items() if out + p > 0}
 
     @rule(tokens=token_lists)
     def insert(self, tokens):
@@ -156,6 +207,16 @@ class TrieMachine(RuleBasedStateMachine):
         removed = self.trie.prune(down_to)
         assert removed == max(0, before - down_to)
         assert len(self.trie) == min(before, down_to)
+
+    @rule(down_to=st.integers(0, 10), first=SMALL_VOCAB)
+    def prune_tree(self, down_to, first):
+        """A per-tree prune leaves every other tree exactly as it was."""
+        before = self.trie.snapshot()
+        size = self.trie.tree_size(first)
+        removed = self.trie.prune(down_to, first_token=first)
+        after = self.trie.snapshot()
+        assert removed == max(0, size - down_to) and self.trie.tree_size(first) == min(size, down_to)
+        assert {k: v for k, v in after.items() if k[0] != first} == {k: v for k, v in before.items() if k[0] != first}
 
     @rule(context=st.lists(SMALL_VOCAB, min_size=1, max_size=8), budget=st.integers(0, 12))
     def query(self, context, budget):
@@ -217,10 +278,11 @@ def test_is_a_draft_source_and_validates_arguments():
     trie = FrequencyTrie()
     assert isinstance(trie, DraftSource)
     assert trie.name == "trie"
-    assert (trie.decoding_length, trie.branch_length, trie.capacity) == (64, 12, 16 * 64)
+    assert (trie.decoding_length, trie.branch_length, trie.capacity, trie.max_nodes) == (64, 12, 16 * 64, 131_072)
     assert FrequencyTrie(decoding_length=10).capacity == 160
     for bad in [dict(decoding_length=0), dict(branch_length=0), dict(capacity=0), dict(mode="flat"),
-                dict(prompt_weight=0.5), dict(prune_to=1.5), dict(min_nodes=0), dict(capacity=2.5)]:
+                dict(prompt_weight=0.5), dict(prune_to=1.5), dict(min_nodes=0), dict(capacity=2.5),
+                dict(max_nodes=0), dict(max_nodes=2.5), dict(max_nodes=None)]:
         with pytest.raises(ValueError):
             FrequencyTrie(**bad)
 
@@ -331,40 +393,95 @@ def test_hierarchical_draft_fits_more_branches_than_parallel():
     assert len({tuple(b[:i]) for b in h for i in range(1, 4)}) == 6
 
 
-def test_pruning_bounds_memory_and_keeps_the_frequent_nodes():
+def test_capacity_is_per_first_token_tree_and_keeps_the_frequent_nodes():
     rng = random.Random(0)
-    trie = FrequencyTrie(decoding_length=4, branch_length=3)  # capacity 64
+    trie = FrequencyTrie(decoding_length=4, branch_length=3)  # capacity 64 nodes per first-token tree
     assert trie.capacity == 64
     for _ in range(200):
         trie.insert([1, 2, 3, 4])  # frequent
-        trie.insert([rng.randrange(5, VOCAB) for _ in range(6)])  # noise
-        assert len(trie) <= 64
+        trie.insert([1] + [rng.randrange(5, VOCAB) for _ in range(5)])  # noise, much of it in tree 1
+        assert trie.tree_size(1) <= 64
+        check_bounds(trie)
     trie.check_invariants()
-    assert trie.prunes > 0
+    assert trie.tree_prunes > 0 and trie.global_prunes == 0
+    assert len(trie) > 64  # the other trees hold their own 64 nodes each
     assert trie.retrieve([1], budget=3) == [[2, 3, 4]]
-    # A prompt larger than the capacity: pruned too, and its elimination still exact.
-    prompt = [rng.randrange(VOCAB) for _ in range(100)]
+    # A prompt whose own tree passes the capacity: that tree is pruned, its elimination is still exact.
+    prompt = [rng.choice([7, rng.randrange(VOCAB)]) for _ in range(200)]
     trie.begin(ctx(prompt, rid=3))
-    assert len(trie) <= 64
+    assert trie.tree_size(7) <= 64
     trie.check_invariants()
     trie.end(ctx(prompt, rid=3))
     trie.check_invariants()
     assert all(p == 0 for _, p in trie.snapshot().values())
 
 
+def test_a_big_prompt_does_not_wipe_what_other_trees_learned():
+    """The regression behind per-tree capacity: with one capacity for the whole trie, a raw prompt's
+    branches (a 200-token prompt makes ~800 nodes here) pushed out every output branch learned before."""
+    rng = random.Random(1)
+    trie = FrequencyTrie(decoding_length=4, branch_length=3)  # capacity 64 per tree
+    for _ in range(3):
+        trie.insert([1, 2, 3, 4, 5])
+    learned = {k: v for k, v in trie.snapshot().items() if k[0] in (1, 2)}
+    prompt = [rng.randrange(10, VOCAB) for _ in range(200)]
+    trie.begin(ctx(prompt, rid=1))
+    assert len(trie) > 16 * trie.decoding_length
+    assert {k: v for k, v in trie.snapshot().items() if k[0] in (1, 2)} == learned
+    assert trie.retrieve([9, 1], budget=4) == [[2, 3, 4]]
+    trie.end(ctx(prompt, rid=1))
+    assert {k: v for k, v in trie.snapshot().items() if k[0] in (1, 2)} == learned
+    trie.check_invariants()
+
+
+def test_max_nodes_bounds_the_whole_trie_least_frequent_first():
+    rng = random.Random(2)
+    trie = FrequencyTrie(decoding_length=4, branch_length=3, max_nodes=100)  # capacity 64 per tree
+    for i in range(300):
+        trie.insert([1, 2, 3, 4])  # frequent
+        trie.insert([rng.randrange(5, VOCAB) for _ in range(6)])  # noise over many trees
+        assert len(trie) <= 100
+        if i % 50 == 0:
+            trie.check_invariants()
+    assert trie.global_prunes > 0
+    assert trie.retrieve([1], budget=3) == [[2, 3, 4]]
+    # Running requests' prompt branches count too.
+    prompt = [rng.randrange(VOCAB) for _ in range(100)]
+    trie.begin(ctx(prompt, rid=3))
+    assert len(trie) <= 100
+    trie.check_invariants()
+    trie.end(ctx(prompt, rid=3))
+    trie.check_invariants()
+    assert all(p == 0 for _, p in trie.snapshot().values())
+    # Explicit prunes: a whole-trie target, one tree's target, the automatic watermarks.
+    trie.insert(list(range(5, 40)))
+    n = len(trie)
+    assert trie.prune(n - 5) == 5 and len(trie) == n - 5
+    sizes = trie.tree_sizes()
+    first = max(sizes, key=sizes.get)
+    assert trie.prune(1, first_token=first) == sizes[first] - 1 and trie.tree_size(first) == 1
+    assert trie.tree_sizes() == {**sizes, first: 1}
+    assert trie.prune(0, first_token=999) == 0
+    trie.prune()
+    assert len(trie) <= 90 and all(size <= int(64 * 0.9) for size in trie.tree_sizes().values())
+    trie.check_invariants()
+
+
 def test_elimination_after_pruning_takes_back_only_its_own_counts():
     """A's prompt node is pruned, then made anew by B's prompt; when A ends it must not take B's count."""
-    trie = FrequencyTrie(branch_length=1, capacity=2, prompt_weight=1, prune_to=0.5)
+    trie = FrequencyTrie(branch_length=1, prompt_weight=1)
     trie.begin(ctx([1, 2], rid=1))  # A: (1,) and (1, 2), prompt count 1 each
     for _ in range(5):
-        trie.insert([3, 4])  # more frequent output: A's nodes are pruned
-    assert trie.counts([1]) is None and trie.prunes > 0
+        trie.insert([3, 4])
+    trie.prune(0, first_token=1)  # tree 1 goes: A's nodes are pruned, tree 3 stays
+    assert trie.counts([1]) is None and trie.counts([3, 4]) == (5, 0) and trie.prunes > 0
     trie.begin(ctx([1, 2], rid=2))  # B makes (1,) and (1, 2) anew
-    trie.prune(0)  # (everything goes, then B again, to get the same keys back once more)
+    trie.prune(2)  # globally least frequent: B's nodes go (then C again, to get the same keys back once more)
+    assert trie.counts([1]) is None and trie.counts([3, 4]) == (5, 0)
     trie.end(ctx([1, 2], rid=2))
     trie.begin(ctx([1, 2], rid=3))
     assert trie.counts([1]) == (0, 1)
-    trie.end(ctx([1, 2], rid=1))  # A ends: nothing of A is left, B's count stays
+    trie.end(ctx([1, 2], rid=1))  # A ends: nothing of A is left, C's count stays
     assert trie.counts([1]) == (0, 1) and trie.counts([1, 2]) == (0, 1)
     trie.check_invariants()
     trie.end(ctx([1, 2], rid=3))
@@ -405,11 +522,11 @@ def test_reused_request_id_and_unknown_requests():
 # -- threads ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("capacity", [10**9, 40])
-def test_concurrent_requests_from_threads(capacity):
+@pytest.mark.parametrize("capacity, max_nodes", [(10**9, 10**9), (40, 10**9), (10**9, 150)])
+def test_concurrent_requests_from_threads(capacity, max_nodes):
     """Several threads run requests (begin / propose / observe / end) and one inserts, all on one trie.
     Counts commute, so without pruning the result must equal the model whatever the interleaving."""
-    trie = FrequencyTrie(decoding_length=8, branch_length=3, capacity=capacity)
+    trie = FrequencyTrie(decoding_length=8, branch_length=3, capacity=capacity, max_nodes=max_nodes)
     model = Model(3)
     model_lock = threading.Lock()
     errors = []
@@ -459,7 +576,9 @@ def test_concurrent_requests_from_threads(capacity):
     assert trie.active_requests == 0
     check_against_model(trie, model)
     if capacity < 10**9:
-        assert trie.prunes > 0
+        assert trie.tree_prunes > 0
+    if max_nodes < 10**9:
+        assert trie.global_prunes > 0
 
 
 # -- with the decoder: greedy identity ------------------------------------------------------------------------
@@ -490,10 +609,10 @@ def test_greedy_identity_alone_and_mixed(arch):
 @settings(FAST, max_examples=8)
 @given(prompt=st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=20), n=st.integers(0, 24),
        max_tree_nodes=st.integers(0, 20), mode=st.sampled_from(["hierarchical", "parallel"]),
-       capacity=st.sampled_from([8, 64, 100_000]), mixed=st.booleans())
-def test_greedy_identity_property(prompt, n, max_tree_nodes, mode, capacity, mixed):
+       capacity=st.sampled_from([8, 64, 100_000]), max_nodes=st.sampled_from([16, 131_072]), mixed=st.booleans())
+def test_greedy_identity_property(prompt, n, max_tree_nodes, mode, capacity, max_nodes, mixed):
     model = tiny_model("qwen2")
-    trie = FrequencyTrie(decoding_length=16, branch_length=4, capacity=capacity, mode=mode)
+    trie = FrequencyTrie(decoding_length=16, branch_length=4, capacity=capacity, mode=mode, max_nodes=max_nodes)
     trie.insert(prompt + prompt)  # a warm trie with something relevant
     sources = [PromptLookup(), trie] if mixed else [trie]
     out = Decoder(model, sources=sources, max_tree_nodes=max_tree_nodes).generate(prompt, max_new_tokens=n)
@@ -505,9 +624,10 @@ def test_warm_trie_shared_by_two_decoders_accelerates_and_stays_exact():
     """One trie across requests and two Decoder instances: the second time a prompt comes, the trie
     knows the answer (its output branches), so steps drop, and the output is still exact."""
     model = tiny_model("llama")
-    # Capacity for all three answers: at the default 16 x decoding_length = 256 nodes the answers
-    # (about 24 windows of 9 nodes each) would push each other out.
-    trie = FrequencyTrie(decoding_length=16, branch_length=8, capacity=4096)
+    # Default capacity: 16 x decoding_length = 256 nodes per first-token tree. (Read as one capacity
+    # for the whole trie, it made the three answers, about 24 windows of 9 nodes each, push each
+    # other out.)
+    trie = FrequencyTrie(decoding_length=16, branch_length=8)
     first = Decoder(model, sources=[trie], max_tree_nodes=16, adaptive_budget=False)
     second = Decoder(model, sources=[trie], max_tree_nodes=16, adaptive_budget=False)
     with generation_config_override(model, eos_token_id=None):

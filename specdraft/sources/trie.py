@@ -18,16 +18,43 @@ paper                                  this module
                                        :meth:`~FrequencyTrie.end` (output), :meth:`~FrequencyTrie.insert`
 4.3.1 branch eliminating               :meth:`~FrequencyTrie.end` removes exactly the request's
                                        prompt contribution
-4.3.1 node pruning                     ``_prune``: least frequent nodes first, past ``capacity``
+4.3.1 node pruning                     ``_prune_tree``: least frequent nodes of one first-token
+                                       tree first, past ``capacity``; ``_prune_global``: least
+                                       frequent nodes of the whole trie, past ``max_nodes``
 4.3.2 multi-stage retrieval            ``_retrieve``: longest suffix first, shorter until the
                                        match offers ``min_nodes`` nodes, then the ``budget``
                                        most frequent nodes
 4.4   Algorithm 1                      lines 5-10 = ``begin``; 12-19 = ``propose``;
                                        24 = ``observe``; 27 = ``end``
 5.2.3 Table 5 (ablations)              ``insert_prompt``, ``insert_output``, ``eliminate``,
-                                       ``capacity`` (a huge value = no pruning)
-5.2.3 Table 6 (capacity)               ``capacity`` defaults to 16 x ``decoding_length``
+                                       ``capacity`` and ``max_nodes`` (huge values = no pruning)
+5.2.3 Table 6 (capacity)               ``capacity`` (per first-token tree, see below) defaults
+                                       to 16 x ``decoding_length``
 =====================================  ======================================================
+
+Capacity: what the paper specifies and how we read it. The paper says only that pruning removes
+"the least frequent nodes dynamically, when the trie tree exceeds a predetermined capacity"
+(Sec. 4.3.1; N_max, the "node capacity of trie tree", in Algorithm 1) and that a capacity of 16 or
+32 times the decoding length is best (Table 6). It does not say what the capacity counts. In the
+authors' reference implementation (``alipay/PainlessInferenceAcceleration``,
+``lookahead/common/lookahead_cache.py``) the "trie" is a forest: one ``Tree`` per first token
+(the token a branch follows), each with its own ``max_node``, and the Table 6 sweep
+(``lookahead/benchmarks/benchmark.py``, ``perf_check``) sets ``max_node = max_node_rate *
+decoding_length`` for every tree; nothing bounds the number of trees. So the paper's 16 x
+decoding length is a per-tree limit, and that is how ``capacity`` is read here: the most nodes
+of one first-token tree (all the nodes whose key starts with that token, the first-token node
+included; the reference counts the nodes below it, one fewer). A global cap of 16 x decoding
+length would let one raw prompt (150 tokens x 12 ≈ 1800 nodes) wipe out everything learned
+before: replaying Qwen2.5-Coder-0.5B's greedy outputs on 20 HumanEval prompts
+(``benchmarks/acceptance_replay.py``, budget 32), a trie warmed on 100 other problems accepted
+1.39 tokens per step under a global 1024-node cap, exactly as many as a cold one; per tree, it
+accepts 2.27 (2.09 cold), as many as with no pruning at all (2.26), although its trees are pruned
+117 times. Two departures from the reference: pruning drops the least frequent
+nodes as the paper's text says (the reference instead halves output counts and drops the nodes
+at count <= 1, in batches), and, since a per-tree bound alone lets memory grow with the number
+of distinct tokens (up to vocabulary x capacity), ``max_nodes`` bounds the whole trie as well,
+dropping the globally least frequent nodes first; its default, 131072 nodes, is about
+54 MB (51 MiB) at the measured ~410 bytes per node.
 
 Data layout. Keys are token tuples in a :class:`pygtrie.Trie`; every node (every distinct prefix
 of an inserted window) holds a :class:`TrieNode` with two counts: ``out``, the number of output
@@ -57,14 +84,20 @@ requests, ``Decoder`` instances and threads at once. The hot-path sections are s
 (``propose`` touches at most ``budget`` nodes and their siblings; ``observe`` inserts the one to
 few windows a step completes), so decoders in different threads barely wait for each other.
 ``begin`` holds the lock while it inserts the whole prompt (tens of milliseconds for 512 tokens
-at ``branch_length=12``), and a prune holds it while it ranks every node (about 2 microseconds
-per node; amortised, as it runs only when the node count passes ``capacity`` and then goes down
-to ``prune_to * capacity``).
+at ``branch_length=12``), and a prune holds it while it ranks the nodes it prunes from. Pruning
+is amortised: a tree is pruned when it passes ``capacity`` and then goes down to ``prune_to *
+capacity``; the whole trie when it passes ``max_nodes``, down to ``prune_to * max_nodes``. A
+tree's prune ranks only that tree's nodes (reached through the child index), O(T log T) for a
+tree of T nodes, about 1 ms for a full 1024-node tree; a global prune ranks every node,
+O(N log N), about 0.2-0.3 s at the default ``max_nodes``, but runs only once per ~13000 new
+nodes, and not at all while the trie stays below ``max_nodes`` (the HumanEval replay above ends
+at 69 000 nodes in 1010 trees).
 
 Cost (``benchmarks/trie_overhead.py``, Qwen2.5-Coder tokens of Python sources, budget 32): about
-0.5-1.2 ms of CPU per decoding step all included (retrieval 10-50 us, insertion, the prompt's
+0.5-1.2 ms of CPU per decoding step all included (retrieval 10-60 us, insertion, the prompt's
 insertion and elimination spread over the request, pruning, and the garbage collector's share,
-about half), under 1% of a 145 ms Qwen2.5-0.5B CPU step. Memory: about 400 bytes per node.
+more than half), under 1% of a 145 ms Qwen2.5-0.5B CPU step. Memory: about 410 bytes per node
+(``tracemalloc``: the node, its child dict, and the pygtrie node with its child map).
 """
 
 from __future__ import annotations
@@ -84,6 +117,7 @@ __all__ = ["FrequencyTrie", "TrieNode"]
 
 HIERARCHICAL = "hierarchical"
 PARALLEL = "parallel"
+DEFAULT_MAX_NODES = 131_072
 
 
 class TrieNode:
@@ -134,12 +168,18 @@ class FrequencyTrie:
         L_b, the length of an inserted branch (a window is the token it follows plus the branch).
         Reference implementation default: 12.
     ``capacity``
-        Node pruning threshold (Sec. 4.3.1). ``None`` = 16 x ``decoding_length``, the best value
-        of Table 6. After every public call the trie holds at most ``capacity`` nodes, the
-        running requests' prompt branches included (a 512-token prompt alone makes ~6000 nodes at
-        ``branch_length=12``), so the default keeps little output knowledge across requests; when
-        memory allows (~400 bytes per node), a larger capacity drafts better (the benchmark's
-        simulated tokens per step: 1.27 at the default 1024 nodes, 1.72 at 16384, 1.87 at 65536).
+        Node pruning threshold of one first-token tree (Sec. 4.3.1, N_max; per tree as in the
+        authors' implementation, see the module docstring). ``None`` = 16 x ``decoding_length``,
+        the best value of Table 6. After every public call no tree (the nodes whose key starts with
+        a given token, that token's node included) holds more than ``capacity`` nodes; a tree that
+        passes it loses its least frequent nodes down to ``prune_to * capacity``, and the other
+        trees are not touched.
+    ``max_nodes``
+        Bound on the whole trie (not in the paper, whose trie grows with the number of distinct
+        first tokens): after every public call the trie holds at most ``max_nodes`` nodes, the
+        running requests' prompt branches included; past it the globally least frequent nodes go,
+        down to ``prune_to * max_nodes``. The default 131072 is about 54 MB (~410 bytes per node,
+        measured by ``benchmarks/trie_overhead.py``).
     ``prompt_weight``
         The "significant factor" prompt frequencies are amplified by (Sec. 4.3.2) so prompt
         branches win over output branches; 10 000 as in the reference implementation (its
@@ -155,8 +195,9 @@ class FrequencyTrie:
         for the Table 4 ablation; the decoder still merges what it gets, so only the choice of
         drafts changes, not the forward's size).
     ``prune_to``
-        A prune goes down to ``prune_to * capacity`` nodes, so pruning runs once per many
-        insertions instead of at every one.
+        The low watermark: a prune goes down to ``prune_to * capacity`` nodes in the tree (or
+        ``prune_to * max_nodes`` in the trie), so pruning runs once per many insertions instead of
+        at every one.
     ``insert_prompt``, ``insert_output``, ``eliminate``
         Turn off one updating procedure each, for the Table 5 ablations.
     """
@@ -164,7 +205,7 @@ class FrequencyTrie:
     def __init__(self, decoding_length: int = 64, branch_length: int = 12, capacity: int | None = None,
                  prompt_weight: float = 10_000, min_nodes: int | None = None, mode: str = HIERARCHICAL,
                  prune_to: float = 0.9, insert_prompt: bool = True, insert_output: bool = True,
-                 eliminate: bool = True, name: str = "trie") -> None:
+                 eliminate: bool = True, name: str = "trie", max_nodes: int = DEFAULT_MAX_NODES) -> None:
         if not isinstance(decoding_length, int) or decoding_length < 1:
             raise ValueError(f"decoding_length must be an int >= 1, got {decoding_length!r}")
         if not isinstance(branch_length, int) or branch_length < 1:
@@ -173,6 +214,8 @@ class FrequencyTrie:
             capacity = 16 * decoding_length
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1 (or None for 16 x decoding_length), got {capacity!r}")
+        if not isinstance(max_nodes, int) or max_nodes < 1:
+            raise ValueError(f"max_nodes must be an int >= 1, got {max_nodes!r}")
         if not (prompt_weight >= 1 and math.isfinite(prompt_weight)):
             raise ValueError(f"prompt_weight must be a finite number >= 1, got {prompt_weight!r}")
         if min_nodes is None:
@@ -186,6 +229,7 @@ class FrequencyTrie:
         self.decoding_length = decoding_length
         self.branch_length = branch_length
         self.capacity = capacity
+        self.max_nodes = max_nodes
         self.prompt_weight = prompt_weight
         self.min_nodes = min_nodes
         self.mode = mode
@@ -198,9 +242,13 @@ class FrequencyTrie:
         self._trie: pygtrie.Trie = pygtrie.Trie()
         self._root = TrieNode(-1, None, 0)  # the empty key; never stored, never counted
         self._size = 0
+        self._tree_size: dict[int, int] = {}  # first token -> nodes of its tree (its own node included)
+        self._grown: set[int] = set()  # first tokens whose tree got new nodes since the last check
         self._clock = 0
         self._requests: dict[int, _Request] = {}
-        self.prunes = 0  #: how many times pruning ran
+        self.prunes = 0  #: how many times pruning ran (per tree or global)
+        self.tree_prunes = 0  #: of which per-tree prunes (a tree past ``capacity``)
+        self.global_prunes = 0  #: of which global prunes (the trie past ``max_nodes``)
         self.pruned_nodes = 0  #: nodes removed by pruning, in total
 
     # -- the DraftSource protocol -----------------------------------------------------------
@@ -294,11 +342,37 @@ class FrequencyTrie:
                 self._insert(tokens, start, min(start + width, len(tokens)), None)
             self._prune_if_needed()
 
-    def prune(self, target: int | None = None) -> int:
-        """Node pruning now, down to ``target`` nodes (default ``prune_to * capacity``); returns
-        how many nodes went. Normally automatic."""
+    def prune(self, target: int | None = None, *, first_token: int | None = None) -> int:
+        """Node pruning now (normally automatic); returns how many nodes went.
+
+        ``prune(n)``: the globally least frequent nodes until ``n`` remain in the trie.
+        ``prune(n, first_token=t)``: the least frequent nodes of ``t``'s tree until ``n`` remain in
+        it (default ``prune_to * capacity``). ``prune()``: every tree above ``prune_to *
+        capacity`` down to it, then the trie down to ``prune_to * max_nodes`` if above.
+        """
         with self._lock:
-            return self._prune(self._low_watermark() if target is None else max(0, int(target)))
+            if first_token is not None:
+                t = int(first_token)
+                if t not in self._tree_size:
+                    return 0
+                return self._prune_tree(t, self._tree_watermark() if target is None else max(0, int(target)))
+            if target is not None:
+                return self._prune_global(max(0, int(target)))
+            low = self._tree_watermark()
+            removed = 0
+            for t in [t for t, n in self._tree_size.items() if n > low]:
+                removed += self._prune_tree(t, low)
+            return removed + self._prune_global(self._global_watermark())
+
+    def tree_size(self, first_token: int) -> int:
+        """Nodes in the tree of ``first_token`` (the nodes whose key starts with it); 0 if none."""
+        with self._lock:
+            return self._tree_size.get(int(first_token), 0)
+
+    def tree_sizes(self) -> dict[int, int]:
+        """``first token -> node count`` of every tree (a copy)."""
+        with self._lock:
+            return dict(self._tree_size)
 
     def clear(self) -> None:
         """Forget everything (counts and running requests)."""
@@ -308,6 +382,8 @@ class FrequencyTrie:
             self._trie = pygtrie.Trie()
             self._root = TrieNode(-1, None, 0)
             self._size = 0
+            self._tree_size.clear()
+            self._grown.clear()
             self._requests.clear()
 
     @property
@@ -349,8 +425,9 @@ class FrequencyTrie:
     def check_invariants(self) -> None:
         """Assert the structural invariants (O(trie size); for tests): the pygtrie and the child
         index hold the same nodes, the key set is prefix-closed, counts are >= 0 and every node
-        has a positive frequency, a parent's counts are at least the sum of its children's, and
-        the node count is within capacity."""
+        has a positive frequency, a parent's counts are at least the sum of its children's, the
+        per-tree node counts are right and within ``capacity``, and the total is within
+        ``max_nodes``."""
         with self._lock:
             keys = {}
             for key, node in self._trie.iteritems():
@@ -378,12 +455,18 @@ class FrequencyTrie:
                     assert node.out >= child_out and node.prompt >= child_prompt, \
                         f"counts grow going down at {key}: {node} vs children {child_out}, {child_prompt}"
             assert seen == self._size, f"child index holds {seen} nodes, node count is {self._size}"
+            per_tree: dict[int, int] = {}
             for key in keys:
                 assert len(key) == 1 or key[:-1] in keys, f"not prefix-closed: {key} has no parent"
-            assert self._size <= self.capacity, f"{self._size} nodes exceed capacity {self.capacity}"
+                per_tree[key[0]] = per_tree.get(key[0], 0) + 1
+            assert per_tree == self._tree_size, "per-tree node counts are off"
+            for t, n in per_tree.items():
+                assert n <= self.capacity, f"tree {t} holds {n} nodes, capacity is {self.capacity}"
+            assert self._size <= self.max_nodes, f"{self._size} nodes exceed max_nodes {self.max_nodes}"
 
     def __repr__(self) -> str:
-        return (f"FrequencyTrie(nodes={self._size}, capacity={self.capacity}, decoding_length={self.decoding_length}, "
+        return (f"FrequencyTrie(nodes={self._size}, trees={len(self._tree_size)}, capacity={self.capacity}, "
+                f"max_nodes={self.max_nodes}, decoding_length={self.decoding_length}, "
                 f"branch_length={self.branch_length}, mode={self.mode!r}, active_requests={len(self._requests)})")
 
     # -- internals (callers hold the lock) -----------------------------------------------------
@@ -428,6 +511,9 @@ class FrequencyTrie:
             for step, child in zip(steps, made):
                 step.setdefault(child)
         self._size += len(made)
+        tree = key[0]
+        self._tree_size[tree] = self._tree_size.get(tree, 0) + len(made)
+        self._grown.add(tree)
 
     def _eliminate(self, req: _Request) -> None:
         """Walk the request's prompt windows again and take back one count per window per node.
@@ -454,8 +540,9 @@ class FrequencyTrie:
 
     def _remove(self, node: TrieNode) -> int:
         """Remove ``node`` and its subtree from both structures; returns the number of nodes."""
+        key = self._key(node)
         del node.parent.children[node.token]
-        del self._trie[self._key(node):]
+        del self._trie[key:]
         removed = 0
         stack = [node]
         while stack:
@@ -464,6 +551,11 @@ class FrequencyTrie:
             removed += 1
             stack.extend(n.children.values())
         self._size -= removed
+        left = self._tree_size[key[0]] - removed
+        if left:
+            self._tree_size[key[0]] = left
+        else:  # the first-token node itself went: the whole tree
+            del self._tree_size[key[0]]
         return removed
 
     @staticmethod
@@ -474,26 +566,75 @@ class FrequencyTrie:
             node = node.parent
         return tuple(reversed(key))
 
-    def _low_watermark(self) -> int:
+    def _tree_watermark(self) -> int:
         return min(self.capacity, int(self.capacity * self.prune_to))
 
-    def _prune_if_needed(self) -> None:
-        if self._size > self.capacity:
-            self._prune(self._low_watermark())
+    def _global_watermark(self) -> int:
+        return min(self.max_nodes, int(self.max_nodes * self.prune_to))
 
-    def _prune(self, target: int) -> int:
-        """Node pruning (Sec. 4.3.1): drop the least frequent nodes until ``target`` remain.
+    def _prune_if_needed(self) -> None:
+        """After every call that may add nodes: prune each grown tree past ``capacity``, then the
+        whole trie if past ``max_nodes``. Only the trees that grew are looked at."""
+        if self._grown:
+            capacity, sizes = self.capacity, self._tree_size
+            over = [t for t in self._grown if sizes.get(t, 0) > capacity]
+            self._grown.clear()
+            if over:
+                low = self._tree_watermark()
+                for t in over:
+                    self._prune_tree(t, low)
+        if self._size > self.max_nodes:
+            self._prune_global(self._global_watermark())
+
+    def _prune_tree(self, first_token: int, target: int) -> int:
+        """Node pruning (Sec. 4.3.1) in one first-token tree: drop its least frequent nodes until
+        ``target`` remain in it. Touches only that tree: O(T log T) for a tree of T nodes."""
+        top = self._root.children.get(first_token)
+        if top is None or self._tree_size[first_token] <= target:
+            return 0
+        nodes = []
+        stack = [top]
+        while stack:
+            n = stack.pop()
+            nodes.append(n)
+            stack.extend(n.children.values())
+        removed = self._drop(nodes, len(nodes) - target)
+        self.tree_prunes += 1
+        return removed
+
+    def _prune_global(self, target: int) -> int:
+        """Node pruning over the whole trie (the ``max_nodes`` bound): drop the globally least
+        frequent nodes until ``target`` remain. O(N log N) for N nodes."""
+        if self._size <= target:
+            return 0
+        nodes = []
+        stack = list(self._root.children.values())
+        while stack:
+            n = stack.pop()
+            nodes.append(n)
+            stack.extend(n.children.values())
+        removed = self._drop(nodes, self._size - target)
+        self.global_prunes += 1
+        return removed
+
+    def _drop(self, nodes: list[TrieNode], excess: int) -> int:
+        """Remove the ``excess`` least frequent of ``nodes`` (a set closed under descendants).
 
         Order: frequency ascending, then deepest first, then stalest first. A node's descendants
         are never more frequent and always deeper, so they come before it: the dropped set is
         closed under descendants and the trie stays prefix-closed.
         """
-        excess = self._size - target
         if excess <= 0:
             return 0
         w = self.prompt_weight
-        victims = heapq.nsmallest(excess, self._trie.itervalues(),
-                                  key=lambda n: (n.out + w * n.prompt, -n.depth, n.stamp))
+        key = lambda n: (n.out + w * n.prompt, -n.depth, n.stamp)  # noqa: E731
+        if excess >= len(nodes):
+            victims = nodes
+        elif 4 * excess < len(nodes):
+            victims = heapq.nsmallest(excess, nodes, key=key)
+        else:
+            nodes.sort(key=key)
+            victims = nodes[:excess]
         doomed = set(victims)
         removed = 0
         for node in victims:
