@@ -113,10 +113,20 @@ def _probability(text: str) -> float:
     return value
 
 
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model, --dtype and --threads, shared by every subcommand that loads a model."""
+    from specdraft.models import DEFAULT_MODEL, DTYPES
+
+    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="PATH_OR_ID",
+                        help="checkpoint directory, .gguf file, hub id or mirrored alias (default: %(default)s)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                        help="float32/float64 give token-exact greedy output; bfloat16 is faster (default: %(default)s)")
+    parser.add_argument("--threads", type=_int_at_least(1), default=1, metavar="N",
+                        help="torch CPU threads; 1 is fastest for small models on small VMs (default: %(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed so docs and tests can inspect it)."""
-    from specdraft.models import DEFAULT_MODEL, DTYPES  # light: torch, no transformers
-
     parser = argparse.ArgumentParser(
         prog=PROG, description="Lossless draft-model-free speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -125,8 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", help="generate text for one prompt",
         description="Generate text for one prompt with speculative decoding. The text goes to stdout, "
                     "the speed summary to stderr.")
-    gen.add_argument("--model", default=DEFAULT_MODEL, metavar="PATH_OR_ID",
-                     help="checkpoint directory, .gguf file, hub id or mirrored alias (default: %(default)s)")
+    _add_model_arguments(gen)
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", metavar="TEXT", help="the prompt text")
     prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE ('-' = stdin)")
@@ -142,10 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="check --max-tree-nodes every step instead of sizing the tree adaptively")
     gen.add_argument("--attention", choices=["auto", "sdpa", "eager", "flash"], default="auto",
                      help="attention backend; flash = split+merge flash kernel (default: %(default)s)")
-    gen.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                     help="float32/float64 give token-exact greedy output; bfloat16 is faster (default: %(default)s)")
-    gen.add_argument("--threads", type=_int_at_least(1), default=1, metavar="N",
-                     help="torch CPU threads; 1 is fastest for small models on small VMs (default: %(default)s)")
     samp = gen.add_argument_group("sampling (defaults come from the model's generation config)")
     samp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     samp.add_argument("--temperature", type=_positive_float, metavar="T")
@@ -166,14 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate a copy-heavy answer (rename a function the prompt shows) on the default model and "
                     "compare, in this process and interleaved, plain model.generate, transformers' prompt lookup "
                     "and specdraft. Reports median speed ratios and whether the greedy outputs are identical.")
-    demo.add_argument("--model", default=DEFAULT_MODEL, metavar="PATH_OR_ID",
-                      help="checkpoint directory, .gguf file, hub id or mirrored alias (default: %(default)s)")
-    demo.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default: %(default)s)")
+    _add_model_arguments(demo)
     demo.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="N", help="(default: %(default)s)")
     demo.add_argument("--max-tree-nodes", type=_int_at_least(0), default=32, metavar="N", help="(default: %(default)s)")
     demo.add_argument("--fixed-budget", action="store_true",
                       help="check --max-tree-nodes every step instead of sizing the tree adaptively")
-    demo.add_argument("--threads", type=_int_at_least(1), default=1, metavar="N", help="(default: %(default)s)")
     demo.add_argument("--repeats", type=_int_at_least(1), default=3, metavar="N",
                       help="timed rounds per method; medians are reported (default: %(default)s)")
     demo.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
@@ -185,8 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "speedup vs plain model.generate, mean accepted tokens, per-source shares and greedy "
                     "identity. Writes Spec-Bench JSONL per method, summary.json, results.md and speedup.png "
                     "to --out; prints the markdown table. See benchmarks/README.md.")
-    bench.add_argument("--model", default=DEFAULT_MODEL, metavar="PATH_OR_ID",
-                       help="checkpoint directory, .gguf file, hub id or mirrored alias (default: %(default)s)")
+    _add_model_arguments(bench)
     bench.add_argument("--dataset", required=True, metavar="NAME_OR_FILE",
                        help="humaneval, mtbench, or a .jsonl file with a 'prompt' field per line (comma-separate "
                             "several)")
@@ -200,8 +201,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="(default: %(default)s)")
     bench.add_argument("--max-tree-nodes", type=_int_at_least(0), default=32, metavar="N",
                        help="draft tokens per forward for our methods (default: %(default)s)")
-    bench.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default: %(default)s)")
-    bench.add_argument("--threads", type=_int_at_least(1), default=1, metavar="N", help="(default: %(default)s)")
     bench.add_argument("--repeats", type=_int_at_least(1), default=1, metavar="R",
                        help="time each method R times per prompt and take the median (default: %(default)s)")
     bench.add_argument("--chat", choices=["auto", "on", "off"], default="auto",

@@ -421,3 +421,18 @@ def single_thread():
 def make_model():
     """The :func:`tiny_model` factory as a fixture."""
     return tiny_model
+
+
+@pytest.fixture
+def offline_cache(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """No hub access and a throw-away user cache, for tests of model resolution and the CLI."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "specdraft-cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Llama checkpoint with a tokenizer, saved once per module."""
+    from _tiny_checkpoint import save_tiny_checkpoint
+
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")

@@ -21,7 +21,9 @@ from specdraft.bench.methods import (BASELINE, DEFAULT, HF_PROMPT_LOOKUP, Method
 from specdraft.bench.report import markdown_report, markdown_table, speed_ratio, summarize
 from specdraft.bench.runner import PromptRun, first_difference, run_benchmark
 
-from _tiny_checkpoint import save_tiny_checkpoint
+
+# offline_cache: no test here may reach the hub or write to the real user cache (see conftest.py)
+pytestmark = pytest.mark.usefixtures("offline_cache")
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 SPEC_BENCH_FIELDS = {"question_id", "category", "answer_id", "model_id", "choices", "tstamp"}
@@ -29,15 +31,8 @@ CHOICE_FIELDS = {"index", "turns", "decoding_steps", "new_tokens", "wall_time", 
 PROMPTS = ["a b c d e f a b c d e", "w1 w2 w3 w4 w1 w2 w3", "x y z x y"]
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "specdraft-cache"))
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,13 @@ import pytest
 from specdraft import cli
 from specdraft.cli import SOURCES, UsageError, main, parse_source_names
 
-from _tiny_checkpoint import save_tiny_checkpoint
+
+# offline_cache: no test here may reach the hub or write to the real user cache (see conftest.py)
+pytestmark = pytest.mark.usefixtures("offline_cache")
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "specdraft-cache"))
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
 def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:

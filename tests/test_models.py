@@ -34,19 +34,13 @@ from specdraft.models import (
     resolve_model,
 )
 
-from _tiny_checkpoint import save_tiny_checkpoint
+
+# offline_cache: no test here may reach the hub or write to the real user cache (see conftest.py)
+pytestmark = pytest.mark.usefixtures("offline_cache")
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No test here may reach the hub or write to the real user cache."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "specdraft-cache"))
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
 def make_wheel(path: Path, members: dict[str, bytes]) -> Path:
