@@ -23,8 +23,10 @@ Exploration
     Ranks beyond the current budget are not observed, so every ``probe_every`` steps the budget is
     raised to the next bucket to refresh them. A probe that finds nothing doubles the interval (up
     to ``max_probe_interval``: on hopeless text the probes cost about 2% of a plain decode); one that
-    finds accepted tokens beyond the budget probes again at once, one bucket wider, so a prompt that
-    starts copying regains the full tree in a few steps. The first ``warmup`` steps use the full
+    finds accepted tokens beyond the budget probes again at once, one bucket wider, and so does a
+    regular step whose newest node was accepted (the tree was too small for the run of hits), so a
+    prompt that starts copying regains the full tree in a few steps. Acceptance comes in runs
+    (a copy starts, goes on, ends), so the averages weigh the newest step heavily (0.5). The first ``warmup`` steps use the full
     budget so the estimates start from data.
 
 The budget changes only which drafts are checked, never how they are verified, so output stays
@@ -71,7 +73,7 @@ class AdaptiveBudget:
         Weight of a probe's observation of ranks above the regular budget (seen only on probes).
     """
 
-    def __init__(self, max_nodes: int, smoothing: float = 0.15, warmup: int = 3, probe_every: int = 8,
+    def __init__(self, max_nodes: int, smoothing: float = 0.5, warmup: int = 3, probe_every: int = 8,
                  max_probe_interval: int = 64, probe_smoothing: float = 0.5) -> None:
         if max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
@@ -184,4 +186,9 @@ class AdaptiveBudget:
                 self._probe_nodes = 0
         else:
             self._last_choice = decision.nodes
+            if tree_nodes and accepted and max(accepted) == tree_nodes - 1 and decision.nodes < self.max_nodes:
+                # the newest node was accepted: the tree was too small for this run of hits
+                # (a copy in progress), so try a wider one right away
+                self._since_probe = self._probe_interval
+                self._probe_nodes = decision.nodes + 1
         self.steps += 1

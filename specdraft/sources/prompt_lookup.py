@@ -19,11 +19,18 @@ from .base import Context, Draft, Feedback
 class PromptLookup:
     """Draft source that proposes continuations of earlier matches of the context's tail.
 
+    Defaults (longest tail 3 tokens, branches of up to 20 tokens, 2 branches, most recent match
+    first) were picked by exact replay of Qwen2.5-Coder-0.5B greedy outputs
+    (``benchmarks/acceptance_replay.py``): on the README demo they need 11 steps for 96 tokens
+    where 10-token single branches (transformers' setting) need 14-15; on 20 HumanEval prompts
+    they accept 1.56 tokens per step against 1.49, and most-recent-first beats earliest-first.
+    Long branches cost width only when the adaptive budget judges they pay.
+
     Stateless across steps and requests (it rescans the context, which costs microseconds next
     to a forward pass), so one instance is safe to share between decoders and threads.
     """
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 10, max_branches: int = 4,
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 20, max_branches: int = 2,
                  name: str = "prompt") -> None:
         if min_ngram < 1 or max_ngram < min_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
