@@ -8,26 +8,28 @@ we measure both sides online and re-pick it every step.
 
 The rule
     Trees are merged in priority order and cut at the budget in that same order, so the tree of
-    budget ``n`` is exactly the first ``n`` nodes of a bigger tree, and a node accepted in the
-    bigger tree is accepted in the cut one too (its ancestors come earlier). Hence::
+    budget ``n`` is exactly the first ``n`` nodes of the full tree, and a node accepted in the
+    full tree is accepted in the cut one too (its ancestors come earlier). Hence::
 
         E[tokens committed | budget n] = 1 + sum_{r < n} p_r
 
     where ``p_r`` is the probability that the node inserted ``r``-th is on the accepted path. We
-    keep an exponential moving average of ``p_r`` for every rank we observe, and of the measured
-    step time ``cost(q)`` per forward width ``q`` (root + tree + side tokens, in power-of-two
-    buckets). Each step picks ``n`` maximising ``(1 + sum_{r<n} p_r) / cost(1 + n + side)`` over
-    ``n = 0`` (plain decoding) and the bucket edges up to ``max_nodes``.
+    keep an exponential moving average of every ``p_r`` and of the measured step time
+    ``cost(q)`` per forward width ``q`` (root + tree + side tokens, in power-of-two buckets). Each
+    step picks ``n`` maximising ``(1 + sum_{r<n} p_r) / cost(1 + n + side)`` over ``n = 0`` (plain
+    decoding) and the bucket edges up to ``max_nodes``.
 
-Exploration
-    Ranks beyond the current budget are not observed, so every ``probe_every`` steps the budget is
-    raised to the next bucket to refresh them. A probe that finds nothing doubles the interval (up
-    to ``max_probe_interval``: on hopeless text the probes cost about 2% of a plain decode); one that
-    finds accepted tokens beyond the budget probes again at once, one bucket wider, and so does a
-    regular step whose newest node was accepted (the tree was too small for the run of hits), so a
-    prompt that starts copying regains the full tree in a few steps. Acceptance comes in runs
-    (a copy starts, goes on, ends), so the averages weigh the newest step heavily (0.5). The first ``warmup`` steps use the full
-    budget so the estimates start from data.
+Shadow verification instead of probing
+    The decoder always builds the *full* tree, checks only its first ``n`` nodes, and keeps the
+    full tree aside: under greedy decoding the tokens committed over the next steps say exactly
+    which of its nodes would have been accepted, so every ``p_r`` is observed every step, for
+    free, even while the controller runs plain one-token steps. A copy that starts in the middle of
+    novel text is noticed at once, without paying for exploratory wide forwards. (Under sampling the
+    shadow check is an estimate; it only sizes the tree, never changes what is emitted.)
+    Acceptance comes in runs (a copy starts, goes on, ends), so the averages weigh the newest
+    observation heavily (``smoothing=0.5``). Costs of widths never run are guessed optimistically
+    (the nearest narrower measured bucket, or half the narrowest), so the controller tries them
+    when the acceptance says they might pay, and then knows.
 
 The budget changes only which drafts are checked, never how they are verified, so output stays
 exactly lossless whatever this controller decides.
@@ -48,12 +50,11 @@ def _bucket(width: int) -> int:
 
 @dataclass
 class BudgetDecision:
-    """The budget for one step and why (for statistics and debugging)."""
+    """The budget for one step and what the controller expected of it."""
 
     nodes: int
     expected_tokens: float
     expected_cost: float
-    probe: bool
 
 
 class AdaptiveBudget:
@@ -66,32 +67,21 @@ class AdaptiveBudget:
     smoothing:
         Weight of the newest observation in the moving averages of acceptance and cost.
     warmup:
-        Steps at the full budget before the controller starts choosing.
-    probe_every, max_probe_interval:
-        How often ranks above the current budget are re-measured (see Exploration).
-    probe_smoothing:
-        Weight of a probe's observation of ranks above the regular budget (seen only on probes).
+        Steps at the full budget before the controller starts choosing (so the cost of a wide
+        step is measured; sources that need longer, like Jacobi's window, can ask for more).
     """
 
-    def __init__(self, max_nodes: int, smoothing: float = 0.5, warmup: int = 3, probe_every: int = 8,
-                 max_probe_interval: int = 64, probe_smoothing: float = 0.5) -> None:
+    def __init__(self, max_nodes: int, smoothing: float = 0.5, warmup: int = 3) -> None:
         if max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.max_nodes = max_nodes
         self.smoothing = smoothing
-        self.probe_smoothing = probe_smoothing
         self.warmup = warmup
-        self.base_probe_interval = max(1, probe_every)
-        self.max_probe_interval = max(self.base_probe_interval, max_probe_interval)
         self.accept_rate: list[float | None] = [None] * max_nodes  # p_r, None until observed
         self.cost: dict[int, float] = {}  # bucket -> seconds per step
         self.steps = 0
-        self._probe_interval = self.base_probe_interval
-        self._since_probe = 0
-        self._probe_nodes = 0  # a probe uses at least this many nodes
-        self._last_choice = max_nodes
 
     # -- estimates ------------------------------------------------------------------------
 
@@ -114,16 +104,16 @@ class AdaptiveBudget:
         smaller = [k for k in self.cost if k < b]
         if smaller:
             return self.cost[max(smaller)]
-        return 0.5 * self.cost[min(self.cost)]  # narrower than anything measured: guess cheaper, then measure
+        return 0.5 * self.cost[min(self.cost)]
 
     # -- the decision ----------------------------------------------------------------------
 
     def choose(self, side_tokens: int = 0) -> BudgetDecision:
         """The budget for the next step, given the side-block tokens that will ride along."""
         if self.max_nodes == 0:
-            return BudgetDecision(0, 1.0, self.expected_cost(1 + side_tokens) or 0.0, False)
+            return BudgetDecision(0, 1.0, self.expected_cost(1 + side_tokens) or 0.0)
         if self.steps < self.warmup or not self.cost:
-            return BudgetDecision(self.max_nodes, self.expected_tokens(self.max_nodes), 0.0, True)
+            return BudgetDecision(self.max_nodes, self.expected_tokens(self.max_nodes), 0.0)
         candidates = sorted({0, self.max_nodes} | {e - 1 - side_tokens for e in self._edges()
                                                    if 0 < e - 1 - side_tokens < self.max_nodes})
         best, best_rate = 0, -1.0
@@ -132,15 +122,7 @@ class AdaptiveBudget:
             rate = self.expected_tokens(n) / cost if cost else 0.0
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = n, rate
-        probe = False
-        self._since_probe += 1
-        if self._since_probe >= self._probe_interval and best < self.max_nodes:
-            bigger = [n for n in candidates if n > best]
-            above = [n for n in bigger if n >= self._probe_nodes]
-            best, probe = (above[0] if above else bigger[-1]), True
-            self._since_probe = 0
-        cost = self.expected_cost(1 + best + side_tokens) or 0.0
-        return BudgetDecision(best, self.expected_tokens(best), cost, probe)
+        return BudgetDecision(best, self.expected_tokens(best), self.expected_cost(1 + best + side_tokens) or 0.0)
 
     def _edges(self) -> list[int]:
         edges, e = [], 2
@@ -150,45 +132,30 @@ class AdaptiveBudget:
         return edges
 
     def new_request(self) -> None:
-        """A request starts: probe on its first step, since what paid off for the previous
-        request (or did not) says little about this prompt."""
-        self._probe_interval = self.base_probe_interval
-        self._since_probe = self._probe_interval
+        """A request starts. Nothing to reset: costs carry over, and the acceptance averages
+        follow the new prompt within a step or two (they are fed every step)."""
 
     # -- learning -------------------------------------------------------------------------
 
-    def record(self, decision: BudgetDecision, tree_nodes: int, accepted_ranks: list[int], width: int,
-               seconds: float) -> None:
-        """Learn from a finished step.
-
-        ``tree_nodes`` draft nodes were actually built (sources may offer fewer than the budget);
-        ``accepted_ranks`` are the insertion ranks (0-based, root excluded) of the accepted nodes;
-        ``width`` is the forward width and ``seconds`` the step's wall time.
-        """
-        probing = decision.probe and self.steps >= self.warmup
+    def observe_acceptance(self, tree_nodes: int, accepted_ranks: list[int]) -> None:
+        """A (full or shadow) tree of ``tree_nodes`` draft nodes was resolved: the nodes with these
+        insertion ranks (0-based, root excluded) were, or would have been, accepted."""
+        a = self.smoothing
         accepted = set(accepted_ranks)
         for r in range(min(tree_nodes, self.max_nodes)):
-            # ranks above the regular budget are seen only on probes: let those count more
-            a = self.probe_smoothing if probing and r >= self._last_choice else self.smoothing
             hit = 1.0 if r in accepted else 0.0
             old = self.accept_rate[r]
             self.accept_rate[r] = hit if old is None else (1 - a) * old + a * hit
+
+    def observe_cost(self, width: int, seconds: float) -> None:
+        """A step of forward width ``width`` took ``seconds`` (drafting and verifying included)."""
         b = _bucket(width)
-        old_cost = self.cost.get(b)
-        self.cost[b] = seconds if old_cost is None else (1 - self.smoothing) * old_cost + self.smoothing * seconds
-        if probing:
-            if any(r >= self._last_choice for r in accepted):
-                # the probe found tokens beyond the budget: look further, right away
-                self._probe_interval = 1
-                self._probe_nodes = decision.nodes + 1
-            else:
-                self._probe_interval = min(self.max_probe_interval, 2 * max(self._probe_interval, self.base_probe_interval // 2))
-                self._probe_nodes = 0
-        else:
-            self._last_choice = decision.nodes
-            if tree_nodes and accepted and max(accepted) == tree_nodes - 1 and decision.nodes < self.max_nodes:
-                # the newest node was accepted: the tree was too small for this run of hits
-                # (a copy in progress), so try a wider one right away
-                self._since_probe = self._probe_interval
-                self._probe_nodes = decision.nodes + 1
+        old = self.cost.get(b)
+        self.cost[b] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
         self.steps += 1
+
+    def record(self, decision: BudgetDecision, tree_nodes: int, accepted_ranks: list[int], width: int,
+               seconds: float) -> None:
+        """Both observations of a step whose checked tree was the full tree."""
+        self.observe_acceptance(tree_nodes, accepted_ranks)
+        self.observe_cost(width, seconds)

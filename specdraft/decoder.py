@@ -198,7 +198,7 @@ class Decoder:
                 source.begin(Context(tuple(committed), prompt_length, request_id))
                 begun.append(source)
             done = False
-            side_tokens = 0
+            shadows: list[tuple[TokenTree, int, int]] = []  # full trees awaiting their outcome (budget.py)
             if self.budget is not None:
                 self.budget.new_request()
             while not done:
@@ -206,10 +206,11 @@ class Decoder:
                 context = Context(tuple(committed), prompt_length, request_id)
                 generated = len(committed) - prompt_length
                 depth_limit = rule.max_new_tokens - generated - 1  # the bonus token takes the last slot
-                decision = self._decide(side_tokens)
-                drafts = [self._propose(s, context, decision.nodes, depth_limit) for s in self.sources]
+                drafts = [self._propose(s, context, depth_limit) for s in self.sources]
                 side_tokens = self._fit_side_blocks(drafts)
-                tree = TokenTree.from_drafts(context.root, [d.branches for d in drafts], decision.nodes)
+                decision = self._decide(side_tokens)
+                branches = [d.branches for d in drafts]
+                tree = TokenTree.from_drafts(context.root, branches, decision.nodes)
                 tokens, offsets, block, side_slices = _step_input(tree, drafts)
                 logits = self.runner.forward(tokens, offsets, block)
                 verdict = self._verify(tree, logits[: len(tree)], settings, scorer, committed, draw)
@@ -217,14 +218,18 @@ class Decoder:
                 self._record(stats, tree, verdict, len(step_tokens))
                 if not done:
                     self.runner.compact([0] + verdict.path)
+                start = len(committed)
                 committed.extend(step_tokens)
                 after = Context(tuple(committed), prompt_length, request_id)
                 for source, side in zip(self.sources, side_slices):
                     source.observe(Feedback(committed=list(step_tokens), context=after,
                                             side_logits=logits[side] if side is not None else None))
                 if self.budget is not None:
-                    self.budget.record(decision, tree.num_draft_nodes, [n - 1 for n in verdict.path], len(tokens),
-                                       time.perf_counter() - step_started)
+                    self.budget.observe_cost(len(tokens), time.perf_counter() - step_started)
+                    full = (tree if decision.nodes >= self.max_tree_nodes
+                            else TokenTree.from_drafts(context.root, branches, self.max_tree_nodes))
+                    shadows.append((full, start, 0))
+                    shadows = _resolve_shadows(shadows, committed, self.budget)
                 stats.new_tokens += len(step_tokens)
                 stats.wall_time = time.perf_counter() - started
                 if step_tokens:
@@ -237,16 +242,16 @@ class Decoder:
             self._busy = False
 
     def _decide(self, side_tokens: int) -> BudgetDecision:
-        """This step's tree budget: the fixed cap, or the adaptive controller's choice (given the
-        side-block width of the previous step, the best guess of this one's)."""
+        """This step's tree budget: the fixed cap, or the adaptive controller's choice."""
         if self.budget is None:
-            return BudgetDecision(self.max_tree_nodes, 0.0, 0.0, False)
+            return BudgetDecision(self.max_tree_nodes, 0.0, 0.0)
         return self.budget.choose(side_tokens)
 
-    def _propose(self, source: DraftSource, context: Context, budget: int, depth_limit: int) -> Draft:
-        """Ask one source for a draft within ``budget`` nodes; cut its branches so a step never
+    def _propose(self, source: DraftSource, context: Context, depth_limit: int) -> Draft:
+        """Ask one source for a draft of up to ``max_tree_nodes`` nodes (the full tree: the adaptive
+        budget checks a prefix of it and learns from the rest); cut its branches so a step never
         commits past the token limit; refuse token ids the model does not have."""
-        draft = source.propose(context, budget)
+        draft = source.propose(context, self.max_tree_nodes)
         vocab = self.runner.vocab_size
         side = draft.side_block
         for tokens in [*draft.branches, side.tokens if side is not None else []]:
@@ -254,7 +259,7 @@ class Decoder:
             if bad:
                 raise ValueError(f"draft source {source.name!r} proposed token ids {bad[:5]} outside the model's "
                                  f"vocabulary [0, {vocab})")
-        if budget == 0 or depth_limit < 1:
+        if self.max_tree_nodes == 0 or depth_limit < 1:
             return Draft(side_block=side)
         draft.branches = [list(b[:depth_limit]) for b in draft.branches if len(b)]
         return draft
@@ -351,6 +356,32 @@ def _step_input(tree: TokenTree, drafts: Sequence[Draft]) -> tuple[list[int], np
         slices.append(slice(at, at + m))
         at += m
     return tokens, np.concatenate(offsets), block, slices
+
+
+#: Steps a shadow tree may wait for its outcome; after that the part walked so far counts as
+#: accepted and the rest as not, so a copy that starts during plain one-token steps is noticed
+#: within a few steps instead of only when its whole draft has been committed.
+SHADOW_PATIENCE = 3
+
+
+def _resolve_shadows(shadows: list[tuple[TokenTree, int, int]], committed: list[int],
+                     budget: AdaptiveBudget) -> list[tuple[TokenTree, int, int]]:
+    """Walk each pending full tree ``(tree, start, age)`` along the tokens committed since it was
+    drafted; a walk that leaves the tree, reaches a leaf or runs out of patience tells the budget
+    which ranks would have been accepted. Returns the trees still waiting for more tokens."""
+    waiting = []
+    for tree, start, age in shadows:
+        node, i = 0, start
+        while i < len(committed):
+            child = tree.child(node, committed[i])
+            if child is None:
+                break
+            node, i = child, i + 1
+        if i == len(committed) and tree.children(node) and age < SHADOW_PATIENCE:
+            waiting.append((tree, start, age + 1))  # still on the tree: the outcome is not known yet
+            continue
+        budget.observe_acceptance(tree.num_draft_nodes, [n - 1 for n in tree.path_to(node)])
+    return waiting
 
 
 def _eos_ids(model: Any) -> list[int]:
