@@ -289,8 +289,6 @@ class MultiLevelNGram:
     def __init__(self, max_ngram: int = 5, num_tokens: int = 7, top_b: int = 2, branch_depth: int = 1,
                  shared: bool = False, max_contexts: int | None = None, max_followers: int | None = None,
                  max_requests: int = 64, name: str = "ngram") -> None:
-        if max_ngram < 2:
-            raise ValueError(f"max_ngram must be >= 2 (N-grams with n in 2..N), got {max_ngram}")
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         if top_b < 1:
@@ -302,10 +300,9 @@ class MultiLevelNGram:
         if shared:
             max_contexts = DEFAULT_SHARED_MAX_CONTEXTS if max_contexts is None else max_contexts
             max_followers = DEFAULT_SHARED_MAX_FOLLOWERS if max_followers is None else max_followers
-        if max_contexts is not None and max_contexts < 1:
-            raise ValueError(f"max_contexts must be >= 1, got {max_contexts}")
-        if max_followers is not None and max_followers < 1:
-            raise ValueError(f"max_followers must be >= 1, got {max_followers}")
+        # NGramModel checks max_ngram / max_contexts / max_followers; build one now (an empty table,
+        # free) so bad values fail here rather than at the first request
+        NGramModel(max_ngram, max_contexts, max_followers)
         self.max_ngram = max_ngram
         self.num_tokens = num_tokens
         self.top_b = top_b
