@@ -36,8 +36,8 @@ def _lazy(module: str, attr: str, **kwargs: Any) -> Callable[[], Any]:
     """A factory that imports ``module.attr`` only when called, so ``--help`` and argument errors
     stay fast and a source being rewritten cannot break the other commands."""
 
-    def make() -> Any:
-        return getattr(importlib.import_module(module), attr)(**kwargs)
+    def make(**overrides: Any) -> Any:
+        return getattr(importlib.import_module(module), attr)(**{**kwargs, **overrides})
 
     make.__qualname__ = f"make_{attr}"
     return make
@@ -58,23 +58,30 @@ DEFAULT_SOURCES = ["prompt", "trie", "ngram"]
 
 
 def parse_source_names(text: str) -> list[str]:
-    """Split a ``--sources`` value (``"prompt,trie"``) and check every name against :data:`SOURCES`."""
-    names = [part.strip() for part in text.split(",") if part.strip()]
+    """Split a ``--sources`` value (``"prompt,trie"``, ``"prompt,jacobi[window=3,ngram=4]"``) and check
+    every spec against :data:`SOURCES` (see :mod:`specdraft.source_spec` for the settings syntax).
+    Returns the specs in canonical form (spaces removed)."""
+    from specdraft.source_spec import SourceSpecError, parse_source_spec, split_top_level
+
     allowed = ", ".join(SOURCES)
-    if not names:
+    try:
+        specs = [parse_source_spec(part, SOURCES).text for part in split_top_level(text)]
+    except SourceSpecError as exc:
+        raise UsageError(f"{exc} (in --sources)") from None
+    if not specs:
         raise UsageError(f"--sources needs at least one draft source; allowed: {allowed}")
-    unknown = [n for n in names if n not in SOURCES]
-    if unknown:
-        raise UsageError(f"unknown draft source {unknown[0]!r} in --sources; allowed: {allowed}")
-    dupes = sorted({n for n in names if names.count(n) > 1})
+    dupes = sorted({n for n in specs if specs.count(n) > 1})
     if dupes:
         raise UsageError(f"draft source {dupes[0]!r} is listed twice in --sources")
-    return names
+    return specs
 
 
-def make_sources(names: Sequence[str]) -> list[Any]:
-    """Instantiate the named draft sources (names as returned by :func:`parse_source_names`)."""
-    return [SOURCES[name]() for name in names]
+def make_sources(specs: Sequence[str]) -> list[Any]:
+    """Instantiate draft sources from specs as returned by :func:`parse_source_names`
+    (``"prompt"``, ``"jacobi[window=3]"``)."""
+    from specdraft.source_spec import parse_source_spec
+
+    return [parse_source_spec(spec, SOURCES, check=False).build(SOURCES) for spec in specs]
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true",
                      help="wrap the prompt as a user message in the tokenizer's chat template")
     gen.add_argument("--sources", default="prompt", metavar="NAMES",
-                     help=f"comma-separated draft sources; allowed: {', '.join(SOURCES)} (default: %(default)s)")
+                     help=f"comma-separated draft sources, each NAME or NAME[key=value,...] with the source's constructor "
+                          f"arguments (jacobi[window=3,ngram=4]); allowed: {', '.join(SOURCES)} (default: %(default)s)")
     gen.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="N",
                      help="stop after N new tokens (or at end of sequence) (default: %(default)s)")
     gen.add_argument("--max-tree-nodes", type=_int_at_least(0), default=32, metavar="N",

@@ -248,12 +248,29 @@ def test_parse_methods() -> None:
     assert parse_methods("prompt, hf-prompt-lookup") == [BASELINE, "specdraft:prompt", HF_PROMPT_LOOKUP]
     assert parse_methods("specdraft:prompt,baseline") == [BASELINE, "specdraft:prompt"]
     assert parse_methods(None) == default_method_names()
-    with pytest.raises(MethodError, match=r"no draft source 'nope'.*valid: baseline, hf-prompt-lookup"):
+    with pytest.raises(MethodError, match=r"unknown draft source 'nope'.*valid methods: baseline, hf-prompt-lookup"):
         parse_methods("specdraft:prompt+nope")
     with pytest.raises(MethodError, match="listed twice"):
         parse_methods("prompt,specdraft:prompt")
     with pytest.raises(MethodError, match="draft source twice"):
         parse_methods("prompt+prompt")
+
+
+def test_methods_take_source_settings_in_brackets(tiny) -> None:
+    names = parse_methods("jacobi[window=3, ngram=4],prompt+jacobi[max_candidates=1]@fixed,jacobi")
+    assert names == [BASELINE, "specdraft:jacobi[window=3,ngram=4]", "specdraft:prompt+jacobi[max_candidates=1]@fixed",
+                     "specdraft:jacobi"]
+    method = build_method(names[1], *tiny)
+    (jacobi,) = method.sources
+    assert (jacobi.window, jacobi.ngram, jacobi.max_candidates) == (3, 4, 2)
+    mixed = build_method(names[2], *tiny)
+    assert mixed.sources[1].max_candidates == 1 and mixed.decoder.budget is None
+    with pytest.raises(MethodError, match=r"jacobi\[window=0\].*window must be an int >= 1, got 0"):
+        parse_methods("jacobi[window=0]")
+    with pytest.raises(MethodError, match="unexpected keyword argument 'widht'"):
+        parse_methods("jacobi[widht=3]")
+    with pytest.raises(MethodError, match="unbalanced"):
+        parse_methods("jacobi[window=3,prompt")
 
 
 class CountingSource:

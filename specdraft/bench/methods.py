@@ -113,7 +113,7 @@ def valid_method_names() -> str:
     """The valid ``--methods`` names, for help and error messages."""
     sources = ", ".join(_sources())
     return (f"{BASELINE}, {HF_PROMPT_LOOKUP}, {DEFAULT}, or {PREFIX}<sources joined by +> "
-            f"with sources from: {sources}; add {FIXED_SUFFIX} to one of ours to switch its adaptive budget off")
+            f"with sources from: {sources} (each NAME or NAME[key=value,...]); add {FIXED_SUFFIX} to one of ours to switch its adaptive budget off")
 
 
 #: Suffix of a method name that turns the adaptive tree budget off (``default@fixed``,
@@ -137,13 +137,18 @@ def _canonical(name: str) -> str:
         return base + FIXED_SUFFIX
     if name in (BASELINE, HF_PROMPT_LOOKUP, DEFAULT):
         return name
+    from specdraft.source_spec import SourceSpecError, parse_source_spec, split_top_level
+
     body = name[len(PREFIX):] if name.startswith(PREFIX) else name
-    parts = [p.strip() for p in body.split("+")]
     registry = _sources()
-    if not body or any(p not in registry for p in parts):
-        bad = next((p for p in parts if p not in registry), body) if body else name
-        raise MethodError(f"unknown method {name!r}" + (f" (no draft source {bad!r})" if bad != name else "")
-                          + f"; valid: {valid_method_names()}")
+    if body not in registry and not any(c in body for c in "[+"):  # one bare word: not a method at all
+        raise MethodError(f"unknown method {name!r}; valid: {valid_method_names()}")
+    try:
+        parts = [parse_source_spec(p, registry).text for p in split_top_level(body, "+")]
+    except SourceSpecError as exc:
+        raise MethodError(f"method {name!r}: {exc}; valid methods: {valid_method_names()}") from None
+    if not parts:
+        raise MethodError(f"unknown method {name!r}; valid: {valid_method_names()}")
     if len(set(parts)) != len(parts):
         raise MethodError(f"method {name!r} lists a draft source twice")
     return PREFIX + "+".join(parts)
@@ -157,9 +162,13 @@ def parse_methods(text: str | None) -> list[str]:
     if text is None or not text.strip():
         return default_method_names()
     names: list[str] = []
-    for part in text.split(","):
-        if not part.strip():
-            continue
+    from specdraft.source_spec import SourceSpecError, split_top_level
+
+    try:
+        parts = split_top_level(text)
+    except SourceSpecError as exc:
+        raise MethodError(f"--methods: {exc}") from None
+    for part in parts:
         name = _canonical(part)
         if name in names:
             raise MethodError(f"method {name!r} is listed twice in --methods")
@@ -315,13 +324,15 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32
     if name == HF_PROMPT_LOOKUP:
         return PlainGenerate(name, model, {"do_sample": False, "prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS},
                              f"model.generate(do_sample=False, prompt_lookup_num_tokens={HF_PROMPT_LOOKUP_TOKENS})")
+    from specdraft.source_spec import split_top_level
+
     base, fixed = _split_fixed(name)
     if base == DEFAULT:
-        sources = _canonical("+".join(default_source_names()))[len(PREFIX):].split("+")
+        sources = split_top_level(_canonical("+".join(default_source_names()))[len(PREFIX):], "+")
         return SpecdraftMethod(name, model, tokenizer, sources, max_tree_nodes, adaptive_budget=not fixed)
     canonical = _canonical(base)
     return SpecdraftMethod(canonical + (FIXED_SUFFIX if fixed else ""), model, tokenizer,
-                           canonical[len(PREFIX):].split("+"), max_tree_nodes, adaptive_budget=not fixed)
+                           split_top_level(canonical[len(PREFIX):], "+"), max_tree_nodes, adaptive_budget=not fixed)
 
 
 def build_methods(names: Sequence[str], model: Any, tokenizer: Any, max_tree_nodes: int = 32) -> list[Method]:
