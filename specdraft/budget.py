@@ -16,8 +16,10 @@ The rule
     where ``p_r`` is the probability that the node inserted ``r``-th is on the accepted path. We
     keep an exponential moving average of every ``p_r`` and of the measured step time
     ``cost(q)`` per forward width ``q`` (root + tree + side tokens, in power-of-two buckets). Each
-    step picks ``n`` maximising ``(1 + sum_{r<n} p_r) / cost(1 + n + side)`` over ``n = 0`` (plain
-    decoding) and the bucket edges up to ``max_nodes``.
+    step picks ``n`` maximising ``(1 + sum_{r<n} p_r) / cost(width(n))`` over ``n = 0`` (plain
+    decoding) and the bucket edges up to ``max_nodes``, where ``width(0) = 1`` and
+    ``width(n) = 1 + n + side``: a plain step leaves the side blocks (Jacobi's window) out too, so
+    a source whose window does not pay stops costing anything until drafts pay again.
 
 Shadow verification instead of probing
     The decoder always builds the *full* tree, checks only its first ``n`` nodes, and keeps the
@@ -108,21 +110,28 @@ class AdaptiveBudget:
 
     # -- the decision ----------------------------------------------------------------------
 
+    @staticmethod
+    def width(nodes: int, side_tokens: int) -> int:
+        """Forward width of a step with ``nodes`` draft nodes: a plain step (``nodes == 0``) runs
+        the root alone, without side blocks (the decoder drops them), else root + tree + side."""
+        return 1 if nodes == 0 else 1 + nodes + side_tokens
+
     def choose(self, side_tokens: int = 0) -> BudgetDecision:
         """The budget for the next step, given the side-block tokens that will ride along."""
         if self.max_nodes == 0:
-            return BudgetDecision(0, 1.0, self.expected_cost(1 + side_tokens) or 0.0)
+            return BudgetDecision(0, 1.0, self.expected_cost(1) or 0.0)
         if self.steps < self.warmup or not self.cost:
             return BudgetDecision(self.max_nodes, self.expected_tokens(self.max_nodes), 0.0)
         candidates = sorted({0, self.max_nodes} | {e - 1 - side_tokens for e in self._edges()
                                                    if 0 < e - 1 - side_tokens < self.max_nodes})
         best, best_rate = 0, -1.0
         for n in candidates:
-            cost = self.expected_cost(1 + n + side_tokens)
+            cost = self.expected_cost(self.width(n, side_tokens))
             rate = self.expected_tokens(n) / cost if cost else 0.0
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = n, rate
-        return BudgetDecision(best, self.expected_tokens(best), self.expected_cost(1 + best + side_tokens) or 0.0)
+        return BudgetDecision(best, self.expected_tokens(best),
+                              self.expected_cost(self.width(best, side_tokens)) or 0.0)
 
     def _edges(self) -> list[int]:
         edges, e = [], 2

@@ -209,6 +209,11 @@ class Decoder:
                 drafts = [self._propose(s, context, depth_limit) for s in self.sources]
                 side_tokens = self._fit_side_blocks(drafts)
                 decision = self._decide(side_tokens)
+                if self.budget is not None and decision.nodes == 0:
+                    # the controller chose a plain step: side blocks (Jacobi's window) would cost
+                    # width for drafts that do not pay, so they pause too (fixed budgets keep them)
+                    for draft in drafts:
+                        draft.side_block = None
                 branches = [d.branches for d in drafts]
                 tree = TokenTree.from_drafts(context.root, branches, decision.nodes)
                 tokens, offsets, block, side_slices = _step_input(tree, drafts)

@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, settings
 # remains for modules that want to be explicit).
 torch.set_num_threads(1)
 
+from specdraft.budget import AdaptiveBudget, BudgetDecision
 from specdraft.sources import Context, Draft, Feedback, SideBlock
 
 #: Vocabulary size of every tiny model.
@@ -287,6 +288,17 @@ class OracleSource:
             branches = decoys + branches
         self.proposed_lengths.append(len(true))
         return Draft(branches=branches)
+
+
+class AlternatingBudget(AdaptiveBudget):
+    """An adaptive budget that forces a plain step (0 nodes) every other step, so a test sees both
+    kinds of step in one short generation; it still learns as the real controller does."""
+
+    def choose(self, side_tokens: int = 0) -> BudgetDecision:
+        decision = super().choose(side_tokens)
+        if self.steps % 2:
+            return BudgetDecision(0, 1.0, 0.0)
+        return BudgetDecision(self.max_nodes, decision.expected_tokens, decision.expected_cost)
 
 
 class SideBlockToy:

@@ -90,6 +90,20 @@ def test_expected_tokens_is_one_plus_rank_rates():
     assert ctl.expected_tokens(4) == 3.0
 
 
+def test_a_plain_step_leaves_the_side_block_out():
+    """A plain step runs the root alone (the decoder drops side blocks on it), so it is priced at
+    width 1, not 1 + side: a costly window must not make plain decoding look as dear as drafting."""
+    ctl = AdaptiveBudget(1, smoothing=1.0, warmup=0)
+    ctl.observe_cost(1, 0.1)
+    ctl.observe_cost(8, 0.2)
+    ctl.accept_rate[0] = 0.6  # a one-node tree commits 1.6 tokens on average
+    # 6 side tokens: drafting costs width 8 (0.2 s) for 1.6 tokens; plain costs width 1 (0.1 s)
+    decision = ctl.choose(side_tokens=6)
+    assert decision.nodes == 0 and decision.expected_cost == 0.1
+    assert ctl.choose(side_tokens=0).nodes == 1  # without side tokens the draft is cheap and pays
+    assert AdaptiveBudget.width(0, 6) == 1 and AdaptiveBudget.width(3, 6) == 10
+
+
 def test_max_nodes_zero_is_plain_decoding():
     ctl = AdaptiveBudget(0)
     assert ctl.choose().nodes == 0

@@ -21,7 +21,7 @@ from specdraft.sources import Context, DraftSource, Feedback, JacobiLookahead
 from specdraft.sources.jacobi import NGramPool, window_side_block
 from specdraft.tree import TokenTree
 
-from conftest import (FAST, VOCAB, OracleSource, RandomGuess, SideBlockToy, assert_float32_logits_match,
+from conftest import (FAST, VOCAB, AlternatingBudget, OracleSource, RandomGuess, SideBlockToy, assert_float32_logits_match,
                       full_logits, generation_config_override, reference_greedy, tiny_model)
 
 
@@ -278,6 +278,25 @@ def test_budget_zero_means_no_side_block_and_no_change() -> None:
     assert src.propose(ctx([3, 4, 5, 7]), 0).side_block is None
     src.observe(Feedback([8], ctx([3, 4, 5, 7, 8], 4), None))
     assert st_.levels == levels
+
+
+def test_plain_steps_of_the_adaptive_budget_pause_the_window() -> None:
+    """When the adaptive budget chooses a plain step the window is not run (it would cost width for
+    nothing) and stays as it was; on the other steps it advances; output is exact throughout."""
+    model = tiny_model("llama")
+    prompt = np.random.default_rng(5).integers(3, VOCAB, size=16).tolist()
+    src = Recording(window=4, ngram=3, max_candidates=2)
+    with generation_config_override(model, eos_token_id=None):
+        ref = reference_greedy(model, prompt, 24)
+        dec = Decoder(model, sources=[src], max_tree_nodes=8)
+        dec.budget = AlternatingBudget(8, warmup=0)
+        out = dec.generate(prompt, max_new_tokens=24)
+    assert out.token_ids == ref
+    paused = [r for r in src.steps if r["side_logits"] is None]
+    ran = [r for r in src.steps if r["side_logits"] is not None]
+    assert len(paused) == out.stats.steps // 2 and len(ran) == out.stats.steps - len(paused)
+    assert all(r["levels_after"] == r["levels_before"] for r in paused)
+    assert any(r["levels_after"] != r["levels_before"] for r in ran)
 
 
 def test_prompt_as_reference_seeds_the_pool() -> None:

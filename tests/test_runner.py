@@ -19,8 +19,8 @@ from specdraft import Decoder, Draft, PromptLookup, SideBlock
 from specdraft.runner import ModelRunner, UnsupportedModelError
 from specdraft.tree import TokenTree
 
-from conftest import (FAST, SLIDING_WINDOW, VOCAB, OracleSource, RandomGuess, SideBlockToy, _config,
-                      assert_float32_logits_match, check_side_records, full_logits, generation_config_override,
+from conftest import (FAST, SLIDING_WINDOW, VOCAB, AlternatingBudget, OracleSource, RandomGuess, SideBlockToy,
+                      _config, assert_float32_logits_match, check_side_records, full_logits, generation_config_override,
                       reference_greedy, tiny_model)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -213,12 +213,21 @@ def test_side_block_logits(case, mode) -> None:
     prompt = prompt + prompt[:5]
     ref = reference_greedy(model, prompt, 14)
     side = SideBlockToy(seed=4, mode=mode, max_side=5, branches=True)
-    dec = Decoder(model, sources=[PromptLookup(), side, RandomGuess(2)], max_tree_nodes=10)
+    dec = Decoder(model, sources=[PromptLookup(), side, RandomGuess(2)], max_tree_nodes=10, adaptive_budget=False)
     out = dec.generate(prompt, max_new_tokens=14)
     assert out.token_ids == ref
-    assert len(side.records) == out.stats.steps
+    assert len(side.records) == out.stats.steps and side.dropped == 0  # a fixed budget runs the block every step
     checked = check_side_records(model, side.records)
     assert checked >= out.stats.steps
+    # with the adaptive budget a plain step (0 nodes) leaves the side block out: its source gets
+    # side_logits=None; the other steps' side logits are still right
+    side_a = SideBlockToy(seed=5, mode=mode, max_side=5, branches=True)
+    dec_a = Decoder(model, sources=[PromptLookup(), side_a, RandomGuess(2)], max_tree_nodes=10)
+    dec_a.budget = AlternatingBudget(10, warmup=0)
+    out_a = dec_a.generate(prompt, max_new_tokens=14)
+    assert out_a.token_ids == ref
+    assert side_a.dropped == out_a.stats.steps // 2 and len(side_a.records) == out_a.stats.steps - side_a.dropped
+    check_side_records(model, side_a.records)
     # a side block in a decoder without any tree (max_tree_nodes=0) still works
     side0 = SideBlockToy(seed=9, mode=mode, max_side=3)
     out0 = Decoder(model, sources=[side0], max_tree_nodes=0).generate(prompt, max_new_tokens=5)
