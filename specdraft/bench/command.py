@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import CheckpointMismatch
 from .datasets import DatasetError, DatasetSpec, load_prompts, resolve_dataset
 from .methods import MethodError, build_methods, parse_methods
 from .report import PlotUnavailableError, markdown_report, plot, require_matplotlib, summarize, write_specbench_jsonl
@@ -24,6 +25,8 @@ from .runner import run_benchmark
 __all__ = ["run_bench"]
 
 PROG = "specdraft bench"
+#: Saved in ``<out>/<dataset>/`` after every prompt; ``--resume`` continues from it.
+CHECKPOINT_NAME = "checkpoint.pkl"
 
 
 def _usage_error(message: str) -> Exception:
@@ -109,6 +112,8 @@ def _run(args: argparse.Namespace, model: Any, tokenizer: Any, method_names: lis
         "versions": _versions(), "platform": platform.platform(), "argv": sys.argv[1:],
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    # what a checkpoint must share with this run to be resumed (the runner adds prompts and methods)
+    setup = {key: config[key] for key in ("model", "dtype", "threads", "max_tree_nodes", "chat", "versions")}
     summaries: list[dict[str, Any]] = []
     for spec in specs:
         try:
@@ -119,8 +124,14 @@ def _run(args: argparse.Namespace, model: Any, tokenizer: Any, method_names: lis
             f"max {args.max_new_tokens} new tokens")
         # Fresh method objects per dataset: a learning source starts each dataset empty.
         methods = build_methods(method_names, model, tokenizer, args.max_tree_nodes)
-        run = run_benchmark(model, prompts, methods, args.max_new_tokens, repeats=args.repeats, dataset=spec.key,
-                            progress=not args.quiet)
+        try:
+            run = run_benchmark(model, prompts, methods, args.max_new_tokens, repeats=args.repeats, dataset=spec.key,
+                                progress=not args.quiet, checkpoint=out_dir / spec.key / CHECKPOINT_NAME,
+                                resume=args.resume, setup=setup)
+        except CheckpointMismatch as exc:
+            raise _usage_error(f"--resume: {exc}") from None
+        if run.resumed:
+            say(f"{spec.key}: resumed after {run.resumed} finished prompt(s) from the checkpoint")
         files = write_specbench_jsonl(run, out_dir / spec.key, config["model_id"] + f"-{args.dtype}", tokenizer)
         summary = summarize(run)
         for name, path in files.items():

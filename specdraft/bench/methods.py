@@ -28,9 +28,7 @@ last run uses the live sources, so the state after the prompt is exactly "saw it
 
 from __future__ import annotations
 
-import copy
-import copyreg
-import threading
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -76,6 +74,15 @@ class Method(Protocol):
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool = True) -> MethodResult:
         """Generate greedily and time it. ``learn=False``: leave no trace in cross-request state."""
+        ...
+
+    def get_state(self) -> Any:
+        """The state carried from one prompt to the next (picklable; ``None`` if there is none),
+        saved in a checkpoint after every prompt so an interrupted run can resume."""
+        ...
+
+    def set_state(self, state: Any) -> None:
+        """Restore what :meth:`get_state` returned (when resuming from a checkpoint)."""
         ...
 
 
@@ -247,6 +254,13 @@ class PlainGenerate:
         steps = len(accept) if accept is not None else len(recorder.cache_lengths)
         return MethodResult(token_ids=list(tokens), wall_time=seconds, accept_lengths=accept, steps=steps)
 
+    def get_state(self) -> None:
+        return None  # model.generate keeps nothing between prompts
+
+    def set_state(self, state: Any) -> None:
+        if state is not None:
+            raise ValueError(f"method {self.name} keeps no state between prompts, got {type(state).__name__}")
+
 
 # --------------------------------------------------------------------------------------------
 # ours
@@ -254,21 +268,12 @@ class PlainGenerate:
 
 
 def copy_sources(sources: Sequence[Any]) -> list[Any]:
-    """A deep copy of draft sources, state included. Thread-safe sources hold locks, which
-    ``copy.deepcopy`` refuses; while copying, a lock is copied as a new unlocked lock (no thread
-    can be holding the copy), through :mod:`copyreg`'s table, restored afterwards."""
-    lock_types = {type(threading.Lock()): threading.Lock, type(threading.RLock()): threading.RLock}
-    saved = {t: copyreg.dispatch_table.get(t) for t in lock_types}
-    for lock_type, make in lock_types.items():
-        copyreg.dispatch_table[lock_type] = lambda lock, make=make: (make, ())
-    try:
-        return copy.deepcopy(list(sources))
-    finally:
-        for lock_type, previous in saved.items():
-            if previous is None:
-                copyreg.dispatch_table.pop(lock_type, None)
-            else:
-                copyreg.dispatch_table[lock_type] = previous
+    """A deep copy of draft sources, state included: a pickle round trip. Thread-safe sources hold
+    locks, which pickle and ``copy.deepcopy`` refuse; a lock is copied as a new unlocked lock (no
+    thread can be holding the copy; see :func:`specdraft.bench.checkpoint.dumps_with_locks`)."""
+    from .checkpoint import dumps_with_locks
+
+    return pickle.loads(dumps_with_locks(list(sources)))
 
 
 class SpecdraftMethod:
@@ -315,6 +320,19 @@ class SpecdraftMethod:
         return MethodResult(token_ids=list(out.token_ids), wall_time=seconds,
                             accept_lengths=list(stats.accept_lengths), steps=stats.steps,
                             per_source={k: v.as_dict() for k, v in stats.per_source.items()})
+
+    def get_state(self) -> dict[str, Any]:
+        """The draft sources (which learn across prompts) and the adaptive budget (which has
+        measured the step costs), as they stand now."""
+        return {"sources": self.sources, "budget": self.decoder.budget}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        from specdraft.decoder import Decoder
+
+        self.sources = list(state["sources"])
+        self.decoder = Decoder(self.model, self.tokenizer, sources=self.sources, max_tree_nodes=self.max_tree_nodes,
+                               adaptive_budget=self.adaptive_budget)
+        self.decoder.budget = state["budget"]
 
 
 def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32) -> Method:

@@ -14,6 +14,9 @@ For each prompt, in order:
 
 Prompts whose ``len(prompt) + max_new_tokens`` exceeds the model's context are skipped (and
 listed), as neither decoder could finish them.
+
+With a ``checkpoint`` path the finished prompts and every method's state are saved after each
+prompt; ``resume=True`` continues from that file (see :mod:`specdraft.bench.checkpoint`).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import math
 import statistics
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .datasets import PromptRecord
 from .methods import BASELINE, Method, MethodResult
 
@@ -75,6 +80,7 @@ class DatasetRun:
     skipped: list[dict[str, Any]] = field(default_factory=list)
     max_new_tokens: int = 0
     repeats: int = 1
+    resumed: int = 0  # prompts taken from a checkpoint instead of being run now
 
     @property
     def method_names(self) -> list[str]:
@@ -120,10 +126,15 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
 
 
 def run_benchmark(model: Any, prompts: Sequence[PromptRecord], methods: Sequence[Method], max_new_tokens: int,
-                  *, repeats: int = 1, dataset: str = "", progress: bool = True) -> DatasetRun:
+                  *, repeats: int = 1, dataset: str = "", progress: bool = True, checkpoint: Path | None = None,
+                  resume: bool = False, setup: dict[str, Any] | None = None) -> DatasetRun:
     """Run every method on every prompt (interleaved, see the module docstring) and compare.
 
     ``methods`` must contain one named ``baseline``: it is the reference for identity and speed.
+    ``checkpoint``: a file to save progress to after every prompt. ``resume``: continue from it if
+    it exists (else start afresh); it must come from the same experiment: the prompts, methods,
+    token limit, repeats and ``setup`` (what the caller adds: model, dtype, threads, ...) are
+    compared, and :class:`~specdraft.bench.checkpoint.CheckpointMismatch` names any difference.
     """
     names = [m.name for m in methods]
     if BASELINE not in names:
@@ -146,14 +157,27 @@ def run_benchmark(model: Any, prompts: Sequence[PromptRecord], methods: Sequence
             usable.append(prompt)
     run.prompts = usable
 
-    bar = _progress(len(usable) * len(methods) * repeats, dataset or "bench", progress)
+    fingerprint = {**(setup or {}), "dataset": dataset, "methods": names, "max_new_tokens": max_new_tokens,
+                   "repeats": repeats, "prompts": [(p.id, list(p.token_ids)) for p in usable]}
+    if resume and checkpoint is not None and checkpoint.exists():
+        saved = load_checkpoint(checkpoint, fingerprint)
+        run.resumed = saved.done
+        for method in methods:
+            run.runs[method.name] = list(saved.runs[method.name][: saved.done])
+            method.set_state(saved.states[method.name])
+
+    bar = _progress((len(usable) - run.resumed) * len(methods) * repeats, dataset or "bench", progress)
     try:
-        for index, prompt in enumerate(usable):
+        for index in range(run.resumed, len(usable)):
+            prompt = usable[index]
             warmup_forward(model, prompt.token_ids)
-            shift = index % len(methods)
+            shift = index % len(methods)  # by the prompt's index, so a resumed run rotates on as before
             for method in list(methods[shift:]) + list(methods[:shift]):
                 bar.set_postfix_str(f"prompt {index + 1}/{len(usable)} {method.name}", refresh=False)
                 run.runs[method.name].append(_time_method(method, prompt.token_ids, max_new_tokens, repeats, bar))
+            if checkpoint is not None:
+                save_checkpoint(checkpoint, Checkpoint(fingerprint=fingerprint, runs=run.runs,
+                                                       states={m.name: m.get_state() for m in methods}))
     finally:
         bar.close()
 
