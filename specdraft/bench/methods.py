@@ -32,6 +32,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
+from .checkpoint import dumps_with_locks
+
 __all__ = ["BASELINE", "DEFAULT", "HF_PROMPT_LOOKUP", "MethodError", "MethodResult", "Method", "PlainGenerate",
            "SpecdraftMethod", "build_method", "copy_sources", "build_methods", "default_method_names", "default_source_names",
            "parse_methods", "valid_method_names"]
@@ -271,8 +273,6 @@ def copy_sources(sources: Sequence[Any]) -> list[Any]:
     """A deep copy of draft sources, state included: a pickle round trip. Thread-safe sources hold
     locks, which pickle and ``copy.deepcopy`` refuse; a lock is copied as a new unlocked lock (no
     thread can be holding the copy; see :func:`specdraft.bench.checkpoint.dumps_with_locks`)."""
-    from .checkpoint import dumps_with_locks
-
     return pickle.loads(dumps_with_locks(list(sources)))
 
 
@@ -283,7 +283,6 @@ class SpecdraftMethod:
     def __init__(self, name: str, model: Any, tokenizer: Any, source_names: Sequence[str],
                  max_tree_nodes: int = 32, adaptive_budget: bool = True) -> None:
         from specdraft.cli import make_sources
-        from specdraft.decoder import Decoder
 
         self.name = name
         self.source_names = list(source_names)
@@ -294,20 +293,23 @@ class SpecdraftMethod:
         self.tokenizer = tokenizer
         self.max_tree_nodes = max_tree_nodes
         self.sources = make_sources(self.source_names)
-        self.decoder = Decoder(model, tokenizer, sources=self.sources, max_tree_nodes=max_tree_nodes,
-                               adaptive_budget=adaptive_budget)
+        self.decoder = self._decoder_for(self.sources)
 
-    def _throwaway_decoder(self) -> Any:
+    def _decoder_for(self, sources: list[Any]) -> Any:
+        """A Decoder over ``sources`` with this method's tree size and budget kind."""
         from specdraft.decoder import Decoder
 
+        return Decoder(self.model, self.tokenizer, sources=sources, max_tree_nodes=self.max_tree_nodes,
+                       adaptive_budget=self.adaptive_budget)
+
+    def _throwaway_decoder(self) -> Any:
         try:
             sources = copy_sources(self.sources)
         except Exception as exc:
             raise RuntimeError(
                 f"method {self.name}: a draft source cannot be copied ({type(exc).__name__}: {exc}), so repeated "
                 "timings would let it learn from its own repeats; run with --repeats 1") from exc
-        return Decoder(self.model, self.tokenizer, sources=sources, max_tree_nodes=self.max_tree_nodes,
-                       adaptive_budget=self.adaptive_budget)
+        return self._decoder_for(sources)
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool = True) -> MethodResult:
         import time
@@ -327,11 +329,8 @@ class SpecdraftMethod:
         return {"sources": self.sources, "budget": self.decoder.budget}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        from specdraft.decoder import Decoder
-
         self.sources = list(state["sources"])
-        self.decoder = Decoder(self.model, self.tokenizer, sources=self.sources, max_tree_nodes=self.max_tree_nodes,
-                               adaptive_budget=self.adaptive_budget)
+        self.decoder = self._decoder_for(self.sources)
         self.decoder.budget = state["budget"]
 
 
