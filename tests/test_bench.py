@@ -8,6 +8,7 @@ from __future__ import annotations
 import copyreg
 import importlib.util
 import json
+import pickle
 import threading
 from pathlib import Path
 from typing import Any, Sequence
@@ -312,6 +313,20 @@ def test_specdraft_method_keeps_sources_across_prompts_and_repeats_use_copies(ti
     third = method.run(ids, 6)
     assert live.requests == 2 and first.token_ids == second.token_ids == third.token_ids
     assert set(second.per_source) == {"prompt", "count"} and sum(second.accept_lengths) == len(second.token_ids)
+
+
+def test_repeat_runs_start_from_the_learned_budget_and_leave_it_alone(tiny) -> None:
+    model, tokenizer = tiny
+    method = build_method("prompt", model, tokenizer)
+    assert isinstance(method, SpecdraftMethod)
+    ids = tokenizer("a b c a b c a b")["input_ids"]
+    method.run(ids, 8)  # the real decoder's budget measures costs and acceptance
+    learned = method.decoder.budget
+    snapshot = pickle.dumps(learned)
+    copy = method._throwaway_decoder()
+    assert copy.budget is not learned and pickle.dumps(copy.budget) == snapshot  # a copy of what was learned
+    method.run(ids, 8, learn=False)
+    assert method.decoder.budget is learned and pickle.dumps(learned) == snapshot  # the repeat taught it nothing
 
 
 def test_plain_generate_reports_accept_lengths(tiny) -> None:

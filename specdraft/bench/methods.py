@@ -303,13 +303,18 @@ class SpecdraftMethod:
                        adaptive_budget=self.adaptive_budget)
 
     def _throwaway_decoder(self) -> Any:
+        """A decoder for a repeat that must not teach the real one: copies of the draft sources
+        *and* of the adaptive budget (its measured costs and acceptance), so the repeat is timed
+        with what the method has learned so far, not with a fresh, still-warming-up budget."""
         try:
-            sources = copy_sources(self.sources)
+            sources, budget = pickle.loads(dumps_with_locks((list(self.sources), self.decoder.budget)))
         except Exception as exc:
             raise RuntimeError(
                 f"method {self.name}: a draft source cannot be copied ({type(exc).__name__}: {exc}), so repeated "
                 "timings would let it learn from its own repeats; run with --repeats 1") from exc
-        return self._decoder_for(sources)
+        decoder = self._decoder_for(sources)
+        decoder.budget = budget
+        return decoder
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool = True) -> MethodResult:
         import time
