@@ -273,7 +273,13 @@ def copy_sources(sources: Sequence[Any]) -> list[Any]:
     """A deep copy of draft sources, state included: a pickle round trip. Thread-safe sources hold
     locks, which pickle and ``copy.deepcopy`` refuse; a lock is copied as a new unlocked lock (no
     thread can be holding the copy; see :func:`specdraft.bench.checkpoint.dumps_with_locks`)."""
-    return pickle.loads(dumps_with_locks(list(sources)))
+    return deep_copy_with_locks(list(sources))
+
+
+def deep_copy_with_locks(obj: Any) -> Any:
+    """A deep copy through a pickle round trip that copies (R)Locks as new unlocked ones; objects
+    copied together keep their shared references (one round trip for the whole tuple)."""
+    return pickle.loads(dumps_with_locks(obj))
 
 
 class SpecdraftMethod:
@@ -307,7 +313,7 @@ class SpecdraftMethod:
         *and* of the adaptive budget (its measured costs and acceptance), so the repeat is timed
         with what the method has learned so far, not with a fresh, still-warming-up budget."""
         try:
-            sources, budget = pickle.loads(dumps_with_locks((list(self.sources), self.decoder.budget)))
+            sources, budget = deep_copy_with_locks((list(self.sources), self.decoder.budget))
         except Exception as exc:
             raise RuntimeError(
                 f"method {self.name}: a draft source cannot be copied ({type(exc).__name__}: {exc}), so repeated "
