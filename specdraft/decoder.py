@@ -6,7 +6,8 @@ One step, in order:
 2. the branches merge into one :class:`~specdraft.tree.TokenTree` of at most ``max_tree_nodes``
    draft nodes below the root (the last committed token, not yet in the cache);
 3. one forward of ``[root, tree nodes, side tokens]`` over the KV cache, with an ancestor mask
-   and depth-based positions;
+   and depth-based positions (the first new token comes from the prompt's prefill instead, as in
+   ``model.generate``);
 4. the verifier walks the tree and commits the accepted path plus one token of the model's own,
    so even a step whose drafts all fail commits one token, like plain decoding;
 5. stop rules cut the step's tokens; the cache keeps only the root and the accepted path;
@@ -20,7 +21,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -92,6 +93,9 @@ class Decoder:
                                               if adaptive_budget else None)
         self._source_names = _unique_names([s.name for s in self.sources])
         self._busy = False
+        #: The timer behind the statistics and the adaptive budget's step costs. A replay of recorded
+        #: outputs on a simulated clock (``benchmarks/budget_replay.py``) swaps it, with the runner.
+        self.clock: Callable[[], float] = time.perf_counter
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, sources: Sequence[DraftSource] | None = None,
@@ -184,7 +188,7 @@ class Decoder:
             raise RuntimeError("this Decoder is already running a request (a stream() not yet exhausted or closed); "
                                "finish or close() it first, or use one Decoder per concurrent request")
         self._busy = True
-        started = time.perf_counter()
+        started = self.clock()
         scorer = NodeScorer(settings)
         draw = multinomial_draw(generator)
         request_id = next(_request_ids)
@@ -192,17 +196,29 @@ class Decoder:
         prompt_length = len(prompt_ids)
         begun: list[DraftSource] = []
         try:
-            self.runner.prefill(committed[:-1])
-            stats.prefill_time = time.perf_counter() - started
+            first_logits = self.runner.prefill(committed)
+            stats.prefill_time = self.clock() - started
             for source in self.sources:
                 source.begin(Context(tuple(committed), prompt_length, request_id))
                 begun.append(source)
-            done = False
+            # The prefill's last row predicts the first new token, as in model.generate: commit it
+            # through the verifier on a root-only tree (greedy or sampling alike). Nothing was
+            # proposed for it, so no source observes it (observe always answers a propose); they
+            # see it in the next step's context.
+            first = TokenTree(committed[-1])
+            verdict = self._verify(first, first_logits[None], settings, scorer, committed, draw)
+            step_tokens, done = rule.cut([], verdict.tokens)
+            self._record(stats, first, verdict, len(step_tokens))
+            committed.extend(step_tokens)
+            stats.new_tokens += len(step_tokens)
+            stats.wall_time = self.clock() - started
+            if step_tokens:
+                yield step_tokens
             shadows: list[tuple[TokenTree, int, int]] = []  # full trees awaiting their outcome (budget.py)
             if self.budget is not None:
                 self.budget.new_request()
             while not done:
-                step_started = time.perf_counter()
+                step_started = self.clock()
                 context = Context(tuple(committed), prompt_length, request_id)
                 generated = len(committed) - prompt_length
                 depth_limit = rule.max_new_tokens - generated - 1  # the bonus token takes the last slot
@@ -230,20 +246,20 @@ class Decoder:
                     source.observe(Feedback(committed=list(step_tokens), context=after,
                                             side_logits=logits[side] if side is not None else None))
                 if self.budget is not None:
-                    self.budget.observe_cost(len(tokens), time.perf_counter() - step_started)
+                    self.budget.observe_cost(len(tokens), self.clock() - step_started)
                     full = (tree if decision.nodes >= self.max_tree_nodes
                             else TokenTree.from_drafts(context.root, branches, self.max_tree_nodes))
                     shadows.append((full, start, 0))
                     shadows = _resolve_shadows(shadows, committed, self.budget)
                 stats.new_tokens += len(step_tokens)
-                stats.wall_time = time.perf_counter() - started
+                stats.wall_time = self.clock() - started
                 if step_tokens:
                     yield step_tokens
         finally:
             final = Context(tuple(committed), prompt_length, request_id)
             for source in begun:
                 source.end(final)
-            stats.wall_time = time.perf_counter() - started
+            stats.wall_time = self.clock() - started
             self._busy = False
 
     def _decide(self, side_tokens: int) -> BudgetDecision:

@@ -114,17 +114,24 @@ class ModelRunner:
         self._last_q = 0
 
     @torch.inference_mode()
-    def prefill(self, token_ids: Sequence[int]) -> None:
-        """Put ``token_ids`` (the prompt without its last token) into a fresh cache."""
+    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor | None:
+        """Put ``token_ids`` into a fresh cache and return the float32 logits ``[vocab]`` of the
+        last one (``None`` for no tokens).
+
+        The decoder prefills the whole prompt and takes the first new token from these logits, as
+        ``model.generate`` does: the same forward shape as its prefill, and no extra one-token
+        forward for the prompt's last token (which costs a whole step, 7% of a 14-token answer).
+        """
         self.reset()
         if not token_ids:
-            return
+            return None
         device = self.model.device
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=device).unsqueeze(0)
         positions = torch.arange(ids.shape[1], device=device).unsqueeze(0)
         kwargs = {"logits_to_keep": 1} if self._takes_logits_to_keep else {}
-        self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True, **kwargs)
+        out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True, **kwargs)
         self.cache_len = ids.shape[1]
+        return out.logits[0, -1].to(torch.float32)
 
     # -- the step -------------------------------------------------------------------------
 

@@ -20,8 +20,10 @@ class SourceStats:
 class GenerationStats:
     """What one generation cost.
 
-    ``steps`` counts forward passes after the prefill; ``mean_accepted`` is new tokens per step
-    (the compression ratio S of the papers: 1.0 is plain decoding). ``accept_lengths`` has the
+    ``steps`` counts the forward passes that committed tokens: the prefill (it gives the first new
+    token, as in ``model.generate``) and every tree step after it, so plain decoding takes one
+    per token. ``mean_accepted`` is new tokens per step (the compression ratio S of the papers:
+    1.0 is plain decoding). ``accept_lengths`` has the
     tokens committed by each step (Spec-Bench's field). A node proposed by two sources counts for
     both in ``per_source``.
     """

@@ -198,10 +198,37 @@ def test_stream_is_lazy_and_matches_steps() -> None:
                          adaptive_budget=False).stream(prompt, max_new_tokens=20, stats=stats)
         first = next(stream)
         assert stats.steps == 1  # one forward per chunk, nothing computed ahead
-        assert first == ref[:5]  # root + 4 accepted draft nodes = 5 tokens in the first step
+        assert first == ref[:1]  # the prefill's own token, as in model.generate
+        second = next(stream)
+        assert stats.steps == 2
+        assert second == ref[1:6]  # root + 4 accepted draft nodes = 5 tokens in the first tree step
         rest = [t for c in stream for t in c]
-        assert first + rest == ref
-        assert stats.accept_lengths == [5, 5, 5, 5]
+        assert first + second + rest == ref
+        assert stats.accept_lengths == [1, 5, 5, 5, 4]  # the last step is cut at the token limit
+
+
+def test_the_first_token_comes_from_the_prefill_like_model_generate() -> None:
+    """The prefill's last row gives the first new token, as in ``model.generate``: n tokens of plain
+    decoding cost n model forwards, the prefill included (not n + 1: a separate forward of the
+    prompt's last token is a whole extra step, 7% of a 14-token answer), and the first token is
+    computed in the same prefill-shaped forward as transformers computes it."""
+    model = tiny_model("llama")
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    calls: list[int] = []
+    handle = model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(1), with_kwargs=True)
+    try:
+        with generation_config_override(model, eos_token_id=None):
+            for n in (1, 2, 6):
+                ref = reference_greedy(model, prompt, n)
+                for decoder in (Decoder(model, sources=[], max_tree_nodes=0),
+                                Decoder(model, sources=[PromptLookup()], max_tree_nodes=0, adaptive_budget=False)):
+                    calls.clear()
+                    out = decoder.generate(prompt, max_new_tokens=n)
+                    assert out.token_ids == ref
+                    assert len(calls) == n == out.stats.steps, (n, len(calls), out.stats.steps)
+                    assert out.stats.accept_lengths == [1] * n
+    finally:
+        handle.remove()
 
 
 # -- the token limit --------------------------------------------------------------------------------------
@@ -227,14 +254,15 @@ def test_oracle_never_exceeds_max_new_tokens(case) -> None:
                     assert out.stats.steps <= n
                     if adaptive:
                         continue
-                    # a fixed budget: the oracle comes first, so every tree is full of correct tokens
-                    assert out.stats.steps == -(-n // (budget + 1))
-                    if n and budget >= n - 1:
-                        # the whole answer fits in one tree, and the draft was cut to n - 1 tokens (the
-                        # model's own bonus token takes the last slot)
-                        assert out.stats.steps == 1
+                    # a fixed budget: the prefill commits the first token, then the oracle comes first,
+                    # so every tree is full of correct tokens
+                    assert out.stats.steps == (0 if n == 0 else 1 + -(-(n - 1) // (budget + 1)))
+                    if n >= 2 and budget >= n - 2:
+                        # the rest of the answer fits in one tree, and the draft was cut to n - 2 tokens
+                        # (the prefill made the first, the model's own bonus token takes the last slot)
+                        assert out.stats.steps == 2
                         oracle_stats = out.stats.per_source["oracle"]
-                        assert oracle_stats.proposed == oracle_stats.accepted == n - 1
+                        assert oracle_stats.proposed == oracle_stats.accepted == n - 2
 
 
 # -- EOS -------------------------------------------------------------------------------------------------------

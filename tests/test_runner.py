@@ -216,9 +216,10 @@ def test_side_block_logits(case, mode) -> None:
     dec = Decoder(model, sources=[PromptLookup(), side, RandomGuess(2)], max_tree_nodes=10, adaptive_budget=False)
     out = dec.generate(prompt, max_new_tokens=14)
     assert out.token_ids == ref
-    assert len(side.records) == out.stats.steps and side.dropped == 0  # a fixed budget runs the block every step
+    tree_steps = out.stats.steps - 1  # the prefill commits the first token, with no tree and no side block
+    assert len(side.records) == tree_steps and side.dropped == 0  # a fixed budget runs the block every tree step
     checked = check_side_records(model, side.records)
-    assert checked >= out.stats.steps
+    assert checked >= tree_steps
     # with the adaptive budget a plain step (0 nodes) leaves the side block out: its source gets
     # side_logits=None; the other steps' side logits are still right
     side_a = SideBlockToy(seed=5, mode=mode, max_side=5, branches=True)
@@ -226,7 +227,8 @@ def test_side_block_logits(case, mode) -> None:
     dec_a.budget = AlternatingBudget(10, warmup=0)
     out_a = dec_a.generate(prompt, max_new_tokens=14)
     assert out_a.token_ids == ref
-    assert side_a.dropped == out_a.stats.steps // 2 and len(side_a.records) == out_a.stats.steps - side_a.dropped
+    tree_steps_a = out_a.stats.steps - 1
+    assert side_a.dropped == tree_steps_a // 2 and len(side_a.records) == tree_steps_a - side_a.dropped
     check_side_records(model, side_a.records)
     # a side block in a decoder without any tree (max_tree_nodes=0) still works
     side0 = SideBlockToy(seed=9, mode=mode, max_side=3)

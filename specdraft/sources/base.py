@@ -118,7 +118,10 @@ class DraftSource(Protocol):
         ...
 
     def observe(self, feedback: Feedback) -> None:
-        """Learn from what was committed (and from side-block logits, if any were asked for)."""
+        """Learn from what was committed (and from side-block logits, if any were asked for).
+
+        Called once after every ``propose``. The first new token of a request comes from the
+        prefill, before any ``propose``, so it is never observed: the next ``context`` has it."""
         ...
 
     def end(self, context: Context) -> None:
