@@ -33,6 +33,21 @@ Shadow verification instead of probing
     (the nearest narrower measured bucket, or half the narrowest), so the controller tries them
     when the acceptance says they might pay, and then knows.
 
+Between requests
+    A run of acceptance ends with its request: a new prompt owes nothing to how the last answer
+    ended. So each request starts from slow averages of every observation so far (weight
+    ``prior_smoothing``, the long-run acceptance of this decoder's traffic), and the fast averages
+    take over from there. Carrying the fast averages over instead made a request that followed a
+    long copy open with wide trial steps that failed (replayed on 40 MT-Bench answers in fp32 with
+    ``benchmarks/budget_replay.py``: up to 4 failed trials, 10% of a 28-token answer).
+
+What did not help (replayed on the 80 prompts of the full Qwen2.5-Coder-0.5B run, both dtypes)
+    Slower or faster averaging than 0.5, a margin a wide step must beat plain decoding by (it
+    costs bf16, where width is nearly free, far more than it saves fp32), and acceptance averages
+    kept per kind of step (after a step whose full tree guessed right vs wrong, or by the length
+    of the current run of right guesses): a copy's first step is always "cold", so the late news
+    of copy runs lands on cold steps and sends them into failing trials.
+
 The budget changes only which drafts are checked, never how they are verified, so output stays
 exactly lossless whatever this controller decides.
 """
@@ -40,6 +55,11 @@ exactly lossless whatever this controller decides.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+def _moving_average(old: float | None, new: float, weight: float) -> float:
+    """Exponential moving average; the first observation is taken as it is."""
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 def _bucket(width: int) -> int:
@@ -71,17 +91,24 @@ class AdaptiveBudget:
     warmup:
         Steps at the full budget before the controller starts choosing (so the cost of a wide
         step is measured; sources that need longer, like Jacobi's window, can ask for more).
+    prior_smoothing:
+        Weight of the newest observation in the slow, long-run averages each request starts from.
     """
 
-    def __init__(self, max_nodes: int, smoothing: float = 0.5, warmup: int = 3) -> None:
+    def __init__(self, max_nodes: int, smoothing: float = 0.5, warmup: int = 3,
+                 prior_smoothing: float = 0.02) -> None:
         if max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if not 0.0 < prior_smoothing <= 1.0:
+            raise ValueError(f"prior_smoothing must be in (0, 1], got {prior_smoothing}")
         self.max_nodes = max_nodes
         self.smoothing = smoothing
+        self.prior_smoothing = prior_smoothing
         self.warmup = warmup
         self.accept_rate: list[float | None] = [None] * max_nodes  # p_r, None until observed
+        self.long_run_rate: list[float | None] = [None] * max_nodes  # the slow averages
         self.cost: dict[int, float] = {}  # bucket -> seconds per step
         self.steps = 0
 
@@ -141,26 +168,25 @@ class AdaptiveBudget:
         return edges
 
     def new_request(self) -> None:
-        """A request starts. Nothing to reset: costs carry over, and the acceptance averages
-        follow the new prompt within a step or two (they are fed every step)."""
+        """A request starts: the acceptance averages restart from the long-run ones (see "Between
+        requests" above); step costs carry over (they belong to the model and the machine)."""
+        self.accept_rate = list(self.long_run_rate)
 
     # -- learning -------------------------------------------------------------------------
 
     def observe_acceptance(self, tree_nodes: int, accepted_ranks: list[int]) -> None:
         """A (full or shadow) tree of ``tree_nodes`` draft nodes was resolved: the nodes with these
         insertion ranks (0-based, root excluded) were, or would have been, accepted."""
-        a = self.smoothing
         accepted = set(accepted_ranks)
         for r in range(min(tree_nodes, self.max_nodes)):
             hit = 1.0 if r in accepted else 0.0
-            old = self.accept_rate[r]
-            self.accept_rate[r] = hit if old is None else (1 - a) * old + a * hit
+            self.accept_rate[r] = _moving_average(self.accept_rate[r], hit, self.smoothing)
+            self.long_run_rate[r] = _moving_average(self.long_run_rate[r], hit, self.prior_smoothing)
 
     def observe_cost(self, width: int, seconds: float) -> None:
         """A step of forward width ``width`` took ``seconds`` (drafting and verifying included)."""
         b = _bucket(width)
-        old = self.cost.get(b)
-        self.cost[b] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+        self.cost[b] = _moving_average(self.cost.get(b), seconds, self.smoothing)
         self.steps += 1
 
     def record(self, decision: BudgetDecision, tree_nodes: int, accepted_ranks: list[int], width: int,

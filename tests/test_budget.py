@@ -82,6 +82,26 @@ def test_runs_of_hits_are_followed_quickly():
     assert min(wide) >= 31 and max(narrow) == 0
 
 
+def test_a_request_starts_from_the_long_run_acceptance_not_the_tail_of_the_last_one():
+    """A new prompt owes nothing to how the last answer ended: after a copy that ran the tree wide,
+    the next request opens with plain steps when this decoder's traffic rarely accepts drafts
+    (carrying the fast averages over made such requests open with failing wide trials)."""
+    ctl = AdaptiveBudget(32, warmup=0)
+    for width, seconds in CPU_FP32.items():
+        ctl.observe_cost(width, seconds)
+    for _ in range(10):  # ten requests of novel text: drafts never accepted
+        ctl.new_request()
+        for _ in range(20):
+            ctl.observe_acceptance(32, [])
+    ctl.new_request()  # ... then one that ends in a copy
+    for _ in range(3):
+        ctl.observe_acceptance(32, list(range(32)))
+    assert ctl.choose().nodes >= 31  # during the copy: the whole tree
+    ctl.new_request()
+    assert ctl.choose().nodes == 0  # the next request: plain steps until its own drafts pay
+    assert 0 < ctl.long_run_rate[0] < 0.1  # the copy is in the long-run averages, weighed as one of many
+
+
 def test_expected_tokens_is_one_plus_rank_rates():
     ctl = AdaptiveBudget(4, smoothing=1.0)
     ctl.record(BudgetDecision(4, 0, 0), 4, [0, 1], 5, 0.1)
@@ -109,7 +129,8 @@ def test_max_nodes_zero_is_plain_decoding():
     assert ctl.choose().nodes == 0
 
 
-@pytest.mark.parametrize("bad", [{"max_nodes": -1}, {"max_nodes": 4, "smoothing": 0.0}])
+@pytest.mark.parametrize("bad", [{"max_nodes": -1}, {"max_nodes": 4, "smoothing": 0.0},
+                                 {"max_nodes": 4, "prior_smoothing": 0.0}, {"max_nodes": 4, "prior_smoothing": 1.5}])
 def test_bad_parameters_raise(bad):
     with pytest.raises(ValueError):
         AdaptiveBudget(**bad)
