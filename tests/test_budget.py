@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -95,11 +96,34 @@ def test_a_request_starts_from_the_long_run_acceptance_not_the_tail_of_the_last_
             ctl.observe_acceptance(32, [])
     ctl.new_request()  # ... then one that ends in a copy
     for _ in range(3):
+        ctl.observe_cost(1, CPU_FP32[1])
         ctl.observe_acceptance(32, list(range(32)))
     assert ctl.choose().nodes >= 31  # during the copy: the whole tree
     ctl.new_request()
     assert ctl.choose().nodes == 0  # the next request: plain steps until its own drafts pay
+    ctl.observe_cost(1, CPU_FP32[1])
+    assert ctl.choose().nodes == 0  # (not only its first step, which is held back anyway, see below)
     assert 0 < ctl.long_run_rate[0] < 0.1  # the copy is in the long-run averages, weighed as one of many
+
+
+@pytest.mark.parametrize("curve, first_is_plain", [(CPU_FP32, True), (FLAT, False)], ids=["costly-width", "flat"])
+def test_a_requests_first_step_is_plain_only_when_width_is_dear(curve, first_is_plain):
+    """Before a request has shown anything, a wide step that costs twice a plain one is a gamble a
+    short answer cannot win back: the first step stays plain. Where width is nearly free it does not."""
+    ctl = AdaptiveBudget(32, warmup=0)
+    for width, seconds in curve.items():
+        ctl.observe_cost(width, seconds)
+    for _ in range(5):
+        ctl.observe_acceptance(32, list(range(8)))  # the long run says: the first 8 ranks hit
+    ctl.new_request()
+    first = ctl.choose()
+    assert (first.nodes == 0) == first_is_plain
+    ctl.observe_cost(1 if first.nodes == 0 else 1 + first.nodes, curve[_bucket(1 + first.nodes)])
+    assert ctl.choose().nodes >= 7  # from the second step on the averages decide
+    never = AdaptiveBudget(32, warmup=0, opening_cost_ratio=math.inf)
+    never.cost, never.long_run_rate = dict(ctl.cost), list(ctl.long_run_rate)
+    never.new_request()
+    assert never.choose().nodes >= 7
 
 
 def test_expected_tokens_is_one_plus_rank_rates():
@@ -130,7 +154,8 @@ def test_max_nodes_zero_is_plain_decoding():
 
 
 @pytest.mark.parametrize("bad", [{"max_nodes": -1}, {"max_nodes": 4, "smoothing": 0.0},
-                                 {"max_nodes": 4, "prior_smoothing": 0.0}, {"max_nodes": 4, "prior_smoothing": 1.5}])
+                                 {"max_nodes": 4, "prior_smoothing": 0.0}, {"max_nodes": 4, "prior_smoothing": 1.5},
+                                 {"max_nodes": 4, "opening_cost_ratio": 0.5}])
 def test_bad_parameters_raise(bad):
     with pytest.raises(ValueError):
         AdaptiveBudget(**bad)
