@@ -131,6 +131,20 @@ def test_cli_bench_rejects_bad_arguments_before_loading(capsys, monkeypatch, pro
     assert code == 2 and "not a directory" in capsys.readouterr().err
 
 
+def test_cli_bench_without_matplotlib_says_how_to_get_it(capsys, monkeypatch, prompt_file: Path, tmp_path) -> None:
+    """The plot's missing dependency is a usage error before the model loads, naming the extra."""
+    from specdraft.bench import command, report
+
+    def missing() -> None:
+        raise report.PlotUnavailableError("the plot needs matplotlib: pip install 'specdraft[bench]'")
+
+    monkeypatch.setattr(command, "require_matplotlib", missing)
+    monkeypatch.setattr("specdraft.models.load_model", lambda *a, **k: pytest.fail("model loaded"))
+    code = cli.main(["bench", "--model", "x", "--dataset", str(prompt_file), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and "specdraft[bench]" in err and "Traceback" not in err
+
+
 # ------------------------------------------------------------------------------ the loop
 
 

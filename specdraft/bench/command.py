@@ -75,14 +75,14 @@ def run_bench(args: argparse.Namespace) -> int:
         raise _usage_error(str(exc)) from None
     specs = _dataset_specs(args.dataset)
     chat: Any = {"auto": "auto", "on": True, "off": False}[args.chat]
+    out_dir = Path(args.out).expanduser()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise _usage_error(f"--out {args.out!r} exists and is not a directory")
     if not args.no_plot:
         try:
             require_matplotlib()
         except PlotUnavailableError as exc:
             raise _usage_error(str(exc)) from None
-    out_dir = Path(args.out).expanduser()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise _usage_error(f"--out {args.out!r} exists and is not a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
 
     import torch
