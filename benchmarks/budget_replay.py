@@ -246,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--noise", type=float, default=0.03, help="log-normal sigma of each step's simulated cost")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", type=Path, help="write per-prompt rows and summaries here (JSON)")
+    r.add_argument("--model", help="the model to load (default: the one the checkpoint names; its path may be "
+                                   "gone on another machine, and only the config and tokenizer are used)")
     args = parser.parse_args(argv)
 
     if args.command == "measure":
@@ -265,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in args.checkpoint:
         dataset, records, fingerprint = load_recordings(path)
         if model is None:
-            model, _ = load_model(fingerprint["model"], dtype="float32", progress=False)
+            model, _ = load_model(args.model or fingerprint["model"], dtype="float32", progress=False)
         rows = replay_dataset(model, records, costs, sources, args.max_tree_nodes, fingerprint["max_new_tokens"],
                               args.noise, args.seed, adaptive=not args.fixed)
         summary = summarize(rows)
