@@ -246,8 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--noise", type=float, default=0.03, help="log-normal sigma of each step's simulated cost")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", type=Path, help="write per-prompt rows and summaries here (JSON)")
-    r.add_argument("--model", help="the model to load (default: the one the checkpoint names; its path may be "
-                                   "gone on another machine, and only the config and tokenizer are used)")
+    r.add_argument("--model", help="the model to load (default: the one the checkpoint names, whose path may be "
+                                   "gone on another machine; the replay runs none of its weights, it reads "
+                                   "only the vocabulary size and position limit)")
     args = parser.parse_args(argv)
 
     if args.command == "measure":
