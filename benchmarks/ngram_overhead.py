@@ -152,16 +152,19 @@ def measure_forward_ms(model_path: str, prompt: list[int], tree: int) -> float:
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
+    from specdraft.compat import cache_keyword
+
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    keyword = cache_keyword(model)
     with torch.inference_mode():
         cache = DynamicCache()
-        model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([prompt]), use_cache=True, **{keyword: cache})
         times = []
         for _ in range(5):
             ids = torch.tensor([prompt[-tree:]])
             t0 = time.perf_counter()
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, use_cache=True, **{keyword: cache})
             times.append(time.perf_counter() - t0)
             cache.crop(-tree)
     return statistics.median(times) * 1e3

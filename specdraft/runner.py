@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .compat import cache_keyword
+
 #: Attention implementations that take our 4D tree mask correctly, with the mask kind they need
 #: ("specdraft_split" is our own split + merge backend, see attention.py).
 _MASK_KIND = {"sdpa": "bool", "eager": "additive", "specdraft_split": "bool"}
@@ -76,6 +78,8 @@ class ModelRunner:
             self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         except (TypeError, ValueError):
             self._takes_logits_to_keep = False
+        #: ``cache`` from transformers 5.24, ``past_key_values`` before (see :mod:`specdraft.compat`)
+        self._cache_keyword = cache_keyword(model)
         self.cache: DynamicCache = DynamicCache()
         self.cache_len = 0
         self._last_q = 0
@@ -129,7 +133,8 @@ class ModelRunner:
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=device).unsqueeze(0)
         positions = torch.arange(ids.shape[1], device=device).unsqueeze(0)
         kwargs = {"logits_to_keep": 1} if self._takes_logits_to_keep else {}
-        out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True, **kwargs)
+        kwargs[self._cache_keyword] = self.cache
+        out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **kwargs)
         self.cache_len = ids.shape[1]
         return out.logits[0, -1].to(torch.float32)
 
@@ -156,8 +161,8 @@ class ModelRunner:
             mask = None  # a lone root attends to everything: the model's fast, maskless path
         else:
             mask = self._build_masks(positions[0], torch.as_tensor(np.asarray(block_mask, dtype=bool), device=device))
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                         past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                         **{self._cache_keyword: self.cache})
         self.cache_len += q
         self._last_q = q
         return out.logits[0].to(torch.float32)

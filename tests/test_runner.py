@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from specdraft import Decoder, Draft, PromptLookup, SideBlock
+from specdraft.compat import cache_keyword
 from specdraft.runner import ModelRunner, UnsupportedModelError
 from specdraft.tree import TokenTree
 
@@ -41,7 +42,7 @@ def layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 @torch.inference_mode()
 def fresh_cache(model, tokens) -> list[tuple[torch.Tensor, torch.Tensor]]:
     cache = DynamicCache()
-    model(input_ids=torch.tensor([list(tokens)]), past_key_values=cache, use_cache=True)
+    model(input_ids=torch.tensor([list(tokens)]), use_cache=True, **{cache_keyword(model): cache})
     return layers(cache)
 
 

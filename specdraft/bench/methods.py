@@ -32,6 +32,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
+from ..compat import cache_keyword
 from .checkpoint import dumps_with_locks
 
 __all__ = ["BASELINE", "DEFAULT", "HF_PROMPT_LOOKUP", "MethodError", "MethodResult", "Method", "PlainGenerate",
@@ -202,6 +203,8 @@ class _ForwardRecorder:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.cache_lengths: list[int | None] = []
+        # generate() passes the cache under the keyword this release's forward takes
+        self._cache_keyword = cache_keyword(model)
 
     def __enter__(self) -> "_ForwardRecorder":
         self.cache_lengths = []
@@ -212,7 +215,7 @@ class _ForwardRecorder:
         self._handle.remove()
 
     def _hook(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get(self._cache_keyword)
         try:
             self.cache_lengths.append(int(cache.get_seq_length()) if cache is not None else None)
         except Exception:  # an exotic cache type: fall back to counting calls only

@@ -1,0 +1,42 @@
+"""What differs between the transformers releases the package supports, found by inspection.
+
+transformers 5.24 renamed the KV-cache argument of every model's ``forward`` from
+``past_key_values`` to ``cache`` (the old name still works there but warns that it goes away in
+5.40). The oldest release we support only knows ``past_key_values``. Rather than pinning a
+version or silencing the warning, we read the keyword off the model's own ``forward`` signature,
+so the same call is right on every release, including ones that drop the old name.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+#: The cache keyword of transformers releases before 5.24.
+LEGACY_CACHE_KEYWORD = "past_key_values"
+#: The cache keyword from transformers 5.24 on.
+CACHE_KEYWORD = "cache"
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword under which ``model.forward`` takes its KV cache: ``"cache"`` when the signature
+    names it, else ``"past_key_values"`` (older releases, and wrappers that only take ``**kwargs``,
+    which forward it to a model of an older release or accept both)."""
+    forward = getattr(model, "forward", None)
+    try:
+        parameters = inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):
+        parameters = {}
+    if CACHE_KEYWORD in parameters:
+        return CACHE_KEYWORD
+    if LEGACY_CACHE_KEYWORD in parameters:
+        return LEGACY_CACHE_KEYWORD
+    return _keyword_of_installed_release()
+
+
+def _keyword_of_installed_release() -> str:
+    """For a forward that names neither keyword: the one the installed transformers expects."""
+    import transformers
+    from packaging.version import Version
+
+    return CACHE_KEYWORD if Version(transformers.__version__) >= Version("5.24.0") else LEGACY_CACHE_KEYWORD
