@@ -13,8 +13,9 @@ lookahead decoding uses it to run its iteration window for free in the spare wid
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Generic, Protocol, Sequence, TypeVar, runtime_checkable
 
 import numpy as np
 import torch
@@ -97,6 +98,16 @@ class Feedback:
     committed: list[int]
     context: Context
     side_logits: torch.Tensor | None = None
+    top_ids: np.ndarray | None = None
+    row_tokens: np.ndarray | None = None
+
+    # ``top_ids`` / ``row_tokens`` (only for sources whose ``top_k`` is > 0; ``None`` for the rest):
+    # ``top_ids[i]`` are the ``k`` most likely next tokens (int64, best first, ``k`` = the largest
+    # ``top_k`` any of the decoder's sources asked for, at most the vocabulary) of forward row
+    # ``i``, whose input token was ``row_tokens[i]``. The rows are every position whose logits the
+    # step computed: the root, then every tree node in tree order, accepted or not (side blocks
+    # are excluded). In a request's first observed step the prefill's last row (the prompt's last
+    # token) comes first. The scores are the raw logits, before any sampling warper.
 
 
 @runtime_checkable
@@ -104,7 +115,19 @@ class DraftSource(Protocol):
     """Anything that can guess continuations. Implement these five members.
 
     One source object may serve many requests (and, for sources that learn across requests,
-    many decoders), so per-request state must be keyed by ``Context.request_id``.
+    many decoders), so per-request state must be keyed by ``Context.request_id``
+    (:class:`SourceBase` does that, with a lock).
+
+    Two optional attributes tune what the decoder does for a source; a source without them gets
+    ``0`` (so the runtime ``isinstance`` check only asks for the five members above them):
+
+    ``warmup_steps``
+        steps the source needs before its drafts mean anything (Jacobi fills its window first);
+        the adaptive budget keeps its full width at least that long before judging acceptance.
+    ``top_k``
+        ask for the model's top-``k`` next tokens at every row of each step's forward, delivered in
+        :attr:`Feedback.top_ids` (Token Recycling drafts from them). The decoder takes one
+        ``torch.topk`` per step for the largest ``k`` asked; sources that leave it at 0 cost nothing.
     """
 
     name: str
@@ -127,3 +150,83 @@ class DraftSource(Protocol):
     def end(self, context: Context) -> None:
         """The request is over (finished, stopped or failed); drop its per-request state."""
         ...
+
+
+#: The optional attributes of a draft source, with the value the decoder assumes when absent.
+OPTIONAL_ATTRIBUTES: dict[str, int] = {"warmup_steps": 0, "top_k": 0}
+
+
+def source_option(source: Any, attribute: str) -> int:
+    """An optional attribute of ``source`` (see :class:`DraftSource`), checked to be an int >= 0."""
+    value = getattr(source, attribute, OPTIONAL_ATTRIBUTES[attribute])
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"draft source {getattr(source, 'name', source)!r} has {attribute}={value!r}; "
+                         "it must be an int >= 0")
+    return int(value)
+
+
+State = TypeVar("State")
+
+
+class SourceBase(Generic[State]):
+    """An optional base class for draft sources: no-op lifecycle and per-request state.
+
+    Subclasses set ``name``, implement ``propose`` and, if they keep per-request state, implement
+    :meth:`new_state` and read it with :meth:`state`. States are keyed by ``Context.request_id``
+    under one lock, so one source object can serve several decoders in several threads; a state
+    is dropped at ``end`` (and made on demand if ``begin`` was not seen, e.g. for a source added
+    mid-request in a test). Subclasses that override ``begin``/``end`` call ``super()``.
+    """
+
+    name: str = "source"
+    warmup_steps: int = 0
+    top_k: int = 0
+
+    def __init__(self) -> None:
+        self._states: dict[int, State] = {}
+        self._states_lock = threading.Lock()
+
+    def new_state(self, context: Context) -> State | None:
+        """The per-request state for a request starting with ``context`` (none by default)."""
+        return None
+
+    def state(self, context: Context) -> State:
+        """This request's state, made with :meth:`new_state` if it does not exist yet."""
+        with self._states_lock:
+            found = self._states.get(context.request_id)
+        if found is None:
+            made = self.new_state(context)
+            with self._states_lock:
+                found = self._states.setdefault(context.request_id, made)  # type: ignore[arg-type]
+        return found  # type: ignore[return-value]
+
+    def begin(self, context: Context) -> None:
+        made = self.new_state(context)
+        if made is not None:
+            with self._states_lock:
+                self._states[context.request_id] = made
+
+    def propose(self, context: Context, budget: int) -> Draft:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def observe(self, feedback: Feedback) -> None:
+        """Nothing to learn by default."""
+
+    def end(self, context: Context) -> None:
+        with self._states_lock:
+            self._states.pop(context.request_id, None)
+
+    @property
+    def active_requests(self) -> int:
+        """Requests begun and not yet ended (a bounded number: states never outlive their request)."""
+        with self._states_lock:
+            return len(self._states)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_states_lock", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._states_lock = threading.Lock()
