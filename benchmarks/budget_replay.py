@@ -48,7 +48,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from specdraft import cli
+from specdraft.sources import registry
 from specdraft.decoder import Decoder
 
 
@@ -194,7 +194,7 @@ def replay_dataset(model: Any, records: Sequence[Recording], costs: CostTable, s
     """Decode every recording in order with one Decoder (sources and budget carry across prompts,
     as in ``specdraft bench``); return per-prompt simulated times and ratios."""
     clock = SimulatedClock(noise, seed)
-    decoder = Decoder(model, None, sources=cli.make_sources(list(sources)), max_tree_nodes=max_tree_nodes,
+    decoder = Decoder(model, None, sources=registry.make_sources(list(sources)), max_tree_nodes=max_tree_nodes,
                       adaptive_budget=adaptive)
     runner = ReplayRunner(decoder.runner.vocab_size, decoder.runner.max_positions, costs, clock)
     decoder.runner = runner  # type: ignore[assignment]
@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--costs", type=Path, required=True, help="a table written by `measure`")
     r.add_argument("--checkpoint", type=Path, action="append", required=True,
                    help="a `specdraft bench` checkpoint.pkl (or .pkl.gz); repeat for several datasets")
-    r.add_argument("--sources", default=",".join(cli.DEFAULT_SOURCES))
+    r.add_argument("--sources", default=",".join(registry.DEFAULT_SOURCES))
     r.add_argument("--max-tree-nodes", type=int, default=32)
     r.add_argument("--fixed", action="store_true", help="fixed budget instead of the adaptive one")
     r.add_argument("--noise", type=float, default=0.03, help="log-normal sigma of each step's simulated cost")
@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specdraft.models import load_model
 
     costs = CostTable.load(args.costs)
-    sources = cli.parse_source_names(args.sources)
+    sources = registry.parse_source_names(args.sources)
     model = None
     report: dict[str, Any] = {"costs": str(args.costs), "sources": sources, "fixed": args.fixed, "datasets": {}}
     for path in args.checkpoint:

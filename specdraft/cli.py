@@ -17,71 +17,29 @@ on stderr, no traceback), 130 interrupted.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import time
 from typing import Any, Callable, Sequence
+
+from .errors import UsageError
+from .sources import registry
+from .sources.registry import DEFAULT_SOURCES, SOURCES, make_sources
 
 __all__ = ["SOURCES", "UsageError", "build_parser", "main", "make_sources", "parse_source_names"]
 
 PROG = "specdraft"
 
 
-class UsageError(Exception):
-    """A problem with the command line the user can fix; reported without a traceback, exit 2."""
-
-
-def _lazy(module: str, attr: str, **kwargs: Any) -> Callable[[], Any]:
-    """A factory that imports ``module.attr`` only when called, so ``--help`` and argument errors
-    stay fast and a source being rewritten cannot break the other commands."""
-
-    def make(**overrides: Any) -> Any:
-        return getattr(importlib.import_module(module), attr)(**{**kwargs, **overrides})
-
-    make.__qualname__ = f"make_{attr}"
-    return make
-
-
-#: Draft sources selectable with ``--sources``: name -> factory. A new source is one line here.
-SOURCES: dict[str, Callable[[], Any]] = {
-    "prompt": _lazy("specdraft.sources", "PromptLookup"),
-    "trie": _lazy("specdraft.sources", "FrequencyTrie"),
-    "ngram": _lazy("specdraft.sources", "MultiLevelNGram"),
-    "jacobi": _lazy("specdraft.sources", "JacobiLookahead"),
-}
-
-#: The sources of the benchmark's ``default`` method: the ones that pay on a CPU. Jacobi lookahead
-#: is left out because its window costs width every step, which a CPU forward does not have spare
-#: (see the JacobiLookahead docstring for the measurements).
-DEFAULT_SOURCES = ["prompt", "trie", "ngram"]
-
-
 def parse_source_names(text: str) -> list[str]:
-    """Split a ``--sources`` value (``"prompt,trie"``, ``"prompt,jacobi[window=3,ngram=4]"``) and check
-    every spec against :data:`SOURCES` (see :mod:`specdraft.source_spec` for the settings syntax).
-    Returns the specs in canonical form (spaces removed)."""
-    from specdraft.source_spec import SourceSpecError, parse_source_spec, split_top_level
+    """Check a ``--sources`` value against the registry (:mod:`specdraft.sources.registry`);
+    a bad one is a :class:`UsageError` naming what is allowed."""
+    from specdraft.source_spec import SourceSpecError
 
-    allowed = ", ".join(SOURCES)
     try:
-        specs = [parse_source_spec(part, SOURCES).text for part in split_top_level(text)]
+        return registry.parse_source_names(text)
     except SourceSpecError as exc:
         raise UsageError(f"{exc} (in --sources)") from None
-    if not specs:
-        raise UsageError(f"--sources needs at least one draft source; allowed: {allowed}")
-    dupes = sorted({n for n in specs if specs.count(n) > 1})
-    if dupes:
-        raise UsageError(f"draft source {dupes[0]!r} is listed twice in --sources")
-    return specs
-
-
-def make_sources(specs: Sequence[str]) -> list[Any]:
-    """Instantiate draft sources from specs as returned by :func:`parse_source_names`
-    (``"prompt"``, ``"jacobi[window=3]"``)."""
-    from specdraft.source_spec import parse_source_spec
-
-    return [parse_source_spec(spec, SOURCES, check=False).build(SOURCES) for spec in specs]
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE ('-' = stdin)")
     gen.add_argument("--chat", action="store_true",
                      help="wrap the prompt as a user message in the tokenizer's chat template")
-    gen.add_argument("--sources", default="prompt", metavar="NAMES",
+    gen.add_argument("--sources", default=",".join(DEFAULT_SOURCES), metavar="NAMES",
                      help=f"comma-separated draft sources, each NAME or NAME[key=value,...] with the source's constructor "
                           f"arguments (jacobi[window=3,ngram=4]); allowed: {', '.join(SOURCES)} (default: %(default)s)")
     gen.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="N",

@@ -31,7 +31,7 @@ from .budget import AdaptiveBudget, BudgetDecision
 from .runner import ModelRunner
 from .sampling import NodeScorer, SamplingSettings, resolve_settings
 from .sources.base import Context, Draft, DraftSource, Feedback
-from .sources.prompt_lookup import PromptLookup
+from .sources.registry import DEFAULT_SOURCES, default_sources
 from .stats import GenerationStats, SourceStats
 from .stopping import StopRule
 from .tree import TokenTree
@@ -75,7 +75,7 @@ class Decoder:
             raise ValueError(f"max_tree_nodes must be an int >= 0 (0 = plain decoding), got {max_tree_nodes!r}")
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {attention!r}")
-        self.sources: list[DraftSource] = list(sources) if sources is not None else [PromptLookup()]
+        self.sources: list[DraftSource] = list(sources) if sources is not None else default_sources()
         if len(self.sources) > 62:
             raise ValueError(f"at most 62 sources can be combined, got {len(self.sources)}")
         for s in self.sources:

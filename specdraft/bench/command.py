@@ -30,7 +30,7 @@ CHECKPOINT_NAME = "checkpoint.pkl"
 
 
 def _usage_error(message: str) -> Exception:
-    from specdraft.cli import UsageError
+    from specdraft.errors import UsageError
 
     return UsageError(message)
 

@@ -10,12 +10,12 @@ Names (``--methods``):
 ``specdraft:<names>``
     our :class:`~specdraft.decoder.Decoder` with the draft sources ``<names>`` joined by ``+``
     (``specdraft:prompt``, ``specdraft:prompt+trie+ngram``); the names are those of
-    :data:`specdraft.cli.SOURCES`, read at run time, so a newly registered source is available
+    :data:`specdraft.sources.registry.SOURCES`, read at run time, so a newly registered source is available
     (and in the default list) without touching this file. The prefix may be left out:
     ``prompt+trie`` means ``specdraft:prompt+trie``.
 ``default``
-    the default combination: ``specdraft.cli.DEFAULT_SOURCES`` if the CLI defines it, else every
-    registered source together.
+    the library's one default combination, :data:`specdraft.sources.registry.DEFAULT_SOURCES`
+    (what ``Decoder()`` uses when no sources are given).
 
 **State across prompts.** Each method object is built once per dataset and keeps its draft
 sources for the whole run, as a server would: a source that learns across requests (the
@@ -94,20 +94,17 @@ class Method(Protocol):
 # --------------------------------------------------------------------------------------------
 
 
-def _sources() -> dict[str, Callable[[], Any]]:
-    from specdraft import cli
+def _sources() -> dict[str, Callable[..., Any]]:
+    from specdraft.sources import registry
 
-    return cli.SOURCES
+    return registry.SOURCES
 
 
 def default_source_names() -> list[str]:
-    """The sources of the ``default`` method (``cli.DEFAULT_SOURCES`` if defined, else all)."""
-    from specdraft import cli
+    """The sources of the ``default`` method: the library's one default combination."""
+    from specdraft.sources import registry
 
-    names = getattr(cli, "DEFAULT_SOURCES", None)
-    if names:
-        return [n for n in (names.split(",") if isinstance(names, str) else names)]
-    return list(cli.SOURCES)
+    return list(registry.DEFAULT_SOURCES)
 
 
 def default_method_names() -> list[str]:
@@ -291,7 +288,7 @@ class SpecdraftMethod:
 
     def __init__(self, name: str, model: Any, tokenizer: Any, source_names: Sequence[str],
                  max_tree_nodes: int = 32, adaptive_budget: bool = True) -> None:
-        from specdraft.cli import make_sources
+        from specdraft.sources.registry import make_sources
 
         self.name = name
         self.source_names = list(source_names)

@@ -1,10 +1,10 @@
 """Draft sources: each guesses continuations; the decoder merges their guesses into one tree."""
 
-from .base import Context, Draft, DraftSource, Feedback, SideBlock
+from .base import Context, Draft, DraftSource, Feedback, SideBlock, SourceBase
 from .jacobi import JacobiLookahead
 from .ngram import MultiLevelNGram
 from .prompt_lookup import PromptLookup
 from .trie import FrequencyTrie
 
-__all__ = ["Context", "Draft", "DraftSource", "Feedback", "SideBlock", "PromptLookup", "MultiLevelNGram",
+__all__ = ["Context", "Draft", "DraftSource", "Feedback", "SideBlock", "SourceBase", "PromptLookup", "MultiLevelNGram",
            "FrequencyTrie", "JacobiLookahead"]

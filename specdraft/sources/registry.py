@@ -1,0 +1,64 @@
+"""The draft sources by name, and the one default combination.
+
+Everything that picks sources by name reads this module: ``Decoder()`` without ``sources=``, the
+``--sources`` flag of ``specdraft generate``, the methods of ``specdraft bench`` and the docs. A
+new source is one line in :data:`SOURCES`. Factories import their module only when called, so a
+command that does not use a source never pays for importing it (and a source being rewritten
+cannot break the others).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Sequence
+
+from ..source_spec import SourceSpecError, parse_source_spec, split_top_level
+
+__all__ = ["DEFAULT_SOURCES", "SOURCES", "default_sources", "make_sources", "parse_source_names"]
+
+
+def _lazy(module: str, attr: str, **kwargs: Any) -> Callable[..., Any]:
+    """A factory that imports ``specdraft.sources.<module>.<attr>`` only when called."""
+
+    def make(**overrides: Any) -> Any:
+        return getattr(importlib.import_module(f"specdraft.sources.{module}"), attr)(**{**kwargs, **overrides})
+
+    make.__qualname__ = f"make_{attr}"
+    return make
+
+
+#: Draft sources by name: name -> factory taking the source's keyword arguments.
+SOURCES: dict[str, Callable[..., Any]] = {
+    "prompt": _lazy("prompt_lookup", "PromptLookup"),
+    "trie": _lazy("trie", "FrequencyTrie"),
+    "ngram": _lazy("ngram", "MultiLevelNGram"),
+    "jacobi": _lazy("jacobi", "JacobiLookahead"),
+}
+
+#: The default combination, the measured best on a CPU (see docs/defaults.md): prompt lookup, the
+#: frequency trie and the multi-level n-gram. Jacobi lookahead is left out because its window
+#: costs width every step, which a CPU forward does not have spare.
+DEFAULT_SOURCES: tuple[str, ...] = ("prompt", "trie", "ngram")
+
+
+def parse_source_names(text: str) -> list[str]:
+    """Split a sources list (``"prompt,trie"``, ``"prompt,jacobi[window=3,ngram=4]"``) and check
+    every spec against :data:`SOURCES` (see :mod:`specdraft.source_spec` for the settings syntax).
+    Returns the specs in canonical form (spaces removed); raises :class:`SourceSpecError`."""
+    specs = [parse_source_spec(part, SOURCES).text for part in split_top_level(text)]
+    if not specs:
+        raise SourceSpecError(f"at least one draft source is needed; allowed: {', '.join(SOURCES)}")
+    dupes = sorted({n for n in specs if specs.count(n) > 1})
+    if dupes:
+        raise SourceSpecError(f"draft source {dupes[0]!r} is listed twice")
+    return specs
+
+
+def make_sources(specs: Sequence[str]) -> list[Any]:
+    """New source instances from specs as returned by :func:`parse_source_names`."""
+    return [parse_source_spec(spec, SOURCES, check=False).build(SOURCES) for spec in specs]
+
+
+def default_sources() -> list[Any]:
+    """New instances of the default combination, :data:`DEFAULT_SOURCES`."""
+    return make_sources(list(DEFAULT_SOURCES))
