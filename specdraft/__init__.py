@@ -11,6 +11,7 @@ from .sources import Context, Draft, DraftSource, Feedback, PromptLookup, SideBl
 from .sources import MultiLevelNGram
 from .sources import FrequencyTrie
 from .sources import JacobiLookahead
+from .sources import TokenRecycling
 from .stats import GenerationStats, SourceStats
 from .tree import TokenTree
 
@@ -21,5 +22,6 @@ __all__ = [
     "MultiLevelNGram",
     "FrequencyTrie",
     "JacobiLookahead",
+    "TokenRecycling",
 ]
 __version__ = "0.1.0"

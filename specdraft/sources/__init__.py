@@ -5,6 +5,7 @@ from .jacobi import JacobiLookahead
 from .ngram import MultiLevelNGram
 from .prompt_lookup import PromptLookup
 from .trie import FrequencyTrie
+from .token_recycling import TokenRecycling
 
 __all__ = ["Context", "Draft", "DraftSource", "Feedback", "SideBlock", "SourceBase", "PromptLookup", "MultiLevelNGram",
-           "FrequencyTrie", "JacobiLookahead"]
+           "FrequencyTrie", "JacobiLookahead", "TokenRecycling"]

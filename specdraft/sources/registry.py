@@ -33,6 +33,7 @@ SOURCES: dict[str, Callable[..., Any]] = {
     "trie": _lazy("trie", "FrequencyTrie"),
     "ngram": _lazy("ngram", "MultiLevelNGram"),
     "jacobi": _lazy("jacobi", "JacobiLookahead"),
+    "recycle": _lazy("token_recycling", "TokenRecycling"),
 }
 
 #: The default combination, the measured best on a CPU (see docs/defaults.md): prompt lookup, the
