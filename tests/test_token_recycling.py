@@ -130,6 +130,15 @@ def test_empty_entries_are_skipped_with_their_subtree():
     assert src.propose(ctx(10), 100).branches == []
 
 
+def test_empty_entries_are_skipped_after_the_lazy_matrix_grows():
+    """Empty parents read an always-empty sentinel row past the last one; growth must keep it empty."""
+    src = TokenRecycling(k=2, template=SMALL)
+    feed(src, [10], [[11, 12]])
+    feed(src, [12, 4000], [[15, 16], [1, 2]])  # grows past 4000; 11 still unseen
+    assert src.propose(ctx(10), 100).branches == [[11], [12], [12, 15]]
+    assert src.propose(ctx(99_999), 100).branches == []  # a root beyond the matrix: never seen
+
+
 def test_the_paths_are_a_tree_listed_parents_first():
     rng = np.random.default_rng(0)
     src = TokenRecycling(k=8, template="tr80", vocab_size=50)
