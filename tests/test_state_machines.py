@@ -1,0 +1,598 @@
+"""Stateful fuzzing of the data structures that outlive a step: the frequency trie, the multi-level
+n-gram model, the Jacobi window and n-gram pool, and the token tree.
+
+Each :class:`hypothesis.stateful.RuleBasedStateMachine` drives one structure through random
+interleavings of its public operations (requests begun, observed and ended in any order, direct
+insertions, retrievals, prunes) and checks after *every* operation what a service operator relies
+on: counts equal a brute-force recount kept next to it, the documented memory bounds hold, nothing
+of a finished request is left behind, and every proposed token came from the structure itself.
+The brute-force models below share no code with the implementations; where a structure forgets on
+purpose (pruning, LRU eviction) the model follows what was forgotten and checks that only the
+least frequent / least recent things went.
+
+Runtime is kept modest (a few seconds in all) through ``max_examples`` and
+``stateful_step_count``; the structures are small, so a few dozen steps reach their bounds.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from specdraft.sources import Context, Feedback
+from specdraft.sources.jacobi import JacobiLookahead, NGramPool
+from specdraft.sources.ngram import MultiLevelNGram
+from specdraft.sources.trie import FrequencyTrie
+from specdraft.tree import TokenTree
+
+MACHINE = settings(max_examples=100, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                          HealthCheck.filter_too_much])
+
+#: A small alphabet, so windows and contexts repeat and the structures fill up.
+SMALL_VOCAB = 6
+tokens_st = st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=0, max_size=12)
+
+
+def merged_size(branches: list[list[int]]) -> int:
+    """Distinct nodes of the prefix tree the branches form (what a budget counts)."""
+    return len({tuple(b[: i + 1]) for b in branches for i in range(len(b))})
+
+
+# ==================================================================================================
+# the frequency trie
+# ==================================================================================================
+
+
+class TrieMachine(RuleBasedStateMachine):
+    """FrequencyTrie against a brute-force dict ``key -> [out, prompt]`` of every window counted.
+
+    The model counts exactly as the paper says (every prefix of every window), takes back a
+    request's prompt contribution at ``end`` and, after an operation that pruned, drops what the
+    trie dropped -- checking that the survivors' counts are untouched, that within every
+    first-token tree nothing dropped was more frequent than anything kept, and that every tree is
+    within ``capacity`` and the trie within ``max_nodes``.
+    """
+
+    @initialize(branch_length=st.integers(1, 4), decoding_length=st.integers(1, 8), capacity=st.integers(2, 24),
+                max_nodes=st.integers(3, 60), prompt_weight=st.sampled_from([1, 10_000]),
+                mode=st.sampled_from(["hierarchical", "parallel"]), prune_to=st.sampled_from([0.0, 0.5, 0.9, 1.0]))
+    def setup(self, branch_length, decoding_length, capacity, max_nodes, prompt_weight, mode, prune_to) -> None:
+        self.trie = FrequencyTrie(decoding_length=decoding_length, branch_length=branch_length, capacity=capacity,
+                                  max_nodes=max_nodes, prompt_weight=prompt_weight, mode=mode, prune_to=prune_to)
+        self.width = branch_length + 1
+        self.model: dict[tuple[int, ...], list[int]] = {}
+        # per request: [tokens, prompt_length, next_start, set of keys its prompt counted (still alive)]
+        self.requests: dict[int, list] = {}
+        self.ids = itertools.count(1)
+        self.prunes_before = 0
+
+    # -- the brute-force model --------------------------------------------------------------------
+
+    def _count(self, window, contributed: set | None) -> None:
+        for i in range(1, len(window) + 1):
+            key = tuple(window[:i])
+            counts = self.model.setdefault(key, [0, 0])
+            if contributed is None:
+                counts[0] += 1
+            else:
+                counts[1] += 1
+                contributed.add(key)
+
+    def _drop_subtree(self, key) -> None:
+        for k in [k for k in self.model if k[: len(key)] == key]:
+            del self.model[k]
+        for req in self.requests.values():
+            req[3] -= {k for k in req[3] if k[: len(key)] == key}
+
+    def _eliminate(self, prompt, mine: set) -> None:
+        for start in range(len(prompt) - 1):
+            for stop in range(start + 1, min(start + self.width, len(prompt)) + 1):
+                key = tuple(prompt[start:stop])
+                if key not in self.model or key not in mine:
+                    break
+                counts = self.model[key]
+                counts[1] -= 1
+                if counts == [0, 0]:
+                    self._drop_subtree(key)
+                    mine -= {k for k in mine if k[: len(key)] == key}
+                    break
+
+    def _freq(self, counts) -> float:
+        return counts[0] + self.trie.prompt_weight * counts[1]
+
+    def _sync(self) -> None:
+        """Compare with the trie; if it pruned, check what went and forget it in the model."""
+        snap = self.trie.snapshot()
+        new_keys = set(snap) - set(self.model)
+        assert not new_keys, f"the trie holds keys nobody inserted: {sorted(new_keys)[:5]}"
+        gone = set(self.model) - set(snap)
+        pruned = self.trie.prunes > self.prunes_before
+        self.prunes_before = self.trie.prunes
+        assert pruned or not gone, f"keys vanished without a prune: {sorted(gone)[:5]}"
+        for key, counts in snap.items():
+            assert counts == tuple(self.model[key]), f"counts of {key}: trie {counts}, recount {self.model[key]}"
+        if gone:
+            for tree in {k[0] for k in gone}:
+                dropped = [self._freq(self.model[k]) for k in gone if k[0] == tree]
+                kept = [self._freq(self.model[k]) for k in snap if k[0] == tree]
+                assert not kept or max(dropped) <= min(kept), \
+                    f"tree {tree}: pruned a node of frequency {max(dropped)} but kept one of {min(kept)}"
+            for key in gone:
+                self.model.pop(key, None)
+            for req in self.requests.values():
+                req[3] -= gone
+
+    # -- operations ---------------------------------------------------------------------------------
+
+    @rule(prompt=st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=1, max_size=10))
+    def begin(self, prompt) -> None:
+        rid = next(self.ids)
+        mine: set = set()
+        self.trie.begin(Context(tuple(prompt), len(prompt), rid))
+        for start in range(len(prompt) - 1):
+            self._count(prompt[start:start + self.width], mine)
+        self.requests[rid] = [list(prompt), len(prompt), max(0, len(prompt) - self.trie.branch_length), mine]
+        self._sync()
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data(), new=st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=1, max_size=5))
+    def observe(self, data, new) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        req = self.requests[rid]
+        req[0] += new
+        tokens = req[0]
+        self.trie.observe(Feedback(committed=list(new), context=Context(tuple(tokens), req[1], rid)))
+        while req[2] + self.width <= len(tokens):
+            self._count(tokens[req[2]:req[2] + self.width], None)
+            req[2] += 1
+        self._sync()
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def end(self, data) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        tokens, prompt_length, next_start, mine = self.requests.pop(rid)
+        self.trie.end(Context(tuple(tokens), prompt_length, rid))
+        if len(tokens) > prompt_length:
+            for start in range(next_start, len(tokens) - 1):
+                self._count(tokens[start:], None)
+        self._eliminate(tokens[:prompt_length], mine)
+        self._sync()
+
+    @rule(tokens=tokens_st)
+    def insert(self, tokens) -> None:
+        self.trie.insert(tokens)
+        for start in range(len(tokens) - 1):
+            self._count(tokens[start:start + self.width], None)
+        self._sync()
+
+    @rule()
+    def prune(self) -> None:
+        self.trie.prune()
+        self._sync()
+
+    @rule(tokens=st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=1, max_size=8), budget=st.integers(0, 10))
+    def retrieve(self, tokens, budget) -> None:
+        branches = self.trie.propose(Context(tuple(tokens), len(tokens), 0), budget).branches
+        k = min(budget, self.trie.decoding_length)
+        if self.trie.mode == "hierarchical":
+            assert merged_size(branches) <= k
+        else:
+            assert sum(len(b) for b in branches) <= k
+        assert all(branches), "an empty branch was proposed"
+        keys = set(self.model)
+        # every branch continues one matched suffix of the context, inside the trie
+        matches = [m for m in range(1, min(self.trie.branch_length, len(tokens)) + 1)
+                   if all(tuple(tokens[-m:]) + tuple(b) in keys for b in branches)]
+        assert not branches or matches, f"branches {branches} do not continue any suffix of {tokens} in the trie"
+        # and something that could be proposed is proposed
+        offer = any(tuple(tokens[-m:]) in keys and any(key[:m] == tuple(tokens[-m:]) and len(key) > m for key in keys)
+                    for m in range(1, min(self.trie.branch_length, len(tokens)) + 1))
+        assert bool(branches) == (offer and k > 0), (tokens, budget, branches)
+
+    # -- invariants -------------------------------------------------------------------------------
+
+    @invariant()
+    def structure(self) -> None:
+        self.trie.check_invariants()
+        sizes = Counter(k[0] for k in self.trie.snapshot())
+        assert all(n <= self.trie.capacity for n in sizes.values())
+        assert len(self.trie) <= self.trie.max_nodes
+        assert self.trie.active_requests == len(self.requests)
+
+    @invariant()
+    def no_prompt_counts_outlive_their_requests(self) -> None:
+        if not self.requests:
+            assert all(prompt == 0 for _, prompt in self.trie.snapshot().values())
+
+
+TestTrieMachine = TrieMachine.TestCase
+TestTrieMachine.settings = MACHINE
+
+
+# ==================================================================================================
+# the multi-level n-gram model
+# ==================================================================================================
+
+
+def recount(stream, N) -> dict[tuple[int, ...], dict[int, int]]:
+    """{context: {next: count}} over every context of 1..N-1 tokens of one stream."""
+    table: dict = {}
+    for i in range(1, len(stream)):
+        for m in range(1, min(N - 1, i) + 1):
+            f = table.setdefault(tuple(stream[i - m:i]), {})
+            f[stream[i]] = f.get(stream[i], 0) + 1
+    return table
+
+
+def model_table(model) -> dict[tuple[int, ...], dict[int, int]]:
+    table: dict = {}
+    for n in range(2, model.max_ngram + 1):
+        table.update(model.counts(n))
+    return table
+
+
+def brute_chain(stream, tail, N, length) -> list[int]:
+    """Chained predictions by rescanning the stream: longest seen context, most frequent, ties to
+    the follower seen last."""
+    out: list[int] = []
+    ctx = list(tail)[-(N - 1):]
+    for _ in range(length):
+        best = None
+        for m in range(min(len(ctx), N - 1), 0, -1):
+            want = tuple(ctx[len(ctx) - m:])
+            stats: dict[int, list[int]] = {}
+            for i in range(m, len(stream)):
+                if tuple(stream[i - m:i]) == want:
+                    s = stats.setdefault(stream[i], [0, 0])
+                    s[0] += 1
+                    s[1] = i
+            if stats:
+                best = max(stats, key=lambda t: tuple(stats[t]))
+                break
+        if best is None:
+            break
+        out.append(best)
+        ctx = (ctx + [best])[-(N - 1):]
+    return out
+
+
+class NGramMachine(RuleBasedStateMachine):
+    """MultiLevelNGram (per request or shared) against recounts of the token streams it was fed."""
+
+    @initialize(N=st.integers(2, 4), K=st.integers(1, 5), top_b=st.integers(1, 3), depth=st.integers(0, 2),
+                shared=st.booleans(), bounded=st.booleans(), max_requests=st.integers(1, 4))
+    def setup(self, N, K, top_b, depth, shared, bounded, max_requests) -> None:
+        kwargs = dict(max_contexts=5, max_followers=2) if bounded else {}
+        if shared and not bounded:
+            kwargs = dict(max_contexts=10**6, max_followers=10**6)  # never reached: counts stay exact
+        self.src = MultiLevelNGram(max_ngram=N, num_tokens=K, top_b=top_b, branch_depth=depth, shared=shared,
+                                   max_requests=max_requests, **kwargs)
+        self.N, self.bounded, self.shared = N, bounded, shared
+        self.streams: dict[int, list[int]] = {}  # live requests
+        self.fed: list[list[int]] = []  # every stream a shared model has counted (ended ones included)
+        self.ids = itertools.count(1)
+
+    @rule(prompt=st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=1, max_size=8))
+    def begin(self, prompt) -> None:
+        rid = next(self.ids)
+        self.src.begin(Context(tuple(prompt), len(prompt), rid))
+        self.streams[rid] = list(prompt)
+        self.fed.append(self.streams[rid])
+
+    @precondition(lambda self: self.streams)
+    @rule(data=st.data(), new=st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=1, max_size=4))
+    def observe(self, data, new) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.streams)))
+        if self.shared and rid not in self.src.active_requests:
+            return  # evicted past max_requests: a shared model counts only from here on (documented)
+        self.streams[rid] += new
+        self.src.observe(Feedback(committed=list(new), context=Context(tuple(self.streams[rid]), 1, rid)))
+
+    @precondition(lambda self: self.streams)
+    @rule(data=st.data())
+    def end(self, data) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.streams)))
+        self.src.end(Context(tuple(self.streams.pop(rid)), 1, rid))
+        assert rid not in self.src.active_requests
+
+    @precondition(lambda self: self.streams)
+    @rule(data=st.data(), budget=st.integers(0, 12))
+    def propose(self, data, budget) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.streams)))
+        if self.shared and rid not in self.src.active_requests:
+            return  # see observe
+        stream = self.streams[rid]
+        branches = self.src.propose(Context(tuple(stream), 1, rid), budget).branches
+        assert merged_size(branches) <= budget
+        assert all(branches)
+        if budget == 0:
+            assert branches == []
+            return
+        model = self.src.model_for(rid)
+        table = model_table(model)
+        # every drafted token follows some suffix (of 1..N-1 tokens) of what precedes it in the model
+        for branch in branches:
+            seq = list(stream) + list(branch)
+            for j in range(len(stream), len(seq)):
+                assert any(seq[j] in table.get(tuple(seq[j - m:j]), {}) for m in range(1, min(self.N - 1, j) + 1)), \
+                    f"drafted token {seq[j]} never followed any suffix of {seq[:j]}"
+            assert len(branch) <= self.src.num_tokens
+        if not self.bounded and not self.shared and self.src.top_b == 1 and budget > 0:
+            expect = brute_chain(stream, stream, self.N, min(self.src.num_tokens, budget))
+            assert branches == ([expect] if expect else []), (stream, branches, expect)
+        if not self.bounded and not self.shared and budget > 0 and branches:
+            # the first branch is always the greedy chain (exactly the top_b = 1 draft)
+            expect = brute_chain(stream, stream, self.N, min(self.src.num_tokens, budget))
+            assert branches[0] == expect[: len(branches[0])]
+
+    @invariant()
+    def counts_and_bounds(self) -> None:
+        if not hasattr(self, "src"):
+            return
+        live = self.src.active_requests
+        assert len(live) <= self.src.max_requests
+        assert set(live) <= set(self.streams), "a state outlived its request"
+        models = [self.src.shared_model] if self.shared else [self.src.model_for(r) for r in live]
+        for model in models:
+            if self.bounded:
+                assert model.num_contexts <= 5
+                assert all(len(f) <= 2 for f in model_table(model).values())
+        if self.bounded:
+            return
+        if self.shared:
+            expect: dict = {}
+            for stream in self.fed:
+                for ctx, f in recount(stream, self.N).items():
+                    for t, c in f.items():
+                        expect.setdefault(ctx, {})[t] = expect.get(ctx, {}).get(t, 0) + c
+            assert model_table(self.src.shared_model) == expect
+        else:
+            for rid in live:
+                assert model_table(self.src.model_for(rid)) == recount(self.streams[rid], self.N)
+
+
+TestNGramMachine = NGramMachine.TestCase
+TestNGramMachine.settings = MACHINE
+
+
+# ==================================================================================================
+# the Jacobi n-gram pool and window
+# ==================================================================================================
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """NGramPool against a list of entries in recency order (a brute-force LRU)."""
+
+    @initialize(capacity=st.integers(1, 8), per_key=st.integers(1, 3))
+    def setup(self, capacity, per_key) -> None:
+        self.pool = NGramPool(capacity, per_key)
+        self.entries: list[tuple[int, tuple[int, ...]]] = []  # oldest first
+
+    @rule(key=st.integers(0, 3), cont=st.lists(st.integers(0, 3), min_size=1, max_size=2))
+    def add(self, key, cont) -> None:
+        self.pool.add(key, cont)
+        entry = (key, tuple(cont))
+        if entry in self.entries:
+            self.entries.remove(entry)
+            self.entries.append(entry)
+            return
+        self.entries.append(entry)
+        same = [e for e in self.entries if e[0] == key]
+        if len(same) > self.pool.per_key:
+            self.entries.remove(same[0])
+        while len(self.entries) > self.pool.capacity:
+            self.entries.pop(0)
+
+    @rule(key=st.integers(0, 3), limit=st.one_of(st.none(), st.integers(0, 4)))
+    def get(self, key, limit) -> None:
+        expect = [c for k, c in reversed(self.entries) if k == key]
+        assert self.pool.get(key, limit) == (expect if limit is None else expect[:limit])
+
+    @invariant()
+    def bounded_and_equal(self) -> None:
+        if not hasattr(self, "pool"):
+            return
+        assert len(self.pool) == len(self.entries) <= self.pool.capacity
+        assert self.pool.max_bucket() <= self.pool.per_key
+        for entry in self.entries:
+            assert entry in self.pool
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = MACHINE
+
+
+class JacobiMachine(RuleBasedStateMachine):
+    """JacobiLookahead's per-request windows under random steps, with random "model" logits.
+
+    Checks the window's bookkeeping (level shapes while filling and when full, the side block's
+    positions and mask: each window token sees exactly one token at each offset 1..its own), the
+    pool bounds, that drafts are pool entries under the root within the budget, that every pool
+    token came from the context or from the model's (here: the random logits') argmaxes, and that
+    nothing is left of a request after ``end``.
+    """
+
+    V = 8
+
+    @initialize(window=st.integers(1, 4), ngram=st.integers(3, 5), G=st.integers(1, 3), pool_size=st.integers(1, 12),
+                advance=st.sampled_from(["one", "committed"]), reference=st.booleans())
+    def setup(self, window, ngram, G, pool_size, advance, reference) -> None:
+        self.src = JacobiLookahead(window=window, ngram=ngram, max_candidates=G, pool_size=pool_size, advance=advance,
+                                   prompt_as_reference=reference)
+        self.requests: dict[int, dict] = {}
+        self.ids = itertools.count(1)
+        self.rng = np.random.default_rng(0)
+
+    @rule(prompt=st.lists(st.integers(0, V - 1), min_size=1, max_size=10))
+    def begin(self, prompt) -> None:
+        rid = next(self.ids)
+        self.src.begin(Context(tuple(prompt), len(prompt), rid))
+        self.requests[rid] = dict(tokens=list(prompt), plen=len(prompt), seen=set(prompt), pending=None)
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data(), budget=st.integers(0, 8), committed=st.integers(1, 4), blind=st.booleans())
+    def step(self, data, budget, committed, blind) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        req = self.requests[rid]
+        ctx = Context(tuple(req["tokens"]), req["plen"], rid)
+        draft = self.src.propose(ctx, budget)
+        st_ = self.src.state(rid)
+        pool_entries = {(k, c) for k in range(self.V) for c in st_.pool.get(k)}
+        assert sum(len(b) for b in draft.branches) <= budget
+        assert len(draft.branches) <= self.src.max_candidates
+        for b in draft.branches:
+            assert any(c[: len(b)] == tuple(b) for k, c in pool_entries if k == ctx.root), \
+                f"branch {b} is no pool n-gram of root {ctx.root}"
+        side = draft.side_block
+        if budget == 0:
+            assert side is None and not draft.branches
+        else:
+            self._check_side_block(side, st_)
+        new = [int(t) for t in self.rng.integers(0, self.V, size=committed)]
+        logits = None
+        if side is not None and not blind:
+            logits = torch.from_numpy(self.rng.standard_normal((len(side.tokens), self.V))).float()
+            req["seen"].update(int(t) for t in logits.argmax(-1).tolist())
+        req["tokens"] += new
+        req["seen"].update(new)
+        self.src.observe(Feedback(committed=new, context=Context(tuple(req["tokens"]), req["plen"], rid),
+                                  side_logits=logits))
+
+    def _check_side_block(self, side, state) -> None:
+        W, N = self.src.window, self.src.ngram
+        levels = state.levels
+        assert 1 <= len(levels) <= N - 1
+        if state.filled == N - 2:  # full
+            assert len(levels[0]) == W - 1 and all(len(lv) == W for lv in levels[1:])
+            assert len(side.tokens) == self.src.side_tokens
+        assert side.tokens == [t for lv in levels for t in lv]
+        mask = np.asarray(side.mask)
+        for i, pos in enumerate(side.positions):
+            seen = sorted(side.positions[j] for j in range(len(side.tokens)) if mask[i, j])
+            assert seen == list(range(1, pos + 1)), f"side token {i} at offset {pos} sees offsets {seen}"
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def end(self, data) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        req = self.requests.pop(rid)
+        self.src.end(Context(tuple(req["tokens"]), req["plen"], rid))
+        assert self.src.state(rid) is None
+
+    @invariant()
+    def pools(self) -> None:
+        if not hasattr(self, "src"):
+            return
+        assert set(self.src._requests) == set(self.requests), "a window outlived its request"
+        for rid, req in self.requests.items():
+            pool = self.src.state(rid).pool
+            assert len(pool) <= self.src.pool_size
+            assert pool.max_bucket() <= self.src.max_candidates
+            for k in range(self.V):
+                for cont in pool.get(k):
+                    assert len(cont) == self.src.ngram - 1
+                    assert {k, *cont} <= req["seen"], "a pool token came from nowhere"
+
+
+TestJacobiMachine = JacobiMachine.TestCase
+TestJacobiMachine.settings = MACHINE
+
+
+# ==================================================================================================
+# the token tree
+# ==================================================================================================
+
+
+class TreeMachine(RuleBasedStateMachine):
+    """TokenTree.add_branch against a dict ``path -> source bits`` (creation order kept), and
+    TokenTree.from_drafts against an unbudgeted merge cut to its first ``max_nodes`` nodes."""
+
+    @initialize(root=st.integers(0, 4))
+    def setup(self, root) -> None:
+        self.tree = TokenTree(root)
+        self.paths: dict[tuple[int, ...], int] = {(): 0}  # insertion-ordered: node i = i-th key
+
+    @rule(branch=st.lists(st.integers(0, 4), max_size=6), source=st.integers(0, 5),
+          cap=st.one_of(st.none(), st.integers(0, 4)))
+    def add_branch(self, branch, source, cap) -> None:
+        created = self.tree.add_branch(branch, source, cap)
+        made = 0
+        for i in range(1, len(branch) + 1):
+            path = tuple(branch[:i])
+            if path not in self.paths:
+                if cap is not None and made >= cap:
+                    break
+                self.paths[path] = 0
+                made += 1
+            self.paths[path] |= 1 << source
+        assert created == made
+        assert cap is None or created <= cap
+
+    @rule(root=st.integers(0, 4),
+          drafts=st.lists(st.lists(st.lists(st.integers(0, 4), max_size=5), max_size=4), max_size=4),
+          budget=st.integers(0, 12))
+    def from_drafts(self, root, drafts, budget) -> None:
+        tree = TokenTree.from_drafts(root, drafts, budget)
+        full = TokenTree.from_drafts(root, drafts, 10**6)
+        assert tree.num_draft_nodes == min(budget, full.num_draft_nodes)
+        n = len(tree)
+        assert (tree.tokens, tree.parents, tree.depth, tree.sources) == \
+               (full.tokens[:n], full.parents[:n], full.depth[:n], full.sources[:n])
+        self._check(tree)
+        # every node lies on some source's branch, and its bits name exactly the sources whose
+        # branches pass through it (in the unbudgeted tree, every prefix of every branch)
+        for i in range(1, len(full)):
+            path = tuple(full.tokens[j] for j in full.path_to(i))
+            bits = sum(1 << s for s, branches in enumerate(drafts)
+                       if any(tuple(b[: len(path)]) == path for b in branches))
+            assert full.sources[i] == bits
+
+    def _check(self, tree: TokenTree) -> None:
+        n = len(tree)
+        assert tree.parents[0] == -1 and tree.depth[0] == 0
+        seen: set = set()
+        for i in range(1, n):
+            p = tree.parents[i]
+            assert 0 <= p < i, "not topologically ordered"
+            assert tree.depth[i] == tree.depth[p] + 1
+            assert tree.child(p, tree.tokens[i]) == i
+            assert (p, tree.tokens[i]) not in seen, "two siblings carry the same token"
+            seen.add((p, tree.tokens[i]))
+        ancestors = np.zeros((n, n), dtype=bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                ancestors[i, j] = True
+                j = tree.parents[j]
+        assert np.array_equal(tree.ancestor_mask(), ancestors)
+        assert np.array_equal(tree.position_offsets(), np.asarray(tree.depth))
+        for i in range(1, n):
+            assert sorted(tree.children(i)) == [j for j in range(n) if tree.parents[j] == i]
+
+    @invariant()
+    def equals_the_model(self) -> None:
+        if not hasattr(self, "tree"):
+            return
+        paths = list(self.paths)
+        assert len(self.tree) == len(paths)
+        for i in range(len(self.tree)):
+            path = tuple(self.tree.tokens[j] for j in self.tree.path_to(i))
+            assert path == paths[i], "nodes are not in creation order"
+            assert all(path[:k] in self.paths for k in range(len(path))), "not prefix-closed"
+            if i:
+                assert self.tree.sources[i] == self.paths[path]
+        leaves = sorted(p for p in paths if p and not any(q[: len(p)] == p and len(q) > len(p) for q in paths))
+        assert sorted(tuple(b) for b in self.tree.branches()) == leaves
+        self._check(self.tree)
+
+
+TestTreeMachine = TreeMachine.TestCase
+TestTreeMachine.settings = MACHINE
