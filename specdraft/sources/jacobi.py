@@ -279,6 +279,12 @@ class JacobiLookahead:
     def end(self, context: Context) -> None:
         self._requests.pop(context.request_id, None)
 
+    @property
+    def active_requests(self) -> int:
+        """Requests begun and not yet ended: each holds one window and one pool of at most
+        ``pool_size`` n-grams, so this times that bounds the source's memory."""
+        return len(self._requests)
+
     def state(self, request_id: int) -> LookaheadWindow | None:
         """The live state of a request (for inspection and tests); ``None`` outside a request."""
         return self._requests.get(request_id)
