@@ -74,7 +74,9 @@ def make_prompts(tokenizer) -> list[tuple[str, str, list[int]]]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="/work/scratch/models/qwen2.5-coder-0.5b")
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b",
+                    help="anything specdraft.models.load_model takes: checkpoint dir, .gguf, hub id, mirrored alias "
+                         "(default: %(default)s)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -85,20 +87,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="append one JSON line per (prompt, config) here")
     args = ap.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from specdraft import Decoder, PromptLookup
     from specdraft.baseline import time_plain_generate, warmup_forward
+    from specdraft.models import load_model
     from specdraft.sources.jacobi import JacobiLookahead
 
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    dtype = getattr(torch, args.dtype)
-    tok = AutoTokenizer.from_pretrained(args.model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
-    model.eval()
+        model, tok = load_model(args.model, dtype=args.dtype, attn_implementation="sdpa")
     prompts = make_prompts(tok)
     if args.prompts in ("chat", "code"):
         prompts = [p for p in prompts if p[0] == args.prompts]

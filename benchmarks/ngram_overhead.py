@@ -29,17 +29,27 @@ import sys
 import time
 import tracemalloc
 
-DEFAULT_TOKENIZER = "/work/scratch/models/qwen2.5-coder-0.5b"
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"  # a specdraft.models alias: found in the cache or fetched once
 SOURCE_FILES = ["generation/utils.py", "modeling_utils.py", "trainer.py", "models/llama/modeling_llama.py",
                 "models/qwen2/modeling_qwen2.py", "tokenization_utils_base.py"]
 
 
-def load_tokens(tokenizer_path: str, max_tokens: int) -> list[list[int]]:
-    """Token ids of a few large Python files of the installed transformers package (one list each)."""
-    import transformers
+def load_tokenizer(name: str):
+    """The tokenizer of a model named as ``specdraft.models.resolve_model`` takes it (a checkpoint
+    directory, a ``.gguf`` file, a hub id or a mirrored alias such as ``qwen2.5-coder-0.5b``)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    from specdraft.models import resolve_model
+
+    resolved = resolve_model(name)
+    return AutoTokenizer.from_pretrained(resolved.path, gguf_file=resolved.gguf_file)
+
+
+def load_tokens(model: str, max_tokens: int) -> list[list[int]]:
+    """Token ids of a few large Python files of the installed transformers package (one list each)."""
+    import transformers
+
+    tok = load_tokenizer(model)
     root = os.path.dirname(transformers.__file__)
     docs = []
     for rel in SOURCE_FILES:
@@ -148,14 +158,15 @@ def bytes_per_context(prompt: list[int], **kwargs) -> tuple[int, int, float]:
     return model.num_contexts, model.num_counters, used / max(model.num_contexts, 1)
 
 
-def measure_forward_ms(model_path: str, prompt: list[int], tree: int) -> float:
+def measure_forward_ms(model_name: str, prompt: list[int], tree: int) -> float:
     import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
     from specdraft.compat import cache_keyword
+    from specdraft.models import load_model
 
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model, _ = load_model(model_name, dtype="float32")
     keyword = cache_keyword(model)
     with torch.inference_mode():
         cache = DynamicCache()
@@ -172,7 +183,9 @@ def measure_forward_ms(model_path: str, prompt: list[int], tree: int) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokenizer", default=DEFAULT_TOKENIZER)
+    parser.add_argument("--tokenizer", default=DEFAULT_MODEL,
+                        help="model whose tokenizer encodes the text: checkpoint dir, .gguf, hub id or mirrored alias "
+                             "(default: %(default)s)")
     parser.add_argument("--prompt-tokens", type=int, default=1536)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--starts-per-doc", type=int, default=3, help="requests per source file")
@@ -180,7 +193,7 @@ def main(argv=None) -> int:
     parser.add_argument("--forward-ms", type=float, default=145.0,
                         help="one Qwen2.5-0.5B fp32 decoding step on this CPU (default: %(default)s ms)")
     parser.add_argument("--measure-forward", action="store_true",
-                        help="load the model next to the tokenizer and time a 1+budget-token forward instead")
+                        help="load the --tokenizer model and time a 1+budget-token forward instead")
     parser.add_argument("--json", action="store_true", help="one JSON line per configuration")
     args = parser.parse_args(argv)
 

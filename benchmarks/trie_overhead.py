@@ -49,16 +49,26 @@ from specdraft.tree import TokenTree
 
 ONE_TOKEN_STEP_MS = 145.0  # Qwen2.5-0.5B fp32, 1 thread, one-token step (this machine)
 TREE_STEP_MS = 390.0  # same, 16-token tree step
-TOKENIZER = "/work/scratch/models/qwen2.5-coder-0.5b"
+TOKENIZER = "qwen2.5-coder-0.5b"  # a specdraft.models alias: found in the cache or fetched once
 SELECTION_ON = "max_nodes 262144"  # the configuration whose warmed trie the two selection methods are compared on
 CLOCK = time.perf_counter_ns  # --clock cpu: time.thread_time_ns (CPU time, immune to a busy machine)
 
 
-def load_streams(n_files: int, tokenizer_path: str) -> list[list[int]]:
-    import transformers
+def load_tokenizer(name: str):
+    """The tokenizer of a model named as ``specdraft.models.resolve_model`` takes it (a checkpoint
+    directory, a ``.gguf`` file, a hub id or a mirrored alias such as ``qwen2.5-coder-0.5b``)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    from specdraft.models import resolve_model
+
+    resolved = resolve_model(name)
+    return AutoTokenizer.from_pretrained(resolved.path, gguf_file=resolved.gguf_file)
+
+
+def load_streams(n_files: int, model: str) -> list[list[int]]:
+    import transformers
+
+    tok = load_tokenizer(model)
     root = os.path.dirname(transformers.__file__)
     files = sorted(glob.glob(os.path.join(root, "models", "*", "modeling_*.py")))
     files = [f for f in files if os.path.getsize(f) > 20_000]
@@ -231,7 +241,9 @@ def compare_selection(ft: FrequencyTrie, contexts, k: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokenizer", default=TOKENIZER)
+    ap.add_argument("--tokenizer", default=TOKENIZER,
+                    help="model whose tokenizer encodes the text: checkpoint dir, .gguf, hub id or mirrored alias "
+                         "(default: %(default)s)")
     ap.add_argument("--files", type=int, default=24, help="source files to draw requests from")
     ap.add_argument("--per-file", type=int, default=2, help="requests per file")
     ap.add_argument("--warm", type=int, default=24, help="requests that warm the trie (not timed)")
