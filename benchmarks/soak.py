@@ -17,7 +17,7 @@ contexts span the real range. A random model's greedy continuations are noise ov
 vocabulary, so almost every output window is new to the trie: the worst case for its growth.
 
     python benchmarks/soak.py --requests 10000 --out benchmarks/results/soak
-    python benchmarks/soak.py --requests 500 --vocab-size 1000 --out /tmp/soak   # a quick look
+    python benchmarks/soak.py --requests 500 --vocab-size 1000 --out soak-out   # a quick look
 """
 
 from __future__ import annotations
