@@ -5,7 +5,7 @@
 #
 #   bash scripts/screenshots.sh [OUT_DIR] [PAGE ...]
 #
-# OUT_DIR defaults to a new temporary directory; PAGEs are site paths (default: the home page,
+# OUT_DIR defaults to a new temporary directory ($SCREENSHOT_HEIGHT: a taller window, e.g. 12000); PAGEs are site paths (default: the home page,
 # a tutorial, the exactness page, the API reference and the results page). Screenshots are for
 # looking at, not for committing.
 set -euo pipefail
@@ -46,7 +46,7 @@ for page in "${pages[@]}"; do
     # --virtual-time-budget lets the page's scripts (MathJax) finish before the shot is taken
     "$browser" --headless --no-sandbox --disable-gpu --disable-background-networking \
         --disable-component-update --disable-sync --no-first-run --hide-scrollbars \
-        --user-data-dir="$profile" --virtual-time-budget=5000 --window-size=1280,1600 \
+        --user-data-dir="$profile" --virtual-time-budget=5000 --window-size=1280,"${SCREENSHOT_HEIGHT:-1600}" \
         --screenshot="$out/$name.png" "http://127.0.0.1:$port/$page" >/dev/null 2>&1
     echo "$out/$name.png"
 done

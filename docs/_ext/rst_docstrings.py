@@ -77,6 +77,26 @@ def _indent(line: str) -> int:
     return len(line) - len(line.lstrip())
 
 
+_LIST_ITEM = re.compile(r"^\s*(?:[*+-]|\d+[.)]|>>>|\.\.)\s")
+
+
+def _term(line: str, previous: str, in_section: bool) -> str | None:
+    """The Markdown term of a reST definition-list term line, or None if ``line`` is not one."""
+    text = line.strip()
+    follows = (not previous.strip() or _UNDERLINE.match(previous) is not None
+               or _indent(previous) > _indent(line))  # a blank line, a heading, or the last entry
+    if not text or not follows or _LIST_ITEM.match(line) or text.endswith(("::", ".", ",", ";")):
+        return None
+    if _DEF_TERM.match(line):
+        return text.replace("``", "`")
+    if in_section and (field := _FIELD.match(line)):
+        kind = f" ({field.group(3)})" if field.group(3) else ""
+        return ", ".join(f"`{n.strip()}`" for n in field.group(2).split(",")) + kind
+    if len(text) <= 60 and not text.endswith(":"):
+        return f"**{text}**"
+    return None
+
+
 def _blocks(text: str) -> str:
     """Definition lists, ``::`` blocks, ``>>>`` examples and simple tables, as Markdown."""
     lines = text.split("\n")
@@ -128,31 +148,22 @@ def _blocks(text: str) -> str:
             in_section = True
             i += 2
             continue
-        # definition list: a line of ``names`` (or, in a section, of bare names) followed by a
-        # more indented description
-        term = _DEF_TERM.match(line)
-        if term is None and in_section:
-            field = _FIELD.match(line)
-            if field:
-                kind = f" ({field.group(3)})" if field.group(3) else ""
-                names = ", ".join(f"``{n.strip()}``" for n in field.group(2).split(","))
-                term = re.match(r"^(\s*)(.*)$", field.group(1) + names + kind)
-        if term and i + 1 < len(lines) and lines[i + 1].strip() and _indent(lines[i + 1]) > _indent(line):
-            base = _indent(line)
-            pad = " " * base
-            out += ["", pad + term.group(2).replace("``", "`")]
+        # definition list: a term line (``names``, a few words, or in a section "name: type")
+        # followed by a more indented description; the description is translated in turn
+        term = _term(line, lines[i - 1] if i else "", in_section)
+        if term is not None and i + 1 < len(lines) and lines[i + 1].strip() and _indent(lines[i + 1]) > _indent(line):
+            pad = " " * _indent(line)
             i += 1
-            first = True
-            while i < len(lines) and (not lines[i].strip() or _indent(lines[i]) > base):
-                body = lines[i].strip()
-                if not body:
-                    out.append("")
-                elif first:
-                    out.append(pad + ":   " + body)
-                    first = False
-                else:
-                    out.append(pad + "    " + body)
+            body: list[str] = []
+            while i < len(lines) and (not lines[i].strip() or _indent(lines[i]) > _indent(line)):
+                body.append(lines[i])
                 i += 1
+            while body and not body[-1].strip():
+                body.pop()
+            cut = min(_indent(b) for b in body if b.strip())
+            inner = _blocks("\n".join(b[cut:] for b in body)).strip("\n").split("\n")
+            out += ["", pad + term, pad + ":   " + inner[0]]
+            out += [(pad + "    " + b) if b.strip() else "" for b in inner[1:]]
             out.append("")
             continue
         out.append(line)

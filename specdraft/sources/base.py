@@ -40,6 +40,7 @@ class Context:
 
     @property
     def root(self) -> int:
+        """``tokens[-1]``, the newest committed token: the one whose successors are guessed."""
         return self.tokens[-1]
 
 
@@ -83,6 +84,7 @@ class Draft:
 
     @property
     def num_tokens(self) -> int:
+        """Total tokens over all branches (a prefix shared by two branches counts twice)."""
         return sum(len(b) for b in self.branches)
 
 
@@ -91,8 +93,18 @@ class Feedback:
     """What happened in the step a source drafted for.
 
     ``committed`` are the tokens appended to the context this step (the accepted path plus the
-    model's own next token). ``context`` is the context after the commit. ``side_logits`` are the
-    float32 logits ``[len(side_block.tokens), vocab]`` of this source's side block, or ``None``.
+    model's own next token, cut by the stop rules). ``context`` is the context after the commit.
+    ``side_logits`` are the float32 logits ``[len(side_block.tokens), vocab]`` of this source's
+    side block; ``None`` when it proposed none, or when the block was dropped because one of its
+    positions fell outside the model's context.
+
+    ``top_ids`` / ``row_tokens`` are filled only for sources whose ``top_k`` is > 0 (``None`` for
+    the rest): ``top_ids[i]`` are the ``k`` most likely next tokens (int64, best first, ``k`` = the
+    largest ``top_k`` any of the decoder's sources asked for, at most the vocabulary) of forward
+    row ``i``, whose input token was ``row_tokens[i]``. The rows are every position whose logits
+    the step computed: the root, then every tree node in tree order, accepted or not (side blocks
+    are excluded). In a request's first observed step the prefill's last row (the prompt's last
+    token) comes first. The scores are the raw logits, before any sampling warper.
     """
 
     committed: list[int]
@@ -100,14 +112,6 @@ class Feedback:
     side_logits: torch.Tensor | None = None
     top_ids: np.ndarray | None = None
     row_tokens: np.ndarray | None = None
-
-    # ``top_ids`` / ``row_tokens`` (only for sources whose ``top_k`` is > 0; ``None`` for the rest):
-    # ``top_ids[i]`` are the ``k`` most likely next tokens (int64, best first, ``k`` = the largest
-    # ``top_k`` any of the decoder's sources asked for, at most the vocabulary) of forward row
-    # ``i``, whose input token was ``row_tokens[i]``. The rows are every position whose logits the
-    # step computed: the root, then every tree node in tree order, accepted or not (side blocks
-    # are excluded). In a request's first observed step the prefill's last row (the prompt's last
-    # token) comes first. The scores are the raw logits, before any sampling warper.
 
 
 @runtime_checkable
