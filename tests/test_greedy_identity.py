@@ -16,7 +16,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from specdraft import Decoder, GenerationStats, PromptLookup
-from specdraft.sources import FrequencyTrie, JacobiLookahead, MultiLevelNGram
+from specdraft.sources import FrequencyTrie, JacobiLookahead, MultiLevelNGram, TokenRecycling
 
 from conftest import (FAST, VOCAB, OracleSource, RandomGuess, SideBlockToy, check_side_records,
                       generation_config_override, reference_greedy, tiny_model)
@@ -59,9 +59,10 @@ _source_spec = st.one_of(
     st.tuples(st.just("random"), st.integers(0, 10_000)),
     st.tuples(st.just("oracle"), st.booleans()),
     st.tuples(st.just("side"), st.integers(0, 10_000), st.sampled_from(["chain", "forest", "wild"])),
-    st.tuples(st.just("library"), st.sampled_from(["ngram", "trie", "jacobi"])),  # with their defaults
+    st.tuples(st.just("library"), st.sampled_from(["ngram", "trie", "jacobi", "recycle"])),  # with their defaults
 )
-_LIBRARY_SOURCES = {"ngram": MultiLevelNGram, "trie": FrequencyTrie, "jacobi": JacobiLookahead}
+_LIBRARY_SOURCES = {"ngram": MultiLevelNGram, "trie": FrequencyTrie, "jacobi": JacobiLookahead,
+                    "recycle": TokenRecycling}
 source_specs = st.lists(_source_spec, min_size=0, max_size=4)
 
 
@@ -126,6 +127,44 @@ def test_greedy_identity(case, prompt, n, max_tree_nodes, specs, adaptive) -> No
     for source in sources:
         if isinstance(source, SideBlockToy) and source.mode != "wild" and source.records:
             check_side_records(model, source.records[:2])
+
+
+@pytest.mark.parametrize("case", [("llama", "sdpa"), ("qwen2_swa", "sdpa"), ("gemma3", "sdpa"), ("gpt2", "eager")],
+                         ids=_ids)
+@settings(FAST, max_examples=8)
+@given(requests=st.lists(prompts(), min_size=2, max_size=3), n=st.integers(1, 40), max_tree_nodes=st.integers(0, 40),
+       template=st.sampled_from(["tr8", "tr16", "tr32", "tr80"]), k=st.sampled_from([8, 12]), alone=st.booleans(),
+       adaptive=st.booleans())
+def test_greedy_identity_token_recycling_hot_start(case, requests, n, max_tree_nodes, template, k, alone,
+                                                   adaptive) -> None:
+    """Token Recycling, alone or with the default sources, one matrix over several requests (its hot
+    start), so later requests draft from what the earlier ones left in it."""
+    model = tiny_model(*case)
+    recycle = TokenRecycling(k=k, template=template)
+    sources = [recycle] if alone else [PromptLookup(), recycle, FrequencyTrie(), MultiLevelNGram()]
+    dec = Decoder(model, sources=sources, max_tree_nodes=max_tree_nodes, adaptive_budget=adaptive)
+    for prompt in requests:
+        out = dec.generate(prompt, max_new_tokens=n)
+        assert out.token_ids == reference_greedy(model, prompt, n)
+        check_stats(out, n, max_tree_nodes, sources)
+
+
+def test_token_recycling_drafts_get_accepted() -> None:
+    """Not vacuous: the decoder feeds the source the model's top-k, and its drafts are accepted (a
+    tiny random model's greedy output loops, which the matrix learns within a request)."""
+    model = tiny_model("llama")
+    prompt = [5, 6, 7, 8, 9]
+    recycle = TokenRecycling(k=8, template="tr16")
+    dec = Decoder(model, sources=[recycle], max_tree_nodes=16, adaptive_budget=False)
+    with generation_config_override(model, eos_token_id=None):
+        ref = reference_greedy(model, prompt, 40)
+        first = dec.generate(prompt, max_new_tokens=40)
+        second = dec.generate(prompt, max_new_tokens=40)  # hot start: drafts from the first step on
+    assert first.token_ids == second.token_ids == ref
+    assert (recycle.matrix >= 0).any()
+    stats = second.stats.per_source[recycle.name]
+    assert stats.proposed > 0 and stats.accepted > 0
+    assert second.stats.steps < 40
 
 
 @pytest.mark.parametrize("case", [("llama", "sdpa"), ("mistral", "sdpa"), ("gemma3", "sdpa"), ("gpt2", "eager")],

@@ -37,7 +37,7 @@ from scipy import stats as scipy_stats
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import specdraft.decoder
-from specdraft import Decoder, PromptLookup
+from specdraft import Decoder, PromptLookup, TokenRecycling
 from specdraft.sources.base import Context, Draft, Feedback
 
 from _verifier_variants import bonus_from_p_verify, committed_context_verify, specinfer_verify
@@ -249,6 +249,42 @@ def test_specinfer_multi_round_rejection_passes_the_same_harness(model, law_a: E
     pvalue, dof, impossible = chi_square(counts, law_a)
     print(f"\n[specinfer] N={N_MUTANT} p={pvalue:.4g} dof={dof}")
     assert impossible == 0 and pvalue > P_THRESHOLD
+
+
+def recycling_decoder(model, law: ExactLaw, mix: str) -> tuple[Decoder, TokenRecycling]:
+    """Token Recycling alone, or with the table and prompt lookup (the merged tree then mixes them);
+    a fixed budget, so the recycled drafts are checked whatever the machine's load."""
+    recycle = TokenRecycling(k=8, template="tr16")
+    sources = [recycle] if mix == "alone" else [TableSource(law), recycle,
+                                                PromptLookup(max_ngram=3, min_ngram=1, num_tokens=3)]
+    return Decoder(model, sources=sources, max_tree_nodes=12, adaptive_budget=False), recycle
+
+
+@pytest.mark.parametrize("mix", ["alone", "mixed"])
+def test_token_recycling_keeps_the_sampling_law(model, law_a: ExactLaw, mix: str) -> None:
+    """The source drafts from the model's own top-k, which is what the sampler likes best: the law
+    must still be the plain one (fewer samples than setting A's main test)."""
+    decoder, recycle = recycling_decoder(model, law_a, mix)
+    counts, mean_accepted = sample(decoder, N_MUTANT, SETTING_A, seed0=40_000)
+    pvalue, dof, impossible = chi_square(counts, law_a)
+    print(f"\n[recycle {mix}] N={N_MUTANT} p={pvalue:.4g} dof={dof} mean_accepted={mean_accepted:.2f}")
+    assert impossible == 0 and pvalue > P_THRESHOLD
+    accepted = sum(decoder.generate(PROMPT, max_new_tokens=NEW, do_sample=True, seed=s, **SETTING_A)
+                   .stats.per_source[recycle.name].accepted for s in range(30))
+    assert accepted > 0, "the recycled drafts are never accepted: the test does not exercise them"
+
+
+@pytest.mark.parametrize("mix", ["alone", "mixed"])
+def test_token_recycling_same_random_stream_as_model_generate(model, law_a: ExactLaw, mix: str) -> None:
+    decoder, _ = recycling_decoder(model, law_a, mix)
+    prompt = torch.tensor([PROMPT])
+    for s in range(40):
+        new = 3 if s % 2 else 12
+        torch.manual_seed(s)
+        ref = model.generate(prompt, max_new_tokens=new, do_sample=True, **SETTING_A)[0, len(PROMPT):].tolist()
+        torch.manual_seed(s)
+        out = decoder.generate(PROMPT, max_new_tokens=new, do_sample=True, seed=None, **SETTING_A)
+        assert out.token_ids == ref, (s, ref, out.token_ids)
 
 
 @pytest.mark.parametrize("mutant", [bonus_from_p_verify, committed_context_verify],
