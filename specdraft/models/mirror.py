@@ -362,7 +362,8 @@ def fetch_mirror(mirror: Mirror, root: Path, progress: bool) -> Path:
         problem = check_marker(target)
         if problem is not None:
             if target.exists():
-                message = f"the cached {mirror.alias} at {target} is incomplete or damaged ({problem}); building it again"
+                message = (f"the cached {mirror.alias} at {target} is incomplete or damaged ({problem}); "
+                           "building it again")
                 if progress:
                     say(progress, message)
                 else:
