@@ -143,7 +143,7 @@ class ReplayRunner:
 
     def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
         self.cache_len = len(token_ids)
-        self._last_q = 0
+        self._last_q = 1  # as ModelRunner: the prompt's last token is the first step's root
         self.clock.advance(self.costs(len(token_ids)))
         logits = torch.zeros(self.vocab_size)
         logits[self.sequence[len(token_ids)]] = 1.0

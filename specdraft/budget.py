@@ -37,24 +37,21 @@ Between requests
     A run of acceptance ends with its request: a new prompt owes nothing to how the last answer
     ended. So each request starts from slow averages of every observation so far (weight
     ``prior_smoothing``, the long-run acceptance of this decoder's traffic), and the fast averages
-    take over from there. Carrying the fast averages over instead made a request that followed a
-    long copy open with wide trial steps that failed (replayed on 40 MT-Bench answers in fp32 with
-    ``benchmarks/budget_replay.py``: up to 4 failed trials, 10% of a 28-token answer).
+    take over from there.
 
     A request's first tree step also stays plain when the tree the averages call for would cost
-    more than ``opening_cost_ratio`` (1.5) plain steps. Nothing of the request has been seen yet,
-    the long-run averages are all there is to go on, and on a short answer (MT-Bench has several
-    of 11-17 tokens) a failed wide step is not won back: in float32 on a CPU it costs a whole extra
-    step, 7-9% of such an answer. Where width is nearly free (bf16 here, GPUs) the rule never
-    fires. Replayed on the full run, it lifted the worst fp32 prompt from 0.88x to 0.93x on
-    MT-Bench and from 0.93x to 0.95x on HumanEval, with the means unchanged or better.
+    more than ``opening_cost_ratio`` (1.5) plain steps: nothing of the request has been seen yet,
+    and on a short answer a failed wide step is not won back. Where width is nearly free (bf16 on
+    a CPU, GPUs) the rule never fires.
 
-What did not help (replayed on the 80 prompts of the full Qwen2.5-Coder-0.5B run, both dtypes)
-    Slower or faster averaging than 0.5, a margin a wide step must beat plain decoding by (it
-    costs bf16, where width is nearly free, far more than it saves fp32), and acceptance averages
-    kept per kind of step (after a step whose full tree guessed right vs wrong, or by the length
-    of the current run of right guesses): a copy's first step is always "cold", so the late news
-    of copy runs lands on cold steps and sends them into failing trials.
+How these rules and constants were chosen (the replays, what was tried and rejected) is told in
+the documentation's "How the defaults were chosen" page.
+
+The interface
+    The decoder asks :meth:`AdaptiveBudget.choose` how wide to go before each step's forward and
+    reports the step with one :meth:`AdaptiveBudget.observe` call after it (a :class:`StepOutcome`);
+    everything else (shadow trees, acceptance by rank, step costs) stays in here.
+    :class:`FixedBudget` has the same interface and always answers the cap.
 
 The budget changes only which drafts are checked, never how they are verified, so output stays
 exactly lossless whatever this controller decides.
@@ -63,6 +60,14 @@ exactly lossless whatever this controller decides.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+from .tree import TokenTree
+
+#: Steps a shadow tree may wait for its outcome; after that the part walked so far counts as
+#: accepted and the rest as not, so a copy that starts during plain one-token steps is noticed
+#: within a few steps instead of only when its whole draft has been committed.
+SHADOW_PATIENCE = 3
 
 
 def _moving_average(old: float | None, new: float, weight: float) -> float:
@@ -80,11 +85,70 @@ def _bucket(width: int) -> int:
 
 @dataclass
 class BudgetDecision:
-    """The budget for one step and what the controller expected of it."""
+    """The budget for one step and what the controller expected of it.
+
+    ``side_blocks`` says whether the sources' side blocks (Jacobi's window) ride along; ``None``
+    means "only when the tree is not empty": a plain step leaves them out too, so a source whose
+    window does not pay stops costing width until drafts pay again.
+    """
 
     nodes: int
     expected_tokens: float
     expected_cost: float
+    side_blocks: bool | None = None
+
+    @property
+    def keeps_side_blocks(self) -> bool:
+        return self.nodes > 0 if self.side_blocks is None else self.side_blocks
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a budget learns from one step, reported once after its forward and verification.
+
+    ``tree`` is the tree that was checked (cut at ``decision.nodes``); ``branches`` are every
+    source's full branch lists, from which the full tree is rebuilt when the checked one was cut;
+    ``committed`` is the whole sequence after the step, whose tokens from index ``start`` on were
+    committed by it; ``width`` is the forward's width and ``seconds`` the step's time.
+    """
+
+    decision: BudgetDecision
+    tree: TokenTree
+    branches: Sequence[Sequence[Sequence[int]]]
+    committed: Sequence[int]
+    start: int
+    width: int
+    seconds: float
+
+
+class Budget(Protocol):
+    """What the decoder needs of a tree budget: one question before a step, one report after."""
+
+    max_nodes: int
+
+    def start_request(self) -> None: ...
+
+    def choose(self, side_tokens: int = 0) -> BudgetDecision: ...
+
+    def observe(self, outcome: StepOutcome) -> None: ...
+
+
+class FixedBudget:
+    """Always the cap (``Decoder(adaptive_budget=False)``): for benchmarks of fixed tree sizes."""
+
+    def __init__(self, max_nodes: int) -> None:
+        if max_nodes < 0:
+            raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
+        self.max_nodes = max_nodes
+
+    def start_request(self) -> None:
+        """Nothing carries between requests."""
+
+    def choose(self, side_tokens: int = 0) -> BudgetDecision:
+        return BudgetDecision(self.max_nodes, 0.0, 0.0, side_blocks=True)
+
+    def observe(self, outcome: StepOutcome) -> None:
+        """A fixed budget learns nothing."""
 
 
 class AdaptiveBudget:
@@ -126,6 +190,11 @@ class AdaptiveBudget:
         self.cost: dict[int, float] = {}  # bucket -> seconds per step
         self.steps = 0
         self.request_steps = 0  # steps of the current request
+        self._shadows: list[tuple[TokenTree, int, int]] = []  # (full tree, start, age) awaiting outcome
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_shadows", [])  # budgets pickled before shadows lived here
+        self.__dict__.update(state)
 
     # -- estimates ------------------------------------------------------------------------
 
@@ -185,11 +254,43 @@ class AdaptiveBudget:
             e *= 2
         return edges
 
-    def new_request(self) -> None:
+    def start_request(self) -> None:
         """A request starts: the acceptance averages restart from the long-run ones (see "Between
-        requests" above); step costs carry over (they belong to the model and the machine)."""
+        requests" above); step costs carry over (they belong to the model and the machine).
+        Shadow trees of an earlier request are dropped unresolved."""
         self.accept_rate = list(self.long_run_rate)
         self.request_steps = 0
+        self._shadows = []
+
+    new_request = start_request  # the name before the StepOutcome interface
+
+    def observe(self, outcome: StepOutcome) -> None:
+        """Learn from one step: its cost, and (through shadow trees) which ranks of the *full* tree
+        were or would have been accepted, resolved as later steps commit tokens."""
+        self.observe_cost(outcome.width, outcome.seconds)
+        tree = outcome.tree
+        if outcome.decision.nodes < self.max_nodes:
+            tree = TokenTree.from_drafts(tree.tokens[0], outcome.branches, self.max_nodes)
+        self._shadows.append((tree, outcome.start, 0))
+        self._resolve_shadows(outcome.committed)
+
+    def _resolve_shadows(self, committed: Sequence[int]) -> None:
+        """Walk each pending full tree along the tokens committed since it was drafted; a walk that
+        leaves the tree, reaches a leaf or runs out of patience (:data:`SHADOW_PATIENCE`) tells
+        which ranks would have been accepted. Trees still on course wait for more tokens."""
+        waiting = []
+        for tree, start, age in self._shadows:
+            node, i = 0, start
+            while i < len(committed):
+                child = tree.child(node, committed[i])
+                if child is None:
+                    break
+                node, i = child, i + 1
+            if i == len(committed) and tree.children(node) and age < SHADOW_PATIENCE:
+                waiting.append((tree, start, age + 1))  # still on the tree: the outcome is not known yet
+                continue
+            self.observe_acceptance(tree.num_draft_nodes, [n - 1 for n in tree.path_to(node)])
+        self._shadows = waiting
 
     # -- learning -------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ The decoder knows the sources, the verifier and the runner; none of them knows t
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -27,11 +28,11 @@ import numpy as np
 import torch
 
 from .attention import ATTENTION_CHOICES, select_attention
-from .budget import AdaptiveBudget, BudgetDecision
+from .budget import AdaptiveBudget, Budget, BudgetDecision, FixedBudget, StepOutcome
 from .runner import ModelRunner
 from .sampling import NodeScorer, SamplingSettings, resolve_settings
-from .sources.base import Context, Draft, DraftSource, Feedback
-from .sources.registry import DEFAULT_SOURCES, default_sources
+from .sources.base import Context, Draft, DraftSource, Feedback, SideBlock, source_option
+from .sources.registry import default_sources
 from .stats import GenerationStats, SourceStats
 from .stopping import StopRule
 from .tree import TokenTree
@@ -88,11 +89,16 @@ class Decoder:
         self.runner = ModelRunner(model)
         # a source may say how many steps it needs before its drafts mean anything (Jacobi fills its
         # window first): the controller keeps the full budget that long before judging
-        warmup = max([3] + [int(getattr(s, "warmup_steps", 0)) for s in self.sources])
-        self.budget: AdaptiveBudget | None = (AdaptiveBudget(max_tree_nodes, warmup=warmup)
-                                              if adaptive_budget else None)
+        warmup = max([3] + [source_option(s, "warmup_steps") for s in self.sources])
+        self.budget: Budget = (AdaptiveBudget(max_tree_nodes, warmup=warmup) if adaptive_budget
+                               else FixedBudget(max_tree_nodes))
+        # sources that read the model's top-k (Token Recycling): one topk per step for the largest k
+        self._wants_top = [source_option(s, "top_k") > 0 for s in self.sources]
+        self._top_k = max([source_option(s, "top_k") for s in self.sources], default=0)
         self._source_names = _unique_names([s.name for s in self.sources])
-        self._busy = False
+        self._busy = threading.Lock()  # one request at a time; a second caller fails fast
+        #: what step 0 (the prefill's token, verified on a root-only tree) counts as
+        self._decision0 = BudgetDecision(0, 1.0, 0.0, side_blocks=False)
         #: The timer behind the statistics and the adaptive budget's step costs. A replay of recorded
         #: outputs on a simulated clock (``benchmarks/budget_replay.py``) swaps it, with the runner.
         self.clock: Callable[[], float] = time.perf_counter
@@ -165,6 +171,9 @@ class Decoder:
     def _steps(self, prompt: Any, max_new_tokens: int, stats: GenerationStats, stop: Any, seed: int | None,
                options: dict[str, Any]) -> Iterator[list[int]]:
         """Run one request, yielding the tokens committed by each step."""
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                                 or not -2**63 <= int(seed) < 2**64):
+            raise ValueError(f"seed must be an int in [-2**63, 2**64) or None, got {seed!r}")
         prompt_ids = self._encode(prompt)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -179,99 +188,105 @@ class Decoder:
         stats.per_source = {name: SourceStats() for name in self._source_names}
         if max_new_tokens == 0:
             return
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        generator = torch.Generator().manual_seed(int(seed)) if seed is not None else None
         yield from self._decode(prompt_ids, settings, rule, stats, generator)
 
     def _decode(self, prompt_ids: list[int], settings: SamplingSettings, rule: StopRule, stats: GenerationStats,
                 generator: torch.Generator | None) -> Iterator[list[int]]:
-        if self._busy:
-            raise RuntimeError("this Decoder is already running a request (a stream() not yet exhausted or closed); "
-                               "finish or close() it first, or use one Decoder per concurrent request")
-        self._busy = True
+        """The loop of the module docstring. The prefill is step 0: its last row is verified on a
+        root-only tree, so the first token takes the same commit path as every later one."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this Decoder is busy with another request (a stream() not yet exhausted or closed, "
+                               "or another thread); finish or close() it first, or use one Decoder per thread")
         started = self.clock()
-        scorer = NodeScorer(settings)
-        draw = multinomial_draw(generator)
-        request_id = next(_request_ids)
-        committed = list(prompt_ids)
-        prompt_length = len(prompt_ids)
+        scorer, draw = NodeScorer(settings), multinomial_draw(generator)
+        request = _Request(list(prompt_ids), len(prompt_ids), next(_request_ids))
         begun: list[DraftSource] = []
         try:
-            first_logits = self.runner.prefill(committed)
+            logits = self.runner.prefill(request.committed)[None]
             stats.prefill_time = self.clock() - started
             for source in self.sources:
-                source.begin(Context(tuple(committed), prompt_length, request_id))
+                source.begin(request.context())
                 begun.append(source)
-            # The prefill's last row predicts the first new token, as in model.generate: commit it
-            # through the verifier on a root-only tree (greedy or sampling alike). Nothing was
-            # proposed for it, so no source observes it (observe always answers a propose); they
-            # see it in the next step's context.
-            first = TokenTree(committed[-1])
-            verdict = self._verify(first, first_logits[None], settings, scorer, committed, draw)
-            step_tokens, done = rule.cut([], verdict.tokens)
-            self._record(stats, first, verdict, len(step_tokens))
-            committed.extend(step_tokens)
-            stats.new_tokens += len(step_tokens)
-            stats.wall_time = self.clock() - started
-            if step_tokens:
-                yield step_tokens
-            shadows: list[tuple[TokenTree, int, int]] = []  # full trees awaiting their outcome (budget.py)
-            if self.budget is not None:
-                self.budget.new_request()
-            while not done:
-                step_started = self.clock()
-                context = Context(tuple(committed), prompt_length, request_id)
-                generated = len(committed) - prompt_length
-                depth_limit = rule.max_new_tokens - generated - 1  # the bonus token takes the last slot
-                drafts = [self._propose(s, context, depth_limit) for s in self.sources]
-                side_tokens = self._fit_side_blocks(drafts)
-                decision = self._decide(side_tokens)
-                if self.budget is not None and decision.nodes == 0:
-                    # the controller chose a plain step: side blocks (Jacobi's window) would cost
-                    # width for drafts that do not pay, so they pause too (fixed budgets keep them)
-                    for draft in drafts:
-                        draft.side_block = None
-                branches = [d.branches for d in drafts]
-                tree = TokenTree.from_drafts(context.root, branches, decision.nodes)
-                tokens, offsets, block, side_slices = _step_input(tree, drafts)
-                logits = self.runner.forward(tokens, offsets, block)
-                verdict = self._verify(tree, logits[: len(tree)], settings, scorer, committed, draw)
-                step_tokens, done = rule.cut(committed[prompt_length:], verdict.tokens)
-                self._record(stats, tree, verdict, len(step_tokens))
+            self.budget.start_request()
+            step = _Step(TokenTree(request.root), [], [None] * len(self.sources), self._decision0, started, prefill=True)
+            pending_top = None
+            while True:
+                # 4. verify; 5. stop rules, compaction, commit, feedback
+                verdict = self._verify(step.tree, logits[: len(step.tree)], settings, scorer, request.committed, draw)
+                tokens, done = rule.cut(request.output, verdict.tokens)
+                self._record(stats, step.tree, verdict, len(tokens))
                 if not done:
                     self.runner.compact([0] + verdict.path)
-                start = len(committed)
-                committed.extend(step_tokens)
-                after = Context(tuple(committed), prompt_length, request_id)
-                for source, side in zip(self.sources, side_slices):
-                    source.observe(Feedback(committed=list(step_tokens), context=after,
-                                            side_logits=logits[side] if side is not None else None))
-                if self.budget is not None:
-                    self.budget.observe_cost(len(tokens), self.clock() - step_started)
-                    full = (tree if decision.nodes >= self.max_tree_nodes
-                            else TokenTree.from_drafts(context.root, branches, self.max_tree_nodes))
-                    shadows.append((full, start, 0))
-                    shadows = _resolve_shadows(shadows, committed, self.budget)
-                stats.new_tokens += len(step_tokens)
+                start = request.commit(tokens)
+                pending_top = self._top_rows(step.tree, logits, pending_top)
+                if not step.prefill:  # the prefill's token answers no proposal, so nobody observes it
+                    self._feed_back(step, tokens, request.context(), logits, pending_top)
+                    pending_top = None
+                    self.budget.observe(StepOutcome(step.decision, step.tree, [d.branches for d in step.drafts],
+                                                    request.committed, start, step.width, self.clock() - step.started))
+                stats.new_tokens += len(tokens)
                 stats.wall_time = self.clock() - started
-                if step_tokens:
-                    yield step_tokens
+                if tokens:
+                    yield tokens
+                if done:
+                    return
+                # 1. draft; 2. merge under the budget; 3. one forward
+                step = self._draft(request, rule)
+                logits = self.runner.forward(*_step_input(step.tree, step.sides))
         finally:
-            final = Context(tuple(committed), prompt_length, request_id)
             for source in begun:
-                source.end(final)
+                source.end(request.context())
             stats.wall_time = self.clock() - started
-            self._busy = False
+            self._busy.release()
 
-    def _decide(self, side_tokens: int) -> BudgetDecision:
-        """This step's tree budget: the fixed cap, or the adaptive controller's choice."""
-        if self.budget is None:
-            return BudgetDecision(self.max_tree_nodes, 0.0, 0.0)
-        return self.budget.choose(side_tokens)
+    def _draft(self, request: "_Request", rule: StopRule) -> "_Step":
+        """Steps 1-2: every source drafts (branches cut so a step never commits past the token
+        limit), the budget picks the tree size, the branches merge into the tree."""
+        started = self.clock()
+        context = request.context()
+        depth_limit = rule.max_new_tokens - len(request.output) - 1  # the bonus token takes the last slot
+        drafts = [self._propose(source, context, depth_limit) for source in self.sources]
+        sides = self._fit_side_blocks(drafts)
+        decision = self.budget.choose(sum(len(side.tokens) for side in sides if side is not None))
+        if not decision.keeps_side_blocks:
+            sides = [None] * len(sides)
+        tree = TokenTree.from_drafts(context.root, [d.branches for d in drafts], decision.nodes)
+        return _Step(tree, drafts, sides, decision, started)
+
+    def _feed_back(self, step: "_Step", tokens: list[int], after: Context, logits: torch.Tensor,
+                   top: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """Tell every source what its step committed, with its side block's logits and, for
+        sources that asked (``top_k``), the top-k of every tree row."""
+        rows = len(step.tree)
+        at = rows
+        for source, side, wants_top in zip(self.sources, step.sides, self._wants_top):
+            side_logits = None
+            if side is not None and side.tokens:
+                side_logits = logits[at : at + len(side.tokens)]
+                at += len(side.tokens)
+            top_ids, row_tokens = top if (wants_top and top is not None) else (None, None)
+            source.observe(Feedback(committed=list(tokens), context=after, side_logits=side_logits,
+                                    top_ids=top_ids, row_tokens=row_tokens))
+
+    def _top_rows(self, tree: TokenTree, logits: torch.Tensor,
+                  pending: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray] | None:
+        """One ``torch.topk`` over the tree's rows for the largest ``top_k`` any source asked for
+        (nothing when none did), appended to rows not yet delivered (the prefill's)."""
+        if not self._top_k:
+            return None
+        k = min(self._top_k, logits.shape[-1])
+        ids = torch.topk(logits[: len(tree)], k, dim=-1).indices.cpu().numpy()
+        rows = np.asarray(tree.tokens, dtype=np.int64)
+        if pending is not None:
+            ids, rows = np.concatenate([pending[0], ids]), np.concatenate([pending[1], rows])
+        return ids, rows
 
     def _propose(self, source: DraftSource, context: Context, depth_limit: int) -> Draft:
         """Ask one source for a draft of up to ``max_tree_nodes`` nodes (the full tree: the adaptive
         budget checks a prefix of it and learns from the rest); cut its branches so a step never
-        commits past the token limit; refuse token ids the model does not have."""
+        commits past the token limit; refuse token ids the model does not have. The source's own
+        draft is left as it gave it: what the decoder uses is a new one."""
         draft = source.propose(context, self.max_tree_nodes)
         vocab = self.runner.vocab_size
         side = draft.side_block
@@ -282,23 +297,20 @@ class Decoder:
                                  f"vocabulary [0, {vocab})")
         if self.max_tree_nodes == 0 or depth_limit < 1:
             return Draft(side_block=side)
-        draft.branches = [list(b[:depth_limit]) for b in draft.branches if len(b)]
-        return draft
+        return Draft(branches=[list(b[:depth_limit]) for b in draft.branches if len(b)], side_block=side)
 
-    def _fit_side_blocks(self, drafts: Sequence[Draft]) -> int:
-        """Drop side blocks that would reach past the model's context (near the end of a long
-        sequence); their sources get ``side_logits=None`` for this step. Returns the side width."""
+    def _fit_side_blocks(self, drafts: Sequence[Draft]) -> list[SideBlock | None]:
+        """The side blocks that fit: one reaching past the model's context (near the end of a long
+        sequence) is left out, and its source gets ``side_logits=None`` for this step."""
         limit = self.runner.max_positions
-        width = 0
+        sides: list[SideBlock | None] = []
         for draft in drafts:
             side = draft.side_block
-            if side is None:
-                continue
-            if limit is not None and side.tokens and self.runner.cache_len + max(side.positions) >= limit:
-                draft.side_block = None
-                continue
-            width += len(side.tokens)
-        return width
+            if side is not None and limit is not None and side.tokens and \
+                    self.runner.cache_len + max(side.positions) >= limit:
+                side = None
+            sides.append(side)
+        return sides
 
     @staticmethod
     def _verify(tree: TokenTree, logits: torch.Tensor, settings: SamplingSettings, scorer: NodeScorer,
@@ -347,24 +359,21 @@ class Decoder:
         return [int(t) for t in ids]
 
 
-def _step_input(tree: TokenTree, drafts: Sequence[Draft]) -> tuple[list[int], np.ndarray, np.ndarray, list[slice | None]]:
+def _step_input(tree: TokenTree, sides: Sequence[SideBlock | None]) -> tuple[list[int], np.ndarray, np.ndarray]:
     """Lay out one forward: tree nodes, then each source's side block, with the block mask.
 
     Tree nodes see their ancestors; side tokens see themselves, the root (if asked) and what their
     own mask allows; nothing crosses between the tree and a side block or between two side blocks.
     """
     n = len(tree)
-    sides = [d.side_block for d in drafts]
     total = n + sum(len(s.tokens) for s in sides if s is not None)
     block = np.zeros((total, total), dtype=bool)
     block[:n, :n] = tree.ancestor_mask()
     tokens = list(tree.tokens)
     offsets = [tree.position_offsets()]
-    slices: list[slice | None] = []
     at = n
     for side in sides:
         if side is None or not side.tokens:
-            slices.append(None)
             continue
         m = len(side.tokens)
         # a side token always sees itself, so no attention row is empty (an empty row is NaN in
@@ -374,35 +383,50 @@ def _step_input(tree: TokenTree, drafts: Sequence[Draft]) -> tuple[list[int], np
             block[at : at + m, 0] = True
         tokens.extend(int(t) for t in side.tokens)
         offsets.append(np.asarray(side.positions, dtype=np.int64))
-        slices.append(slice(at, at + m))
         at += m
-    return tokens, np.concatenate(offsets), block, slices
+    return tokens, np.concatenate(offsets), block
 
 
-#: Steps a shadow tree may wait for its outcome; after that the part walked so far counts as
-#: accepted and the rest as not, so a copy that starts during plain one-token steps is noticed
-#: within a few steps instead of only when its whole draft has been committed.
-SHADOW_PATIENCE = 3
+@dataclass
+class _Request:
+    """The committed sequence of one request (prompt + output) and its id."""
+
+    committed: list[int]
+    prompt_length: int
+    request_id: int
+
+    @property
+    def root(self) -> int:
+        return self.committed[-1]
+
+    @property
+    def output(self) -> list[int]:
+        return self.committed[self.prompt_length :]
+
+    def context(self) -> Context:
+        return Context(tuple(self.committed), self.prompt_length, self.request_id)
+
+    def commit(self, tokens: Sequence[int]) -> int:
+        """Append ``tokens``; returns the index of the first of them."""
+        start = len(self.committed)
+        self.committed.extend(tokens)
+        return start
 
 
-def _resolve_shadows(shadows: list[tuple[TokenTree, int, int]], committed: list[int],
-                     budget: AdaptiveBudget) -> list[tuple[TokenTree, int, int]]:
-    """Walk each pending full tree ``(tree, start, age)`` along the tokens committed since it was
-    drafted; a walk that leaves the tree, reaches a leaf or runs out of patience tells the budget
-    which ranks would have been accepted. Returns the trees still waiting for more tokens."""
-    waiting = []
-    for tree, start, age in shadows:
-        node, i = 0, start
-        while i < len(committed):
-            child = tree.child(node, committed[i])
-            if child is None:
-                break
-            node, i = child, i + 1
-        if i == len(committed) and tree.children(node) and age < SHADOW_PATIENCE:
-            waiting.append((tree, start, age + 1))  # still on the tree: the outcome is not known yet
-            continue
-        budget.observe_acceptance(tree.num_draft_nodes, [n - 1 for n in tree.path_to(node)])
-    return waiting
+@dataclass
+class _Step:
+    """One step between its drafting and its verification."""
+
+    tree: TokenTree
+    drafts: list[Draft]
+    sides: list[SideBlock | None]
+    decision: BudgetDecision
+    started: float
+    prefill: bool = False  # step 0: the prompt's prefill, verified on a root-only tree
+
+    @property
+    def width(self) -> int:
+        return len(self.tree) + sum(len(s.tokens) for s in self.sides if s is not None)
 
 
 def _eos_ids(model: Any) -> list[int]:

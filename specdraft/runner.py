@@ -136,6 +136,9 @@ class ModelRunner:
         kwargs[self._cache_keyword] = self.cache
         out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **kwargs)
         self.cache_len = ids.shape[1]
+        # the prompt's last token is the root of the first step, and its row is the one returned:
+        # ``compact([0])`` after a prefill keeps the whole prompt, like after any other forward
+        self._last_q = 1
         return out.logits[0, -1].to(torch.float32)
 
     # -- the step -------------------------------------------------------------------------

@@ -180,7 +180,9 @@ def test_compact_rejects_bad_keep() -> None:
     runner = ModelRunner(tiny_model("llama"))
     runner.prefill([1, 2, 3])
     with pytest.raises(ValueError, match="keep"):
-        runner.compact([0])  # no forward since the prefill
+        runner.compact([0, 1])  # the prefill's forward ends with one root: only [0] can be kept
+    runner.compact([0])  # the prompt's last token is the first step's root: keeping it keeps the prompt
+    assert runner.cache_len == 3
     runner.forward([4, 5], np.array([0, 1]), np.tril(np.ones((2, 2), dtype=bool)))
     with pytest.raises(ValueError, match="keep"):
         runner.compact([0, 2])
