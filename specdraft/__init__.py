@@ -12,6 +12,7 @@ from .sources import MultiLevelNGram
 from .sources import FrequencyTrie
 from .sources import JacobiLookahead
 from .sources import TokenRecycling
+from .sources import SuffixTree
 from .stats import GenerationStats, SourceStats
 from .tree import TokenTree
 
@@ -23,5 +24,6 @@ __all__ = [
     "FrequencyTrie",
     "JacobiLookahead",
     "TokenRecycling",
+    "SuffixTree",
 ]
 __version__ = "0.1.0"

@@ -6,6 +6,8 @@ from .ngram import MultiLevelNGram
 from .prompt_lookup import PromptLookup
 from .trie import FrequencyTrie
 from .token_recycling import TokenRecycling
+from .suffix_tree import SuffixTree
 
 __all__ = ["Context", "Draft", "DraftSource", "Feedback", "SideBlock", "SourceBase", "PromptLookup", "MultiLevelNGram",
-           "FrequencyTrie", "JacobiLookahead", "TokenRecycling"]
+           "FrequencyTrie", "JacobiLookahead", "TokenRecycling",
+           "SuffixTree"]

@@ -34,6 +34,7 @@ SOURCES: dict[str, Callable[..., Any]] = {
     "ngram": _lazy("ngram", "MultiLevelNGram"),
     "jacobi": _lazy("jacobi", "JacobiLookahead"),
     "recycle": _lazy("token_recycling", "TokenRecycling"),
+    "suffix": _lazy("suffix_tree", "SuffixTree"),
 }
 
 #: The default combination, the measured best on a CPU (see docs/defaults.md): prompt lookup, the
