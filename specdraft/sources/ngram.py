@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import numbers
 import threading
 from collections import OrderedDict
 from typing import Iterator, Sequence
@@ -289,6 +290,16 @@ class MultiLevelNGram:
     def __init__(self, max_ngram: int = 5, num_tokens: int = 7, top_b: int = 2, branch_depth: int = 1,
                  shared: bool = False, max_contexts: int | None = None, max_followers: int | None = None,
                  max_requests: int = 64, name: str = "ngram") -> None:
+        # types first, so a wrong one (say a string from the command line) is named, not a failed comparison
+        for label, value, low, optional in (("max_ngram", max_ngram, 2, False), ("num_tokens", num_tokens, 1, False),
+                                            ("top_b", top_b, 1, False), ("branch_depth", branch_depth, 0, False),
+                                            ("max_contexts", max_contexts, 1, True),
+                                            ("max_followers", max_followers, 1, True),
+                                            ("max_requests", max_requests, 1, False)):
+            if optional and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{label} must be an int >= {low}{' or None' if optional else ''}, got {value!r}")
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         if top_b < 1:

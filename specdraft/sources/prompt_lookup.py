@@ -10,6 +10,8 @@ branches of the tree, so several candidate copies are checked in the same forwar
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -32,6 +34,11 @@ class PromptLookup:
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 20, max_branches: int = 2,
                  name: str = "prompt") -> None:
+        for label, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram), ("num_tokens", num_tokens),
+                             ("max_branches", max_branches)):
+            # a wrong type (a string from the command line, say) is named here, not a failed comparison
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{label} must be an int >= 1, got {value!r}")
         if min_ngram < 1 or max_ngram < min_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
         if num_tokens < 1:

@@ -105,6 +105,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import numbers
 import threading
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -216,7 +217,8 @@ class FrequencyTrie:
             raise ValueError(f"capacity must be an int >= 1 (or None for 16 x decoding_length), got {capacity!r}")
         if not isinstance(max_nodes, int) or max_nodes < 1:
             raise ValueError(f"max_nodes must be an int >= 1, got {max_nodes!r}")
-        if not (prompt_weight >= 1 and math.isfinite(prompt_weight)):
+        if (isinstance(prompt_weight, bool) or not isinstance(prompt_weight, numbers.Real)
+                or not (prompt_weight >= 1 and math.isfinite(prompt_weight))):
             raise ValueError(f"prompt_weight must be a finite number >= 1, got {prompt_weight!r}")
         if min_nodes is None:
             min_nodes = branch_length
@@ -224,7 +226,7 @@ class FrequencyTrie:
             raise ValueError(f"min_nodes must be an int >= 1, got {min_nodes!r}")
         if mode not in (HIERARCHICAL, PARALLEL):
             raise ValueError(f"mode must be {HIERARCHICAL!r} or {PARALLEL!r}, got {mode!r}")
-        if not 0.0 <= prune_to <= 1.0:
+        if isinstance(prune_to, bool) or not isinstance(prune_to, numbers.Real) or not 0.0 <= prune_to <= 1.0:
             raise ValueError(f"prune_to must be in [0, 1], got {prune_to!r}")
         self.decoding_length = decoding_length
         self.branch_length = branch_length
