@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from specdraft import Decoder, GenerationStats, PromptLookup
 from specdraft.sources import FrequencyTrie, JacobiLookahead, MultiLevelNGram, TokenRecycling
+from specdraft.sources import SuffixTree
 
 from conftest import (FAST, VOCAB, OracleSource, RandomGuess, SideBlockToy, check_side_records,
                       generation_config_override, reference_greedy, tiny_model)
@@ -59,10 +60,10 @@ _source_spec = st.one_of(
     st.tuples(st.just("random"), st.integers(0, 10_000)),
     st.tuples(st.just("oracle"), st.booleans()),
     st.tuples(st.just("side"), st.integers(0, 10_000), st.sampled_from(["chain", "forest", "wild"])),
-    st.tuples(st.just("library"), st.sampled_from(["ngram", "trie", "jacobi", "recycle"])),  # with their defaults
+    st.tuples(st.just("library"), st.sampled_from(["ngram", "trie", "jacobi", "recycle", "suffix"])),  # with their defaults
 )
 _LIBRARY_SOURCES = {"ngram": MultiLevelNGram, "trie": FrequencyTrie, "jacobi": JacobiLookahead,
-                    "recycle": TokenRecycling}
+                    "recycle": TokenRecycling, "suffix": SuffixTree}
 source_specs = st.lists(_source_spec, min_size=0, max_size=4)
 
 
@@ -165,6 +166,44 @@ def test_token_recycling_drafts_get_accepted() -> None:
     stats = second.stats.per_source[recycle.name]
     assert stats.proposed > 0 and stats.accepted > 0
     assert second.stats.steps < 40
+
+
+@pytest.mark.parametrize("case", [("llama", "sdpa"), ("qwen2_swa", "sdpa"), ("gemma3", "sdpa"), ("gpt2", "eager")],
+                         ids=_ids)
+@settings(FAST, max_examples=8)
+@given(requests=st.lists(prompts(), min_size=2, max_size=3), n=st.integers(1, 40), max_tree_nodes=st.integers(0, 40),
+       depth=st.sampled_from([3, 24]), cap=st.sampled_from([0, 1, 1000]), tree=st.booleans(), alone=st.booleans(),
+       adaptive=st.booleans())
+def test_greedy_identity_suffix_tree_across_requests(case, requests, n, max_tree_nodes, depth, cap, tree, alone,
+                                                     adaptive) -> None:
+    """SuffixDecoding, alone or with the default sources, over several requests (its global tree
+    drafts the later requests from the earlier responses, and evicts them past ``cap``)."""
+    model = tiny_model(*case)
+    suffix = SuffixTree(max_depth=depth, max_cached_requests=cap, tree=tree)
+    sources = [suffix] if alone else [PromptLookup(), suffix, FrequencyTrie(), MultiLevelNGram()]
+    dec = Decoder(model, sources=sources, max_tree_nodes=max_tree_nodes, adaptive_budget=adaptive)
+    for prompt in requests + requests[:1]:
+        out = dec.generate(prompt, max_new_tokens=n)
+        assert out.token_ids == reference_greedy(model, prompt, n)
+        check_stats(out, n, max_tree_nodes, sources)
+    suffix.check_invariants()
+    assert suffix.active_requests == 0
+
+
+def test_suffix_tree_drafts_get_accepted() -> None:
+    """Not vacuous: a repeated request is drafted from the cached response and mostly accepted."""
+    model = tiny_model("llama")
+    prompt = [5, 6, 7, 8, 9]
+    suffix = SuffixTree()
+    dec = Decoder(model, sources=[suffix], max_tree_nodes=16, adaptive_budget=False)
+    with generation_config_override(model, eos_token_id=None):
+        ref = reference_greedy(model, prompt, 40)
+        first = dec.generate(prompt, max_new_tokens=40)
+        second = dec.generate(prompt, max_new_tokens=40)
+    assert first.token_ids == second.token_ids == ref
+    stats = second.stats.per_source[suffix.name]
+    assert stats.proposed > 0 and stats.accepted > 0
+    assert second.stats.steps < first.stats.steps
 
 
 @pytest.mark.parametrize("case", [("llama", "sdpa"), ("mistral", "sdpa"), ("gemma3", "sdpa"), ("gpt2", "eager")],

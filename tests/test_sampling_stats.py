@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import specdraft.decoder
 from specdraft import Decoder, PromptLookup, TokenRecycling
+from specdraft.sources import SuffixTree
 from specdraft.sources.base import Context, Draft, Feedback
 
 from _verifier_variants import bonus_from_p_verify, committed_context_verify, specinfer_verify
@@ -279,6 +280,40 @@ def test_token_recycling_keeps_the_sampling_law(model, law_a: ExactLaw, mix: str
 @pytest.mark.parametrize("mix", ["alone", "mixed"])
 def test_token_recycling_same_random_stream_as_model_generate(model, law_a: ExactLaw, mix: str) -> None:
     decoder, _ = recycling_decoder(model, law_a, mix)
+    prompt = torch.tensor([PROMPT])
+    for s in range(40):
+        new = 3 if s % 2 else 12
+        torch.manual_seed(s)
+        ref = model.generate(prompt, max_new_tokens=new, do_sample=True, **SETTING_A)[0, len(PROMPT):].tolist()
+        torch.manual_seed(s)
+        out = decoder.generate(PROMPT, max_new_tokens=new, do_sample=True, seed=None, **SETTING_A)
+        assert out.token_ids == ref, (s, ref, out.token_ids)
+
+
+def suffix_decoder(model, law: ExactLaw, mix: str) -> tuple[Decoder, SuffixTree]:
+    """SuffixDecoding alone, or with the table, Token Recycling and prompt lookup. Its global tree
+    holds every earlier sample, so it drafts the likely continuations with their frequencies."""
+    suffix = SuffixTree(max_depth=8, max_cached_requests=64, min_token_prob=0.05)
+    sources = [suffix] if mix == "alone" else [TableSource(law), suffix, TokenRecycling(k=8, template="tr16"),
+                                               PromptLookup(max_ngram=3, min_ngram=1, num_tokens=3)]
+    return Decoder(model, sources=sources, max_tree_nodes=12), suffix
+
+
+@pytest.mark.parametrize("mix", ["alone", "mixed"])
+def test_suffix_tree_keeps_the_sampling_law(model, law_a: ExactLaw, mix: str) -> None:
+    decoder, suffix = suffix_decoder(model, law_a, mix)
+    counts, mean_accepted = sample(decoder, N_MUTANT, SETTING_A, seed0=50_000)
+    pvalue, dof, impossible = chi_square(counts, law_a)
+    print(f"\n[suffix {mix}] N={N_MUTANT} p={pvalue:.4g} dof={dof} mean_accepted={mean_accepted:.2f}")
+    assert impossible == 0 and pvalue > P_THRESHOLD
+    accepted = sum(decoder.generate(PROMPT, max_new_tokens=NEW, do_sample=True, seed=s, **SETTING_A)
+                   .stats.per_source[suffix.name].accepted for s in range(30))
+    assert accepted > 0, "the suffix drafts are never accepted: the test does not exercise them"
+
+
+@pytest.mark.parametrize("mix", ["alone", "mixed"])
+def test_suffix_tree_same_random_stream_as_model_generate(model, law_a: ExactLaw, mix: str) -> None:
+    decoder, _ = suffix_decoder(model, law_a, mix)
     prompt = torch.tensor([PROMPT])
     for s in range(40):
         new = 3 if s % 2 else 12
