@@ -409,3 +409,84 @@ class SuffixMachine(RuleBasedStateMachine):
 
 SuffixMachine.TestCase.settings = settings(FAST, max_examples=60, stateful_step_count=25)
 test_suffix_machine = SuffixMachine.TestCase
+
+
+# -- the workload it is meant for: the BFCL function-calling prompts -------------------------------------
+
+
+def _bfcl_files(root, n: int = 2) -> None:
+    import json
+
+    data = root / "data"
+    data.mkdir(parents=True)
+    from specdraft.bench.datasets import BFCL_CATEGORIES
+
+    for category in BFCL_CATEGORIES:
+        with open(data / f"BFCL_v4_{category}.json", "w") as fh:
+            for i in range(n):
+                fn = {"name": f"f{i}", "description": "d", "parameters": {"type": "dict", "properties": {}}}
+                fh.write(json.dumps({"id": f"{category}_{i}", "question": [[{"role": "user", "content": f"q{i}"}]],
+                                     "function": [fn]}) + "\n")
+
+
+def test_bfcl_reader_on_files_shaped_like_the_package(tmp_path, monkeypatch) -> None:
+    from specdraft.bench import datasets as ds
+
+    _bfcl_files(tmp_path / "bfcl_eval")
+    monkeypatch.setattr(ds, "_package_dir", lambda package: tmp_path / package if package == "bfcl_eval" else None)
+    spec = ds.resolve_dataset("bfcl")
+    raws = ds.read_prompts(spec)
+    assert [r.id for r in raws[:3]] == ["simple_python_0", "simple_python_1", "multiple_0"]
+    assert [r.category for r in raws][::2] == list(ds.BFCL_CATEGORIES)
+    assert '"name": "f0"' in raws[0].text and "Request: q0" in raws[0].text and "JSON list" in raws[0].text
+    (tmp_path / "bfcl_eval" / "data" / "BFCL_v4_parallel.json").unlink()
+    with pytest.raises(ds.DatasetError, match="BFCL_v4_parallel.json"):
+        ds.read_prompts(spec)
+
+
+def test_bfcl_dataset_loads_from_the_installed_package() -> None:
+    from specdraft.bench import datasets as ds
+
+    if ds._package_dir("bfcl_eval") is None:
+        pytest.skip(f"the 'bfcl' prompts come from the bfcl-eval package, not installed: {ds.BUILTIN['bfcl'].install}")
+
+    class WordTokenizer:  # load_prompts only needs __call__ and chat_template
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [hash(w) % 1000 for w in text.split()]}
+
+    records = ds.load_prompts("bfcl", None, WordTokenizer())
+    assert len(records) == 1000
+    assert [sum(r.category == c for r in records) for c in ds.BFCL_CATEGORIES] == [400, 200, 200, 200]
+    assert records[0].id == "simple_python_0" and "calculate_triangle_area" in records[0].text
+
+
+def test_same_drafts_as_arctic_inference_when_it_is_installed() -> None:
+    """The official implementation as a peer: the same best score and match length on random
+    sequences (it is optional: see docs/sources/suffix-tree.md for building it)."""
+    arctic = pytest.importorskip("arctic_inference.suffix_decoding",
+                                 reason="arctic_inference is not installed (a benchmark-only peer; "
+                                        "docs/sources/suffix-tree.md says how to build it)")
+    import random
+
+    import numpy as np
+
+    rng = random.Random(3)
+    for trial in range(100):
+        depth = rng.randint(3, 8)
+        ours = SuffixTrie(depth)
+        theirs = arctic.SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=-1)
+        for i in range(rng.randint(1, 4)):
+            seq = [rng.randrange(4) for _ in range(rng.randint(1, 20))]
+            ours.add(i, seq)
+            theirs.start_request(i, np.zeros(0, dtype=np.int32))
+            theirs.add_active_response(i, np.asarray(seq, dtype=np.int32))
+            theirs.stop_request(i)
+        theirs.start_request("q", np.zeros(0, dtype=np.int32))
+        context = [rng.randrange(4) for _ in range(depth)]
+        mine = ours.speculate(context, depth, min_token_prob=0.13)  # away from float32 ties at τ
+        other = theirs.speculate("q", np.asarray(context, dtype=np.int32), max_spec_tokens=depth,
+                                 min_token_prob=0.13, use_tree_spec=True)
+        assert mine.score == pytest.approx(other.score, rel=1e-5), trial
+        assert sorted(mine.probs) == pytest.approx(sorted(other.probs), rel=1e-5), trial

