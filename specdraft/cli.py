@@ -23,6 +23,8 @@ import time
 from typing import Any, Callable, Sequence
 
 from .errors import UsageError
+from .bench.runner import first_difference
+from .prompts import encode_prompt
 from .sources import registry
 from .sources.registry import DEFAULT_SOURCES, SOURCES, make_sources
 
@@ -233,14 +235,9 @@ def _encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
     """Token ids of the prompt, computed once and given to both decoders, so the comparison is
     over the very same input. A chat template already contains its special tokens, so it is
     tokenized without adding more (a second BOS would change the output)."""
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise UsageError("--chat: this model's tokenizer has no chat template; drop --chat")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer(text)["input_ids"]
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise UsageError("--chat: this model's tokenizer has no chat template; drop --chat")
+    ids = encode_prompt(tokenizer, text, chat)
     if not ids:
         raise UsageError("the prompt is empty (it encodes to no tokens)")
     return list(ids)
@@ -263,13 +260,6 @@ def _summary(stats: dict[str, Any]) -> str:
     if per:
         line += "; " + ", ".join(f"{name} {s['accepted']}/{s['proposed']} accepted" for name, s in per.items())
     return line
-
-
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -322,7 +312,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.sample:
             comparison["identical"] = None  # sampled outputs are equal in distribution, not per run
         else:
-            diff = _first_difference(out.token_ids, plain_ids)
+            diff = first_difference(out.token_ids, plain_ids)
             comparison["identical"] = diff is None
             comparison["first_difference"] = diff
 
@@ -413,7 +403,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         median = statistics.median(ts)
         same = "reference" if name == "plain" else ("identical to plain: yes" if outputs[name] == outputs["plain"]
                                                      else f"identical to plain: NO (first difference at token "
-                                                          f"{_first_difference(outputs[name], outputs['plain'])})")
+                                                          f"{first_difference(outputs[name], outputs['plain'])})")
         extra = f", mean accepted {out.stats.mean_accepted:.2f} in {out.stats.steps} steps" if name == "specdraft" else ""
         print(f"  {name:<17} {len(outputs[name]) / median:6.1f} tokens/s  {plain_median / median:5.2f}x  {same}{extra}",
               file=sys.stderr)

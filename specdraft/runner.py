@@ -41,6 +41,15 @@ def _text_config(model: PreTrainedModel):
     return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
 
 
+def context_limit(model: PreTrainedModel) -> int | None:
+    """The most positions the model can attend over (``max_position_embeddings``, or GPT-2's
+    ``n_positions``); ``None`` when its config does not say."""
+    if getattr(model, "config", None) is None:
+        return None
+    text = _text_config(model)
+    return getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+
+
 class ModelRunner:
     """Owns the KV cache of one request and runs forwards of (tree + side block) tokens over it.
 
@@ -71,8 +80,7 @@ class ModelRunner:
         self.mask_kind = _MASK_KIND[impl]
         text = _text_config(model)
         self.vocab_size: int = int(text.vocab_size)
-        self.max_positions: int | None = (getattr(text, "max_position_embeddings", None)
-                                          or getattr(text, "n_positions", None))
+        self.max_positions: int | None = context_limit(model)
         self._layer_windows = self._read_layer_windows(text)
         try:
             self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..runner import context_limit
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .datasets import PromptRecord
 from .methods import BASELINE, Method, MethodResult
@@ -110,14 +111,6 @@ def logit_margin(model: Any, prompt_ids: Sequence[int], baseline_ids: Sequence[i
     return out
 
 
-def _context_limit(model: Any) -> int | None:
-    config = getattr(model, "config", None)
-    if config is None:
-        return None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-
-
 def _progress(total: int, desc: str, enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
@@ -147,7 +140,7 @@ def run_benchmark(model: Any, prompts: Sequence[PromptRecord], methods: Sequence
 
     run = DatasetRun(dataset=dataset, prompts=[], methods=list(methods), runs={n: [] for n in names},
                      max_new_tokens=max_new_tokens, repeats=repeats)
-    limit = _context_limit(model)
+    limit = context_limit(model)
     usable = []
     for prompt in prompts:
         if limit is not None and len(prompt.token_ids) + max_new_tokens > limit:
