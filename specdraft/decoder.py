@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -29,6 +30,7 @@ import torch
 
 from .attention import ATTENTION_CHOICES, select_attention
 from .budget import AdaptiveBudget, Budget, BudgetDecision, FixedBudget, StepOutcome
+from .cpu_kernels import check_cpu_kernels, packed_model
 from .runner import ModelRunner
 from .sampling import NodeScorer, SamplingSettings, resolve_settings
 from .sources.base import Context, Draft, DraftSource, Feedback, SideBlock, source_option
@@ -68,10 +70,16 @@ class Decoder:
     ``attention`` picks the backend (see :func:`specdraft.attention.select_attention`): ``"auto"``,
     ``"sdpa"``, ``"eager"`` or ``"flash"``; choosing one switches the model's attention
     implementation through transformers' public ``set_attn_implementation``.
+    ``cpu_kernels="packed"`` runs the model's linear layers on weights packed once for oneDNN
+    (float32 or bfloat16 on a CPU), which makes a forward of many tree tokens nearly as cheap as
+    a one-token one; it holds a second copy of the linear weights until :meth:`close` and may
+    round differently from stock kernels (see :mod:`specdraft.cpu_kernels`). The default
+    ``"stock"`` uses the model's own modules.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, sources: Sequence[DraftSource] | None = None,
-                 max_tree_nodes: int = 32, adaptive_budget: bool = True, attention: str = "auto") -> None:
+                 max_tree_nodes: int = 32, adaptive_budget: bool = True, attention: str = "auto",
+                 cpu_kernels: str = "stock") -> None:
         if not isinstance(max_tree_nodes, int) or max_tree_nodes < 0:
             raise ValueError(f"max_tree_nodes must be an int >= 0 (0 = plain decoding), got {max_tree_nodes!r}")
         if attention not in ATTENTION_CHOICES:
@@ -80,6 +88,8 @@ class Decoder:
         if len(self.sources) > 62:
             raise ValueError(f"at most 62 sources can be combined, got {len(self.sources)}")
         for s in self.sources:
+            if isinstance(s, type):
+                raise TypeError(f"{s.__name__} is a class, not a DraftSource: pass an instance, {s.__name__}()")
             if not isinstance(s, DraftSource):
                 raise TypeError(f"{s!r} is not a DraftSource: it needs name, begin, propose, observe and end")
         self.model = model
@@ -87,6 +97,10 @@ class Decoder:
         self.max_tree_nodes = max_tree_nodes
         self.attention = select_attention(model, attention)
         self.runner = ModelRunner(model)
+        check_cpu_kernels(model, cpu_kernels)
+        self.cpu_kernels = cpu_kernels
+        #: oneDNN-packed linear weights swapped in around each forward (``cpu_kernels="packed"``)
+        self._packed = packed_model(model) if cpu_kernels == "packed" else None
         # a source may say how many steps it needs before its drafts mean anything (Jacobi fills its
         # window first): the controller keeps the full budget that long before judging
         warmup = max([3] + [source_option(s, "warmup_steps") for s in self.sources])
@@ -106,16 +120,28 @@ class Decoder:
     @classmethod
     def from_pretrained(cls, name_or_path: str, sources: Sequence[DraftSource] | None = None,
                         dtype: str | torch.dtype = "float32", max_tree_nodes: int = 32,
-                        adaptive_budget: bool = True, attention: str = "auto") -> "Decoder":
+                        adaptive_budget: bool = True, attention: str = "auto",
+                        cpu_kernels: str = "stock") -> "Decoder":
         """Load model and tokenizer (a checkpoint dir, a ``.gguf`` file or a hub id, see
         :func:`specdraft.models.load_model`) and wrap them in a decoder."""
         from .models import load_model
 
         model, tokenizer = load_model(name_or_path, dtype=dtype)
         return cls(model, tokenizer, sources=sources, max_tree_nodes=max_tree_nodes,
-                   adaptive_budget=adaptive_budget, attention=attention)
+                   adaptive_budget=adaptive_budget, attention=attention, cpu_kernels=cpu_kernels)
 
     # -- public API -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free what the decoder holds beyond the model: the packed weights of
+        ``cpu_kernels="packed"`` (once no other decoder over the model holds them). The decoder
+        then runs on stock kernels."""
+        self._packed = None
+        self.cpu_kernels = "stock"
+
+    def _kernels(self):
+        """Around each forward: the packed layers in the model (and back out after), or nothing."""
+        return self._packed.swapped() if self._packed is not None else nullcontext()
 
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128,
                  do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
@@ -203,7 +229,8 @@ class Decoder:
         request = _Request(list(prompt_ids), len(prompt_ids), next(_request_ids))
         begun: list[DraftSource] = []
         try:
-            logits = self.runner.prefill(request.committed)[None]
+            with self._kernels():
+                logits = self.runner.prefill(request.committed)[None]
             stats.prefill_time = self.clock() - started
             for source in self.sources:
                 source.begin(request.context())
@@ -233,7 +260,8 @@ class Decoder:
                     return
                 # 1. draft; 2. merge under the budget; 3. one forward
                 step = self._draft(request, rule)
-                logits = self.runner.forward(*_step_input(step.tree, step.sides))
+                with self._kernels():
+                    logits = self.runner.forward(*_step_input(step.tree, step.sides))
         finally:
             for source in begun:
                 source.end(request.context())

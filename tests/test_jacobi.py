@@ -353,7 +353,7 @@ def test_pool_stays_bounded_over_a_long_generation() -> None:
     sizes = [r["pool"] for r in src.steps]
     assert max(sizes) == 25 and sizes[-1] == 25  # it filled up and eviction kept it there
     assert max(r["max_bucket"] for r in src.steps) <= 2
-    assert src.state(1) is None and not src._requests  # end() dropped the request
+    assert src.state(1) is None and src.active_requests == 0  # end() dropped the request
 
 
 # -- identity with plain decoding --------------------------------------------------------------------

@@ -277,7 +277,7 @@ def test_a_response_evicted_while_running_stops_growing_in_the_cache() -> None:
     src.begin(ctx([5], 1, 2))  # pushes request 1's response out
     src.observe(Feedback([4], ctx([1, 2, 3, 4], 2, 1)))
     assert src.cached_sequences() == [[]]
-    assert src.state(ctx([1, 2, 3, 4], 2, 1)).local.counts() == brute_counts([[1, 2, 3, 4]], 4)
+    assert src.request_state(ctx([1, 2, 3, 4], 2, 1)).local.counts() == brute_counts([[1, 2, 3, 4]], 4)
     src.end(ctx([1, 2, 3, 4], 2, 1))
     src.end(ctx([5], 1, 2))
     src.check_invariants()
@@ -401,7 +401,7 @@ class SuffixMachine(RuleBasedStateMachine):
         assert self.src.cached_sequences() == [o for _, o in self.cache]
         assert self.src.global_counts() == brute_counts([o for _, o in self.cache], self.depth)
         for rid, (prompt_length, tokens) in self.running.items():
-            local = self.src.state(ctx(tokens, prompt_length, rid)).local
+            local = self.src.request_state(ctx(tokens, prompt_length, rid)).local
             local.check_invariants()
             assert local.counts() == brute_counts([tokens], self.depth)
         assert self.src.active_requests == len(self.running)

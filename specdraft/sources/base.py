@@ -176,7 +176,7 @@ class SourceBase(Generic[State]):
     """An optional base class for draft sources: no-op lifecycle and per-request state.
 
     Subclasses set ``name``, implement ``propose`` and, if they keep per-request state, implement
-    :meth:`new_state` and read it with :meth:`state`. States are keyed by ``Context.request_id``
+    :meth:`new_state` and read it with :meth:`request_state` (or :meth:`peek_state`). States are keyed by ``Context.request_id``
     under one lock, so one source object can serve several decoders in several threads; a state
     is dropped at ``end`` (and made on demand if ``begin`` was not seen, e.g. for a source added
     mid-request in a test). Subclasses that override ``begin``/``end`` call ``super()``.
@@ -194,7 +194,7 @@ class SourceBase(Generic[State]):
         """The per-request state for a request starting with ``context`` (none by default)."""
         return None
 
-    def state(self, context: Context) -> State:
+    def request_state(self, context: Context) -> State:
         """This request's state, made with :meth:`new_state` if it does not exist yet."""
         with self._states_lock:
             found = self._states.get(context.request_id)
@@ -203,6 +203,11 @@ class SourceBase(Generic[State]):
             with self._states_lock:
                 found = self._states.setdefault(context.request_id, made)  # type: ignore[arg-type]
         return found  # type: ignore[return-value]
+
+    def peek_state(self, request_id: int) -> State | None:
+        """A request's state if it has one (``None`` outside a request): for inspection."""
+        with self._states_lock:
+            return self._states.get(request_id)
 
     def begin(self, context: Context) -> None:
         made = self.new_state(context)

@@ -45,7 +45,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .base import Context, Draft, Feedback, SideBlock
+from .base import Context, Draft, Feedback, SideBlock, SourceBase
 
 __all__ = ["JacobiLookahead", "NGramPool", "LookaheadWindow", "window_side_block"]
 
@@ -165,7 +165,7 @@ class LookaheadWindow:
         return len(self.levels) - 1
 
 
-class JacobiLookahead:
+class JacobiLookahead(SourceBase[LookaheadWindow]):
     """Lookahead decoding as a draft source: a Jacobi window in the side block, an n-gram pool,
     and up to ``max_candidates`` pool n-grams starting with the newest token as tree branches.
 
@@ -248,6 +248,7 @@ class JacobiLookahead:
                 raise ValueError(f"{label} must be an int >= {low}, got {value!r}")
         if advance not in _ADVANCE:
             raise ValueError(f"advance must be one of {_ADVANCE}, got {advance!r}")
+        super().__init__()
         self.window = int(window)
         self.ngram = int(ngram)
         self.max_candidates = int(max_candidates)
@@ -259,7 +260,6 @@ class JacobiLookahead:
         # steps before the window is full and its pool starts to pay (read by the adaptive budget,
         # which should not judge this source while it is still filling)
         self.warmup_steps = self.ngram - 1
-        self._requests: dict[int, LookaheadWindow] = {}
 
     def __repr__(self) -> str:
         return (f"JacobiLookahead(window={self.window}, ngram={self.ngram}, max_candidates={self.max_candidates}, "
@@ -273,23 +273,14 @@ class JacobiLookahead:
 
     # -- request lifecycle -------------------------------------------------------------------
 
-    def begin(self, context: Context) -> None:
-        self._requests[context.request_id] = self._new_state(context)
-
-    def end(self, context: Context) -> None:
-        self._requests.pop(context.request_id, None)
-
-    @property
-    def active_requests(self) -> int:
-        """Requests begun and not yet ended: each holds one window and one pool of at most
-        ``pool_size`` n-grams, so this times that bounds the source's memory."""
-        return len(self._requests)
+    # per-request windows live in SourceBase (begin/end, under a lock); ``active_requests`` times
+    # one window and one pool of at most ``pool_size`` n-grams bounds the source's memory
 
     def state(self, request_id: int) -> LookaheadWindow | None:
         """The live state of a request (for inspection and tests); ``None`` outside a request."""
-        return self._requests.get(request_id)
+        return self.peek_state(request_id)
 
-    def _new_state(self, context: Context) -> LookaheadWindow:
+    def new_state(self, context: Context) -> LookaheadWindow:
         tokens = [int(t) for t in context.tokens]
         rng = np.random.default_rng([self.seed, len(tokens), *tokens[-32:]])
         pool = NGramPool(self.pool_size, self.max_candidates)
@@ -314,9 +305,7 @@ class JacobiLookahead:
     # -- one step ------------------------------------------------------------------------------
 
     def propose(self, context: Context, budget: int) -> Draft:
-        st = self._requests.get(context.request_id)
-        if st is None:  # a decoder that skipped begin(): start from this context
-            st = self._requests[context.request_id] = self._new_state(context)
+        st = self.request_state(context)  # made here if begin() was skipped: start from this context
         if budget <= 0:
             # plain decoding was asked for: the window's n-grams could not be checked, so it
             # would only cost time. It resumes when there is a budget again.
@@ -336,7 +325,7 @@ class JacobiLookahead:
         return Draft(branches=branches, side_block=side)
 
     def observe(self, feedback: Feedback) -> None:
-        st = self._requests.get(feedback.context.request_id)
+        st = self.peek_state(feedback.context.request_id)
         if st is None:
             return
         pending, st.pending = st.pending, None

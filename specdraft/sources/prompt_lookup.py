@@ -15,18 +15,16 @@ import numbers
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from .base import Context, Draft, Feedback
+from .base import Context, Draft, SourceBase
 
 
-class PromptLookup:
+class PromptLookup(SourceBase[None]):
     """Draft source that proposes continuations of earlier matches of the context's tail.
 
-    Defaults (longest tail 3 tokens, branches of up to 20 tokens, 2 branches, most recent match
-    first) were picked by exact replay of Qwen2.5-Coder-0.5B greedy outputs
-    (``benchmarks/acceptance_replay.py``): on the README demo they need 11 steps for 96 tokens
-    where 10-token single branches (transformers' setting) need 14-15; on 20 HumanEval prompts
-    they accept 1.56 tokens per step against 1.49, and most-recent-first beats earliest-first.
-    Long branches cost width only when the adaptive budget judges they pay.
+    Defaults: the longest tail matched is 3 tokens, branches are up to 20 tokens, 2 branches,
+    most recent match first (a recent copy is the likeliest to go on). Long branches cost width
+    only when the adaptive budget judges they pay. How the defaults were measured is in the
+    documentation's "How the defaults were chosen" page.
 
     Stateless across steps and requests (it rescans the context, which costs microseconds next
     to a forward pass), so one instance is safe to share between decoders and threads.
@@ -45,20 +43,12 @@ class PromptLookup:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         if max_branches < 1:
             raise ValueError(f"max_branches must be >= 1, got {max_branches}")
+        super().__init__()
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.num_tokens = num_tokens
         self.max_branches = max_branches
         self.name = name
-
-    def begin(self, context: Context) -> None:
-        pass
-
-    def observe(self, feedback: Feedback) -> None:
-        pass
-
-    def end(self, context: Context) -> None:
-        pass
 
     def propose(self, context: Context, budget: int) -> Draft:
         tokens = np.asarray(context.tokens, dtype=np.int64)

@@ -567,7 +567,7 @@ class SuffixTree(SourceBase[_Request]):
     def _sync(self, context: Context) -> _Request:
         """Bring the request's trees up to ``context`` (the first token, from the prefill, is only
         seen here; a context that is not an extension of what was seen rebuilds the local tree)."""
-        state = self.state(context)
+        state = self.request_state(context)
         tokens = context.tokens
         n = len(tokens)
         if n < state.length:
