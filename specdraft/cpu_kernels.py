@@ -1,0 +1,196 @@
+"""CPU kernels for the verification forward: linear layers with weights packed once for oneDNN.
+
+Why
+    Speculation pays when a forward of ``k`` new tokens costs about what a one-token forward does.
+    On a CPU a forward reads every weight once (2 GB for a 0.5B model in float32) and does about
+    ``k`` GFLOP, so up to ``k`` of 16 or so it should cost about the same as ``k = 1``. Stock
+    ``nn.Linear`` does not get there: float32 goes to the BLAS ``sgemm``, which on some CPUs (MKL on
+    AMD) takes slow paths for small row counts, and bfloat16 goes to oneDNN but reorders the weight
+    into oneDNN's blocked layout on every call. Here each weight is reordered **once** into that
+    layout (``torch.ops.mkldnn._reorder_linear_weight``, the op torch's own compiler uses when it
+    freezes a CPU model) and every call runs ``torch.ops.mkldnn._linear_pointwise`` on it.
+
+What it changes, and what it does not
+    Nothing of the user's model is patched. :class:`PackedModel` builds a :class:`PackedLinear`
+    per ``nn.Linear`` (the tied ``lm_head`` included) and :meth:`PackedModel.swapped` puts them in
+    place with ``set_submodule`` for the duration of one forward, then puts the very same
+    ``nn.Linear`` objects back (reference-counted, so forwards of several decoders sharing one
+    model in threads nest correctly). Between forwards the model is exactly as it was: same
+    modules, same parameters. A ``model.generate`` running in *another thread at the same moment*
+    as one of our forwards would see the packed layers too (same math, oneDNN's rounding).
+
+Memory
+    The packed weights are a second copy of every linear weight in the model's dtype (about the
+    size of the checkpoint: 2 GB for a 0.5B model in float32, 1 GB in bfloat16). It is made when
+    the decoder is built and freed by ``Decoder.close()`` or when the decoder is collected.
+    Decoders over one model share one packed copy.
+
+Exactness
+    oneDNN adds the products in another order than the stock kernel, so logits differ in the last
+    bits (about 1e-6 relative in float32). Greedy output can then differ from the stock
+    ``model.generate`` where two tokens tie to within that noise -- exactly as stock kernels
+    already differ between a one-token and a many-token forward. Sampling keeps its law given the
+    logits it computes. See ``docs/cpu-fast-path.md`` for measured rates.
+
+Weights changed after packing (fine-tuning, ``load_state_dict``) are noticed through the
+parameter's version counter and repacked before the next forward.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+#: What ``Decoder(cpu_kernels=...)`` accepts.
+CPU_KERNELS = ("stock", "packed")
+
+#: Dtypes oneDNN's packed linear runs on every x86 CPU (float16 needs AVX512-FP16 or AVX-NE-CONVERT;
+#: float64 is not supported by oneDNN at all).
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+#: Row count the weights are packed for. oneDNN runs any row count on them; 16 measured best for
+#: the widths a tree forward has (1 to 32 rows) and no worse for a long prefill.
+BATCH_HINT = 16
+
+
+class CpuKernelError(ValueError):
+    """``cpu_kernels="packed"`` cannot run for this model here; the message says why."""
+
+
+def packed_kernels_available() -> bool:
+    """Whether this torch build has oneDNN's packed linear ops."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def check_cpu_kernels(model: Any, kernels: str) -> None:
+    """Raise a clear error when ``kernels`` is not a choice or cannot run for ``model``."""
+    if kernels not in CPU_KERNELS:
+        raise ValueError(f"cpu_kernels must be one of {list(CPU_KERNELS)}, got {kernels!r}")
+    if kernels == "stock":
+        return
+    if not packed_kernels_available():
+        raise CpuKernelError(f"cpu_kernels='packed' needs torch built with oneDNN (torch.ops.mkldnn._linear_pointwise); "
+                             f"torch {torch.__version__} here has none; use cpu_kernels='stock'")
+    device = getattr(model, "device", torch.device("cpu"))
+    if torch.device(device).type != "cpu":
+        raise CpuKernelError(f"cpu_kernels='packed' is for models on the CPU, this one is on {device}; "
+                             "use cpu_kernels='stock'")
+    dtypes = {m.weight.dtype for m in model.modules() if isinstance(m, nn.Linear)}
+    bad = sorted(str(d).removeprefix("torch.") for d in dtypes if d not in PACKED_DTYPES)
+    if bad:
+        raise CpuKernelError(f"cpu_kernels='packed' supports float32 and bfloat16 weights (oneDNN has no float64, and "
+                             f"float16 needs AVX512-FP16), this model has {bad}; use cpu_kernels='stock'")
+
+
+class PackedLinear(nn.Module):
+    """A stand-in for one ``nn.Linear`` during a forward: the same weight, packed for oneDNN.
+
+    The original module is kept outside torch's module tree (so it is not a child of this one
+    and the swap never shows it twice); inputs the packed kernel cannot take (another dtype, a
+    tensor that needs gradients) go to the original.
+    """
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT) -> None:
+        super().__init__()
+        self.__dict__["original"] = linear  # not a registered submodule on purpose
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.batch_hint = batch_hint
+        self._pack()
+
+    def _pack(self) -> None:
+        weight = self.original.weight
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint)
+        self._packed_version = (weight.data_ptr(), weight._version)
+
+    def refresh(self) -> None:
+        """Repack if the original weight was changed in place or replaced since packing."""
+        weight = self.original.weight
+        if (weight.data_ptr(), weight._version) != self._packed_version:
+            self._pack()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed copy (what this layer adds to the model's memory)."""
+        return self.out_features * self.in_features * self.original.weight.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.original.weight
+        if x.dtype != weight.dtype or x.device.type != "cpu" or (torch.is_grad_enabled() and
+                                                                   (x.requires_grad or weight.requires_grad)):
+            return self.original(x)
+        bias = self.original.bias
+        flat = x.reshape(-1, self.in_features)
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, None if bias is None else bias.detach(),
+                                                 "none", [], "")
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class PackedModel:
+    """The packed stand-ins of every ``nn.Linear`` of one model, and the swap around a forward.
+
+    Build it with :func:`packed_model` (which shares one per model between decoders).
+    """
+
+    def __init__(self, model: nn.Module, batch_hint: int = BATCH_HINT) -> None:
+        self._model = weakref.ref(model)
+        self.layers: dict[str, PackedLinear] = {
+            name: PackedLinear(module, batch_hint) for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and name}
+        self._depth = 0  # forwards in flight (threads): the first swaps in, the last swaps back
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        """Extra memory held by the packed weights."""
+        return sum(layer.nbytes for layer in self.layers.values())
+
+    @contextmanager
+    def swapped(self) -> Iterator[None]:
+        """Run the body with the packed layers in the model; the original ``nn.Linear`` objects
+        are back in place when it ends, even on an error."""
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the model these packed weights belong to no longer exists")
+        with self._lock:
+            if self._depth == 0:
+                for name, layer in self.layers.items():
+                    layer.refresh()
+                    _set_submodule(model, name, layer)
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    for name, layer in self.layers.items():
+                        _set_submodule(model, name, layer.original)
+
+
+_SHARED: "weakref.WeakValueDictionary[int, PackedModel]" = weakref.WeakValueDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def packed_model(model: nn.Module) -> PackedModel:
+    """The :class:`PackedModel` of ``model``: built on first use, shared by every decoder that
+    holds it (one packed copy per model), freed when the last holder lets it go."""
+    with _SHARED_LOCK:
+        packed = _SHARED.get(id(model))
+        if packed is None or packed._model() is not model:  # none yet, or an id of a model since collected
+            packed = PackedModel(model)
+            _SHARED[id(model)] = packed
+        return packed
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)

@@ -1,0 +1,176 @@
+"""``Decoder(cpu_kernels="packed")``: linear layers on weights packed once for oneDNN.
+
+oneDNN has no float64, so these tests run float32 copies of the tiny models (and bfloat16 for the
+kernel itself). Two promises are checked:
+
+* greedy output equals ``model.generate`` run on the same packed kernels, token for token (the
+  decoder's own exactness, unchanged by the kernel choice);
+* against stock ``model.generate`` it is equal too, except where the stock logits tie to within
+  float32 noise at the first differing token (oneDNN adds in another order; that is the only
+  allowed difference, and the tie is checked, not assumed);
+
+and that the user's model is left exactly as it was: same module objects, same parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import threading
+
+import pytest
+import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from specdraft import Decoder, PromptLookup
+from specdraft.cpu_kernels import CpuKernelError, PackedLinear, packed_kernels_available, packed_model
+
+from conftest import FAST, full_logits, reference_greedy, tiny_model
+from test_greedy_identity import build_sources, oracle_sequence, prompts, source_specs
+
+pytestmark = [pytest.mark.usefixtures("single_thread"),
+              pytest.mark.skipif(not packed_kernels_available(), reason="torch built without oneDNN")]
+
+CASES = [("llama", "sdpa"), ("qwen2", "sdpa"), ("qwen2_swa", "sdpa"), ("gemma3", "sdpa"), ("gpt2", "eager"),
+         ("phi", "sdpa")]
+#: Top-2 logit gap (relative to the row's largest magnitude) below which two tokens count as tied
+#: in float32: a few ulps of the accumulated sums.
+TIE = 1e-5
+
+
+@functools.lru_cache(maxsize=None)
+def tiny32(arch: str, attn: str = "sdpa") -> nn.Module:
+    """A float32 copy of the shared float64 tiny model (the shared one is left alone)."""
+    return copy.deepcopy(tiny_model(arch, attn)).to(torch.float32)
+
+
+def _snapshot(model: nn.Module) -> tuple[dict, dict]:
+    return ({name: m for name, m in model.named_modules()},
+            {name: (p, p.detach().clone()) for name, p in model.named_parameters()})
+
+
+def _assert_unchanged(model: nn.Module, snapshot: tuple[dict, dict]) -> None:
+    modules, params = snapshot
+    now = dict(model.named_modules())
+    assert now.keys() == modules.keys()
+    assert all(now[name] is module for name, module in modules.items())
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    for name, p in model.named_parameters():
+        assert p is params[name][0] and torch.equal(p, params[name][1])
+
+
+def _first_difference_is_a_tie(model, prompt, ours, ref) -> bool:
+    at = next(i for i, (a, b) in enumerate(zip(ours + [None], ref + [None])) if a != b)
+    row = full_logits(model, list(prompt) + ref[:at])[-1].double()
+    top = torch.topk(row, 2).values
+    return bool(top[0] - top[1] <= TIE * row.abs().max())
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+@settings(FAST, max_examples=15)
+@given(prompt=prompts(), n=st.integers(0, 40), max_tree_nodes=st.integers(0, 40), specs=source_specs,
+       adaptive=st.booleans())
+def test_greedy_identity_packed(case, prompt, n, max_tree_nodes, specs, adaptive) -> None:
+    model = tiny32(*case)
+    snapshot = _snapshot(model)
+    with packed_model(model).swapped():  # model.generate on the very same kernels
+        ref_packed = reference_greedy(model, prompt, n)
+    ref_stock = reference_greedy(model, prompt, n)
+    sources = build_sources(specs, oracle_sequence(model, prompt, n, specs))
+    dec = Decoder(model, sources=sources, max_tree_nodes=max_tree_nodes, adaptive_budget=adaptive,
+                  cpu_kernels="packed")
+    out = dec.generate(prompt, max_new_tokens=n)
+    _assert_unchanged(model, snapshot)
+    assert out.token_ids == ref_packed
+    if out.token_ids != ref_stock:
+        assert _first_difference_is_a_tie(model, prompt, out.token_ids, ref_stock)
+        event("differs from stock at a float32 tie")
+    else:
+        event("equal to stock")
+
+
+def test_packed_linear_matches_stock_float32_and_bfloat16() -> None:
+    torch.manual_seed(0)
+    for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]:
+        for bias in (True, False):
+            linear = nn.Linear(48, 40, bias=bias).to(dtype)
+            packed = PackedLinear(linear)
+            for rows in (1, 3, 16, 33):
+                x = torch.randn(1, rows, 48, dtype=dtype)
+                with torch.inference_mode():
+                    want, got = linear(x), packed(x)
+                assert got.shape == want.shape and got.dtype == want.dtype
+                assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_weights_changed_in_place_are_repacked() -> None:
+    model = copy.deepcopy(tiny32("llama"))
+    packed = packed_model(model)
+    prompt = [5, 6, 7, 8, 9, 5, 6]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    with packed.swapped():
+        ours = reference_greedy(model, prompt, 20)
+    stock = reference_greedy(model, prompt, 20)
+    assert ours == stock
+
+
+def test_model_restored_after_an_error_inside_a_forward() -> None:
+    model = tiny32("qwen2")
+    snapshot = _snapshot(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        with packed_model(model).swapped():
+            assert any(isinstance(m, PackedLinear) for m in model.modules())
+            raise RuntimeError("boom")
+    _assert_unchanged(model, snapshot)
+
+
+def test_decoders_share_one_packed_copy_and_close_drops_it() -> None:
+    model = tiny32("llama")
+    a = Decoder(model, sources=[PromptLookup()], cpu_kernels="packed")
+    b = Decoder(model, sources=[PromptLookup()], cpu_kernels="packed")
+    assert a._packed is b._packed and a._packed.nbytes > 0
+    a.close()
+    assert a._packed is None and a.cpu_kernels == "stock"
+    prompt = [3, 4, 5, 3, 4, 5, 3]
+    assert a.generate(prompt, max_new_tokens=12).token_ids == reference_greedy(model, prompt, 12)
+    b.close()
+
+
+def test_threads_share_the_swap() -> None:
+    """Decoders in threads over one model: the swap is counted, so the model is restored only
+    when the last forward ends, and every thread gets its solo output."""
+    model = tiny32("gemma3")
+    snapshot = _snapshot(model)
+    prompts_ = [[5, 6, 7, 5, 6, 7, 5], [9, 8, 7, 6, 9, 8], [1, 3, 1, 3, 1, 3, 1, 3], [11, 12, 13]]
+    with packed_model(model).swapped():
+        want = [reference_greedy(model, p, 30) for p in prompts_]
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            dec = Decoder(model, sources=[PromptLookup()], max_tree_nodes=8, cpu_kernels="packed")
+            for _ in range(3):
+                got[i] = dec.generate(prompts_[i], max_new_tokens=30).token_ids
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts_))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert [got[i] for i in range(len(prompts_))] == want
+    _assert_unchanged(model, snapshot)
+
+
+def test_bad_choices_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"cpu_kernels must be one of \['stock', 'packed'\], got 'fast'"):
+        Decoder(tiny32("llama"), cpu_kernels="fast")
+    with pytest.raises(CpuKernelError, match="float64"):
+        Decoder(tiny_model("llama"), cpu_kernels="packed")  # oneDNN has no float64
