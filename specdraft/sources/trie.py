@@ -45,11 +45,8 @@ decoding length is a per-tree limit, and that is how ``capacity`` is read here: 
 of one first-token tree (all the nodes whose key starts with that token, the first-token node
 included; the reference counts the nodes below it, one fewer). A global cap of 16 x decoding
 length would let one raw prompt (150 tokens x 12 ≈ 1800 nodes) wipe out everything learned
-before: replaying Qwen2.5-Coder-0.5B's greedy outputs on 20 HumanEval prompts
-(``benchmarks/acceptance_replay.py``, budget 32), a trie warmed on 100 other problems accepted
-1.39 tokens per step under a global 1024-node cap, exactly as many as a cold one; per tree, it
-accepts 2.27 (2.09 cold), as many as with no pruning at all (2.26), although its trees are pruned
-117 times. Two departures from the reference: pruning drops the least frequent
+before (the replay that showed it is in the documentation's "How the defaults were chosen").
+Two departures from the reference: pruning drops the least frequent
 nodes as the paper's text says (the reference instead halves output counts and drops the nodes
 at count <= 1, in batches), and, since a per-tree bound alone lets memory grow with the number
 of distinct tokens (up to vocabulary x capacity), ``max_nodes`` bounds the whole trie as well,
@@ -89,15 +86,12 @@ is amortised: a tree is pruned when it passes ``capacity`` and then goes down to
 capacity``; the whole trie when it passes ``max_nodes``, down to ``prune_to * max_nodes``. A
 tree's prune ranks only that tree's nodes (reached through the child index), O(T log T) for a
 tree of T nodes, about 1 ms for a full 1024-node tree; a global prune ranks every node,
-O(N log N), about 0.2-0.3 s at the default ``max_nodes``, but runs only once per ~13000 new
-nodes, and not at all while the trie stays below ``max_nodes`` (the HumanEval replay above ends
-at 69 000 nodes in 1010 trees).
+O(N log N), but runs only once per ~13000 new nodes at the default ``max_nodes``, and not at all
+while the trie stays below it.
 
-Cost (``benchmarks/trie_overhead.py``, Qwen2.5-Coder tokens of Python sources, budget 32): about
-0.5-1.2 ms of CPU per decoding step all included (retrieval 10-60 us, insertion, the prompt's
-insertion and elimination spread over the request, pruning, and the garbage collector's share,
-more than half), under 1% of a 145 ms Qwen2.5-0.5B CPU step. Memory: about 410 bytes per node
-(``tracemalloc``: the node, its child dict, and the pygtrie node with its child map).
+Cost: well under 1% of a small model's CPU step per decoding step, all included; about 410 bytes
+per node (the node, its child dict, and the pygtrie node with its child map). The measurements
+(``benchmarks/trie_overhead.py``) are in the documentation's "How the defaults were chosen".
 """
 
 from __future__ import annotations
