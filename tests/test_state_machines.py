@@ -491,7 +491,8 @@ class JacobiMachine(RuleBasedStateMachine):
     def pools(self) -> None:
         if not hasattr(self, "src"):
             return
-        assert set(self.src._requests) == set(self.requests), "a window outlived its request"
+        assert self.src.active_requests == len(self.requests), "a window outlived its request"
+        assert all(self.src.state(rid) is not None for rid in self.requests)
         for rid, req in self.requests.items():
             pool = self.src.state(rid).pool
             assert len(pool) <= self.src.pool_size
