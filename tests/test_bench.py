@@ -434,3 +434,17 @@ def test_fixed_suffix_turns_the_adaptive_budget_off():
     adaptive = build_method("specdraft:prompt", model, None, 8)
     assert isinstance(fixed.decoder.budget, FixedBudget) and isinstance(adaptive.decoder.budget, AdaptiveBudget)
     assert fixed.name == "specdraft:prompt@fixed"
+
+
+def test_bench_only_peer_is_never_a_default_method_and_says_how_to_get_it() -> None:
+    from specdraft.bench.methods import BENCH_ONLY_SOURCES, default_method_names
+
+    assert "arctic-suffix" in BENCH_ONLY_SOURCES
+    assert not any("arctic" in name for name in default_method_names())
+    try:
+        import arctic_inference.suffix_decoding  # noqa: F401
+    except ImportError:
+        with pytest.raises(MethodError, match="arctic-suffix.*sdist"):
+            parse_methods("arctic-suffix")
+    else:
+        assert parse_methods("arctic-suffix") == [BASELINE, "specdraft:arctic-suffix"]

@@ -16,6 +16,16 @@ Names (``--methods``):
 ``default``
     the library's one default combination, :data:`specdraft.sources.registry.DEFAULT_SOURCES`
     (what ``Decoder()`` uses when no sources are given).
+``plain``
+    our :class:`~specdraft.decoder.Decoder` with no draft sources and ``max_tree_nodes=0``: plain
+    one-token decoding through our own loop. Next to ``plain@packed`` it separates what a kernel
+    path gains from what speculation gains; the report's "vs plain" column divides each of our
+    methods by the ``plain`` run on the same kernels.
+
+Suffixes of our methods: ``@fixed`` switches the adaptive budget off; ``@packed`` runs the
+decoder with ``cpu_kernels="packed"`` (oneDNN-packed linear weights, see
+:mod:`specdraft.cpu_kernels`); both may be given (``default@fixed@packed``). ``baseline`` and
+``hf-prompt-lookup`` always run stock ``model.generate``.
 
 **State across prompts.** Each method object is built once per dataset and keeps its draft
 sources for the whole run, as a server would: a source that learns across requests (the
@@ -35,13 +45,14 @@ from typing import Any, Callable, Protocol, Sequence
 from ..compat import cache_keyword
 from .checkpoint import dumps_with_locks
 
-__all__ = ["BASELINE", "DEFAULT", "HF_PROMPT_LOOKUP", "MethodError", "MethodResult", "Method", "PlainGenerate",
+__all__ = ["BASELINE", "DEFAULT", "HF_PROMPT_LOOKUP", "PLAIN", "PACKED_SUFFIX", "plain_reference", "MethodError", "MethodResult", "Method", "PlainGenerate",
            "SpecdraftMethod", "build_method", "copy_sources", "build_methods", "default_method_names", "default_source_names",
            "parse_methods", "valid_method_names"]
 
 BASELINE = "baseline"
 HF_PROMPT_LOOKUP = "hf-prompt-lookup"
 DEFAULT = "default"
+PLAIN = "plain"
 PREFIX = "specdraft:"
 
 #: ``prompt_lookup_num_tokens`` for transformers' prompt lookup (its documented typical value).
@@ -94,7 +105,26 @@ class Method(Protocol):
 # --------------------------------------------------------------------------------------------
 
 
+def _arctic_suffix(**kwargs: Any) -> Any:
+    from .arctic_suffix import ArcticSuffix
+
+    return ArcticSuffix(**{"name": "arctic-suffix", **kwargs})
+
+
+#: Sources only the benchmark offers, as measured peers, never in the default method list:
+#: ``arctic-suffix`` runs the SuffixDecoding authors' C++ suffix tree (ArcticInference) through
+#: our verifier (see :mod:`specdraft.bench.arctic_suffix` for how to build it).
+BENCH_ONLY_SOURCES: dict[str, Callable[..., Any]] = {"arctic-suffix": _arctic_suffix}
+
+
 def _sources() -> dict[str, Callable[..., Any]]:
+    """The library's registered sources plus the benchmark-only peers."""
+    from specdraft.sources import registry
+
+    return {**registry.SOURCES, **BENCH_ONLY_SOURCES}
+
+
+def _library_sources() -> dict[str, Callable[..., Any]]:
     from specdraft.sources import registry
 
     return registry.SOURCES
@@ -110,7 +140,7 @@ def default_source_names() -> list[str]:
 def default_method_names() -> list[str]:
     """baseline, hf-prompt-lookup, every registered source alone, and ``default`` when it
     combines more than one source (with a single source it would repeat ``specdraft:<it>``)."""
-    names = [BASELINE, HF_PROMPT_LOOKUP] + [PREFIX + s for s in _sources()]
+    names = [BASELINE, HF_PROMPT_LOOKUP] + [PREFIX + s for s in _library_sources()]
     if len(default_source_names()) > 1:
         names.append(DEFAULT)
     return names
@@ -119,30 +149,47 @@ def default_method_names() -> list[str]:
 def valid_method_names() -> str:
     """The valid ``--methods`` names, for help and error messages."""
     sources = ", ".join(_sources())
-    return (f"{BASELINE}, {HF_PROMPT_LOOKUP}, {DEFAULT}, or {PREFIX}<sources joined by +> "
-            f"with sources from: {sources} (each NAME or NAME[key=value,...]); add {FIXED_SUFFIX} to one of ours to switch its adaptive budget off")
+    return (f"{BASELINE}, {HF_PROMPT_LOOKUP}, {DEFAULT}, {PLAIN}, or {PREFIX}<sources joined by +> "
+            f"with sources from: {sources} (each NAME or NAME[key=value,...]); add {FIXED_SUFFIX} to one of ours to "
+            f"switch its adaptive budget off, {PACKED_SUFFIX} to run it on packed CPU kernels")
 
 
 #: Suffix of a method name that turns the adaptive tree budget off (``default@fixed``,
 #: ``specdraft:prompt@fixed``): every step then checks up to ``--max-tree-nodes`` nodes.
 FIXED_SUFFIX = "@fixed"
+#: Suffix of a method name that runs our decoder with ``cpu_kernels="packed"`` (``default@packed``).
+PACKED_SUFFIX = "@packed"
 
 
-def _split_fixed(name: str) -> tuple[str, bool]:
+def _split_suffixes(name: str) -> tuple[str, bool, bool]:
+    """``(base, fixed, packed)`` of a method name with its ``@fixed``/``@packed`` suffixes, in any order."""
     name = name.strip()
-    if name.endswith(FIXED_SUFFIX):
-        return name[: -len(FIXED_SUFFIX)], True
-    return name, False
+    fixed = packed = False
+    while True:
+        if name.endswith(FIXED_SUFFIX) and not fixed:
+            name, fixed = name[: -len(FIXED_SUFFIX)].strip(), True
+        elif name.endswith(PACKED_SUFFIX) and not packed:
+            name, packed = name[: -len(PACKED_SUFFIX)].strip(), True
+        else:
+            return name, fixed, packed
+
+
+def plain_reference(name: str) -> str:
+    """The ``plain`` method on the same kernels as our method ``name`` (``plain`` or ``plain@packed``)."""
+    return PLAIN + (PACKED_SUFFIX if _split_suffixes(name)[2] else "")
 
 
 def _canonical(name: str) -> str:
-    name, fixed = _split_fixed(name)
-    if fixed:
+    name, fixed, packed = _split_suffixes(name)
+    if fixed or packed:
         base = _canonical(name)
-        if base in (BASELINE, HF_PROMPT_LOOKUP):
-            raise MethodError(f"{FIXED_SUFFIX} applies to our decoder's methods, not to {base!r}")
-        return base + FIXED_SUFFIX
-    if name in (BASELINE, HF_PROMPT_LOOKUP, DEFAULT):
+        for flag, suffix in ((fixed, FIXED_SUFFIX), (packed, PACKED_SUFFIX)):
+            if flag and base in (BASELINE, HF_PROMPT_LOOKUP):
+                raise MethodError(f"{suffix} applies to our decoder's methods, not to {base!r}")
+        if fixed and base == PLAIN:
+            raise MethodError(f"{FIXED_SUFFIX} means nothing for {PLAIN!r}, which checks no drafts")
+        return base + (FIXED_SUFFIX if fixed else "") + (PACKED_SUFFIX if packed else "")
+    if name in (BASELINE, HF_PROMPT_LOOKUP, DEFAULT, PLAIN):
         return name
     from specdraft.source_spec import SourceSpecError, parse_source_spec, split_top_level
 
@@ -154,6 +201,8 @@ def _canonical(name: str) -> str:
         parts = [parse_source_spec(p, registry).text for p in split_top_level(body, "+")]
     except SourceSpecError as exc:
         raise MethodError(f"method {name!r}: {exc}; valid methods: {valid_method_names()}") from None
+    except ImportError as exc:  # a benchmark-only peer that is not installed: its message says how
+        raise MethodError(f"method {name!r}: {exc}") from None
     if not parts:
         raise MethodError(f"unknown method {name!r}; valid: {valid_method_names()}")
     if len(set(parts)) != len(parts):
@@ -287,18 +336,22 @@ class SpecdraftMethod:
     docstring on state across prompts)."""
 
     def __init__(self, name: str, model: Any, tokenizer: Any, source_names: Sequence[str],
-                 max_tree_nodes: int = 32, adaptive_budget: bool = True) -> None:
-        from specdraft.sources.registry import make_sources
+                 max_tree_nodes: int = 32, adaptive_budget: bool = True, cpu_kernels: str = "stock") -> None:
+        from specdraft.source_spec import parse_source_spec
 
         self.name = name
         self.source_names = list(source_names)
         self.adaptive_budget = adaptive_budget
-        self.description = ("specdraft Decoder with sources " + "+".join(self.source_names)
-                            + ("" if adaptive_budget else f", fixed budget of {max_tree_nodes} nodes"))
+        self.cpu_kernels = cpu_kernels
+        self.description = (("specdraft Decoder with sources " + "+".join(self.source_names) if self.source_names
+                             else "specdraft Decoder, plain decoding (no sources, max_tree_nodes=0)")
+                            + ("" if adaptive_budget else f", fixed budget of {max_tree_nodes} nodes")
+                            + ("" if cpu_kernels == "stock" else f", cpu_kernels={cpu_kernels!r}"))
         self.model = model
         self.tokenizer = tokenizer
         self.max_tree_nodes = max_tree_nodes
-        self.sources = make_sources(self.source_names)
+        registry = _sources()
+        self.sources = [parse_source_spec(spec, registry, check=False).build(registry) for spec in self.source_names]
         self.decoder = self._decoder_for(self.sources)
 
     def _decoder_for(self, sources: list[Any]) -> Any:
@@ -306,7 +359,7 @@ class SpecdraftMethod:
         from specdraft.decoder import Decoder
 
         return Decoder(self.model, self.tokenizer, sources=sources, max_tree_nodes=self.max_tree_nodes,
-                       adaptive_budget=self.adaptive_budget)
+                       adaptive_budget=self.adaptive_budget, cpu_kernels=self.cpu_kernels)
 
     def _throwaway_decoder(self) -> Any:
         """A decoder for a repeat that must not teach the real one: copies of the draft sources
@@ -354,13 +407,18 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32
                              f"model.generate(do_sample=False, prompt_lookup_num_tokens={HF_PROMPT_LOOKUP_TOKENS})")
     from specdraft.source_spec import split_top_level
 
-    base, fixed = _split_fixed(name)
+    base, fixed, packed = _split_suffixes(name)
+    kernels = "packed" if packed else "stock"
+    suffix = (FIXED_SUFFIX if fixed else "") + (PACKED_SUFFIX if packed else "")
+    if base == PLAIN:
+        return SpecdraftMethod(PLAIN + suffix, model, tokenizer, [], 0, adaptive_budget=True, cpu_kernels=kernels)
     if base == DEFAULT:
         sources = split_top_level(_canonical("+".join(default_source_names()))[len(PREFIX):], "+")
-        return SpecdraftMethod(name, model, tokenizer, sources, max_tree_nodes, adaptive_budget=not fixed)
+        return SpecdraftMethod(DEFAULT + suffix, model, tokenizer, sources, max_tree_nodes, adaptive_budget=not fixed,
+                               cpu_kernels=kernels)
     canonical = _canonical(base)
-    return SpecdraftMethod(canonical + (FIXED_SUFFIX if fixed else ""), model, tokenizer,
-                           split_top_level(canonical[len(PREFIX):], "+"), max_tree_nodes, adaptive_budget=not fixed)
+    return SpecdraftMethod(canonical + suffix, model, tokenizer, split_top_level(canonical[len(PREFIX):], "+"),
+                           max_tree_nodes, adaptive_budget=not fixed, cpu_kernels=kernels)
 
 
 def build_methods(names: Sequence[str], model: Any, tokenizer: Any, max_tree_nodes: int = 32) -> list[Method]:
