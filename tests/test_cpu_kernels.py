@@ -174,3 +174,19 @@ def test_bad_choices_are_refused() -> None:
         Decoder(tiny32("llama"), cpu_kernels="fast")
     with pytest.raises(CpuKernelError, match="float64"):
         Decoder(tiny_model("llama"), cpu_kernels="packed")  # oneDNN has no float64
+
+
+def test_bench_methods_plain_and_packed() -> None:
+    """``plain`` is our loop with no drafts; ``@packed`` turns the fast path on for one method."""
+    from specdraft.bench.methods import build_method, parse_methods, plain_reference
+
+    names = parse_methods("default@packed,plain@packed,plain,prompt@fixed@packed")
+    assert names == ["baseline", "default@packed", "plain@packed", "plain", "specdraft:prompt@fixed@packed"]
+    assert plain_reference("specdraft:prompt@fixed@packed") == "plain@packed" and plain_reference("default") == "plain"
+    model = tiny32("llama")
+    plain = build_method("plain@packed", model, None, 16)
+    assert plain.decoder.max_tree_nodes == 0 and plain.decoder.sources == [] and plain.decoder.cpu_kernels == "packed"
+    prompt = [4, 5, 6, 4, 5, 6, 4]
+    result = plain.run(prompt, 20)
+    assert result.steps == len(result.token_ids) == 20
+    assert build_method("default", model, None, 16).decoder.cpu_kernels == "stock"

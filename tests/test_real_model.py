@@ -44,3 +44,32 @@ def test_greedy_identity_on_default_model(model_and_tokenizer, prompt):
     assert out.token_ids == reference
     assert out.stats.new_tokens == len(reference)
     assert out.stats.steps <= len(reference)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_identity_on_default_model_packed_kernels(model_and_tokenizer, prompt):
+    """``cpu_kernels="packed"``: equal to ``model.generate`` on the same packed kernels token for
+    token, and to stock ``model.generate`` except at a float32 tie (top-2 gap within 1e-5 of the
+    row's scale) at the first differing token."""
+    from specdraft import Decoder, PromptLookup
+    from specdraft.cpu_kernels import packed_kernels_available, packed_model
+
+    if not packed_kernels_available():
+        pytest.skip("torch built without oneDNN")
+    model, tokenizer = model_and_tokenizer
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False)
+    with packed_model(model).swapped():
+        same_kernels = model.generate(ids, **kwargs)[0, ids.shape[1]:].tolist()
+    stock = model.generate(ids, **kwargs)[0, ids.shape[1]:].tolist()
+    dec = Decoder(model, tokenizer, sources=[PromptLookup()], max_tree_nodes=32, cpu_kernels="packed")
+    out = dec.generate(ids[0], max_new_tokens=64)
+    dec.close()
+    assert out.token_ids == same_kernels
+    if out.token_ids != stock:
+        at = next(i for i, (a, b) in enumerate(zip(out.token_ids + [None], stock + [None])) if a != b)
+        with torch.inference_mode():
+            row = model(input_ids=torch.tensor([ids[0].tolist() + stock[:at]])).logits[0, -1].double()
+        top = torch.topk(row, 2).values
+        assert top[0] - top[1] <= 1e-5 * row.abs().max(), f"differs from stock at {at} without a tie"

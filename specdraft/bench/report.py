@@ -11,6 +11,9 @@ Definitions (also in ``benchmarks/README.md``):
 * **mean accepted**: new tokens / forward passes (Spec-Bench's "#Mean accepted tokens" and the
   papers' compression ratio; 1.00 is plain decoding).
 * **identical n/N**: prompts whose greedy output equals the baseline's token for token.
+* **vs plain** (only when the run has a ``plain`` method): geomean over prompts of our ``plain``
+  decoding's time on the *same kernels* (``plain`` or ``plain@packed``) / the method's time, so
+  the gain of speculation is never mixed up with the gain of a kernel path.
 * **per-source accepted share**: of all new tokens, the fraction a source had drafted (and the
   model accepted). A token drafted by two sources counts for both, so shares can overlap; the
   rest of the tokens are the model's own "bonus" tokens.
@@ -32,7 +35,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
-from .methods import BASELINE
+from .methods import BASELINE, plain_reference
 from .runner import DatasetRun, PromptRun
 
 __all__ = ["PlotUnavailableError", "markdown_report", "markdown_table", "method_file_name", "plot",
@@ -106,6 +109,12 @@ def summarize(run: DatasetRun) -> dict[str, Any]:
             "per_source": per_source,
             "repeats_disagree": [prompt.id for prompt, p in zip(run.prompts, prompt_runs) if not p.consistent],
         }
+        plain = plain_reference(method.name)
+        if method.name != BASELINE and plain in run.runs:
+            vs_plain = [r for r in (speed_ratio(b, p) for b, p in zip(run.runs[plain], prompt_runs)) if r is not None]
+            methods[method.name]["plain_reference"] = plain
+            methods[method.name]["speedup_vs_plain_geomean"] = _geomean(vs_plain)
+            methods[method.name]["speedup_vs_plain_median"] = statistics.median(vs_plain) if vs_plain else None
     per_prompt = []
     for i, prompt in enumerate(run.prompts):
         ref = baseline[i]
@@ -186,11 +195,17 @@ def _shares(per_source: dict[str, dict[str, Any]]) -> str:
 
 def markdown_table(summary: dict[str, Any]) -> str:
     """The per-method table of one dataset summary (see :func:`summarize`)."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] + ["---:"] * 6 + ["---"]) + "|"]
+    with_plain = any("plain_reference" in m for m in summary["methods"].values())
+    columns = COLUMNS[:5] + ["vs plain (same kernels)"] + COLUMNS[5:] if with_plain else COLUMNS
+    lines = ["| " + " | ".join(columns) + " |",
+             "|" + "|".join(["---"] + ["---:"] * (len(columns) - 2) + ["---"]) + "|"]
     for name, m in summary["methods"].items():
         identical = f"{m['identical']}/{m['compared']}" + (" (ref)" if m["reference"] else "")
         cells = [f"`{name}`", _num(m["tokens_per_s"], 1), _x(m["speedup_median"]), _x(m["speedup_geomean"]),
-                 _x(m["speedup_min"]), _num(m["mean_accepted"]), identical, _shares(m["per_source"])]
+                 _x(m["speedup_min"])]
+        if with_plain:
+            cells.append(_x(m["speedup_vs_plain_geomean"]) if "plain_reference" in m else "-")
+        cells += [_num(m["mean_accepted"]), identical, _shares(m["per_source"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
