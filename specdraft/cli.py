@@ -441,6 +441,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModelFetchError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
+    except (ValueError, TypeError) as exc:  # the library's own checks (a prompt past the context, ...)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

@@ -42,6 +42,10 @@ from .verify import Verdict, multinomial_draw, verify_greedy, verify_sampling
 
 _request_ids = itertools.count(1)
 
+#: The largest tree a decoder accepts: far past what pays on any hardware (trees of 16-80 nodes
+#: are the useful range), and small enough that a typo cannot make every step a huge forward.
+MAX_TREE_NODES = 1024
+
 
 @dataclass
 class GenerationOutput:
@@ -80,8 +84,10 @@ class Decoder:
     def __init__(self, model: Any, tokenizer: Any = None, sources: Sequence[DraftSource] | None = None,
                  max_tree_nodes: int = 32, adaptive_budget: bool = True, attention: str = "auto",
                  cpu_kernels: str = "stock") -> None:
-        if not isinstance(max_tree_nodes, int) or max_tree_nodes < 0:
-            raise ValueError(f"max_tree_nodes must be an int >= 0 (0 = plain decoding), got {max_tree_nodes!r}")
+        if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
+                or not 0 <= max_tree_nodes <= MAX_TREE_NODES:
+            raise ValueError(f"max_tree_nodes must be an int in [0, {MAX_TREE_NODES}] (0 = plain decoding), "
+                             f"got {max_tree_nodes!r}")
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {attention!r}")
         self.sources: list[DraftSource] = list(sources) if sources is not None else default_sources()
@@ -201,7 +207,7 @@ class Decoder:
                                  or not -2**63 <= int(seed) < 2**64):
             raise ValueError(f"seed must be an int in [-2**63, 2**64) or None, got {seed!r}")
         prompt_ids = self._encode(prompt)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         limit = self.runner.max_positions
         if limit is not None and len(prompt_ids) + max_new_tokens > limit:
@@ -209,6 +215,8 @@ class Decoder:
                 f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the model's context "
                 f"of {limit} tokens; shorten the prompt or lower max_new_tokens")
         settings = resolve_settings(getattr(self.model, "generation_config", None), **options)
+        if stop is not None and not isinstance(stop, (str, list, tuple)):
+            raise TypeError(f"stop must be a string, a list of strings or None, got {stop!r}")
         stop_strings = [stop] if isinstance(stop, str) else list(stop or [])
         rule = StopRule(_eos_ids(self.model), max_new_tokens, stop_strings, self.tokenizer)
         stats.per_source = {name: SourceStats() for name in self._source_names}
@@ -381,7 +389,8 @@ class Decoder:
         if not ids:
             raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token)")
         vocab = self.runner.vocab_size
-        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab]
+        bad = [t for t in ids if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))
+               or not 0 <= int(t) < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[:5]}")
         return [int(t) for t in ids]

@@ -11,9 +11,12 @@ Options we cannot honour raise :class:`UnsupportedOptionError`; nothing is silen
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from transformers import GenerationConfig
 from transformers.generation.logits_process import (
@@ -137,6 +140,9 @@ def resolve_settings(generation_config: GenerationConfig | None, **requested: An
                 f"reset it (model.generation_config.{name} = None) to decode without it"
             )
 
+    for name, value in requested.items():
+        _check_type(name, value)
+
     def pick(name: str) -> Any:
         if requested.get(name) is not None:
             return requested[name]
@@ -161,6 +167,22 @@ def resolve_settings(generation_config: GenerationConfig | None, **requested: An
         min_p=pick("min_p"),
         repetition_penalty=float(pick("repetition_penalty")),
     )
+
+
+def _check_type(name: str, value: Any) -> None:
+    """Refuse an option of the wrong type by name (``do_sample="yes"``, ``top_k=2.5``,
+    ``temperature="hot"``) instead of letting ``bool()`` / ``float()`` take or garble it."""
+    if value is None:
+        return
+    if name == "do_sample":
+        if not isinstance(value, (bool, np.bool_)):
+            raise UnsupportedOptionError(f"do_sample must be True, False or None, got {value!r}")
+    elif name == "top_k":
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise UnsupportedOptionError(f"top_k must be an int >= 0 or None, got {value!r}")
+    elif isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(float(value)):
+        raise UnsupportedOptionError(f"{name} must be a finite number or None, got {value!r}")
 
 
 class NodeScorer:

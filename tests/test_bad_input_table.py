@@ -37,9 +37,6 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 CONTEXT = 256  # max_position_embeddings of the tiny models
 FOREIGN = 151_936  # a token id range from another (the default model's) vocabulary
 
-DECODER_GAP = "needs a check in specdraft/decoder.py (reported to the lead)"
-SAMPLING_GAP = "needs a check in specdraft/sampling.py's resolve_settings (reported to the lead)"
-CLI_GAP = "specdraft/cli.py lets the decoder's ValueError escape as a traceback (reported to the lead)"
 
 
 def _maybe_xfail(gap: str | None) -> list:
@@ -135,7 +132,7 @@ GENERATE_ROWS = [
     Row("max_new_tokens huge", gen([3, 4], max_new_tokens=10**9), ValueError, ("1000000000", f"{CONTEXT}")),
     Row("max_new_tokens negative", gen([3, 4], max_new_tokens=-7), ValueError, ("-7", ">= 0")),
     Row("max_new_tokens float", gen([3, 4], max_new_tokens=2.0), ValueError, ("2.0", "int")),
-    Row("max_new_tokens bool", gen([3, 4], max_new_tokens=True), ValueError, ("True", "int"), DECODER_GAP),
+    Row("max_new_tokens bool", gen([3, 4], max_new_tokens=True), ValueError, ("True", "int")),
     Row("max_new_tokens zero", gen([3, 4], max_new_tokens=0), None,
         check=lambda env, out: (out.token_ids == [] and out.stats.steps == 0) or pytest.fail(str(out))),
     # the context length
@@ -154,7 +151,7 @@ GENERATE_ROWS = [
     Row("token id huge", gen([2**40], max_new_tokens=2), ValueError, (f"{2**40}", f"[0, {VOCAB})")),
     Row("token id negative in numpy", gen(np.array([4, -3]), max_new_tokens=2), ValueError, ("-3", f"[0, {VOCAB})")),
     Row("token ids as strings", gen(["4", "5"], max_new_tokens=2), ValueError, ("'4'", "ints")),
-    Row("token ids as bools", gen([True, 5], max_new_tokens=2), ValueError, ("True", "ints"), DECODER_GAP),
+    Row("token ids as bools", gen([True, 5], max_new_tokens=2), ValueError, ("True", "ints")),
     Row("prompt None", gen(None, max_new_tokens=2), TypeError, ("NoneType", "str", "token ids")),
     Row("prompt a dict", gen({"input_ids": [1, 2]}, max_new_tokens=2), TypeError, ("dict", "str", "token ids")),
     # seeds and sampling options
@@ -165,15 +162,13 @@ GENERATE_ROWS = [
     Row("seed a bool", gen([3, 4], max_new_tokens=2, do_sample=True, seed=True), (ValueError, TypeError),
         ("seed", "True")),
     Row("do_sample a string", gen([3, 4], max_new_tokens=2, do_sample="yes"), (ValueError, TypeError),
-        ("do_sample", "'yes'"), "a truthy string is taken for True: " + SAMPLING_GAP),
+        ("do_sample", "'yes'")),
     Row("temperature a string", gen([3, 4], max_new_tokens=2, do_sample=True, temperature="hot"),
-        (ValueError, TypeError), ("temperature", "'hot'"),
-        "says only 'could not convert string to float': " + SAMPLING_GAP),
+        (ValueError, TypeError), ("temperature", "'hot'")),
     Row("top_k a float", gen([3, 4], max_new_tokens=2, do_sample=True, top_k=2.5), (ValueError, TypeError),
-        ("top_k", "2.5"), "top_k=2.5 is accepted: " + SAMPLING_GAP),
+        ("top_k", "2.5")),
     # stop strings
-    Row("stop an int", text_gen("abc", max_new_tokens=2, stop=5), (ValueError, TypeError), ("stop", "5"),
-        "stop=5 fails with \"'int' object is not iterable\": " + DECODER_GAP),
+    Row("stop an int", text_gen("abc", max_new_tokens=2, stop=5), (ValueError, TypeError), ("stop", "5")),
     Row("stop string empty", text_gen("abc", max_new_tokens=2, stop=[""]), ValueError, ("non-empty", "''")),
     Row("stop string not a str", text_gen("abc", max_new_tokens=2, stop=["a", 3]), ValueError, ("non-empty str", "3")),
 ]
@@ -320,10 +315,7 @@ def test_source_specs_name_the_bad_value_and_what_is_allowed(spec: str, fragment
 @pytest.mark.parametrize("kwargs, fragments", [
     pytest.param(dict(attention="fast"), ("'fast'", "sdpa"), id="attention"),
     pytest.param(dict(max_tree_nodes=-3), ("max_tree_nodes", "-3"), id="max_tree_nodes negative"),
-    pytest.param(dict(max_tree_nodes=10**8), ("max_tree_nodes", "100000000"), id="max_tree_nodes huge",
-                 marks=_maybe_xfail("max_tree_nodes has no upper bound: 10**8 is accepted and then decodes far "
-                                    "slower (339 s for 128 tokens of the tiny CLI model, where 32 takes 0.1 s); "
-                                    + DECODER_GAP)),
+    pytest.param(dict(max_tree_nodes=10**8), ("max_tree_nodes", "100000000", "1024"), id="max_tree_nodes huge"),
     pytest.param(dict(sources=["trie"]), ("'trie'", "DraftSource"), id="source name instead of a source"),
 ])
 def test_decoder_construction(model, kwargs, fragments) -> None:
@@ -384,10 +376,8 @@ def test_cli_refuses_bad_flags_before_loading_the_model(capsys, monkeypatch, tmp
 
 @pytest.mark.usefixtures("offline_cache")
 @pytest.mark.parametrize("words, max_new, fragments", [
-    pytest.param(CONTEXT + 40, 3, (f"context of {CONTEXT}",), id="prompt beyond the context",
-                 marks=_maybe_xfail(CLI_GAP)),
-    pytest.param(3, 100_000, ("max_new_tokens=100000", f"{CONTEXT}"), id="max-new-tokens beyond the context",
-                 marks=_maybe_xfail(CLI_GAP)),
+    pytest.param(CONTEXT + 40, 3, (f"context of {CONTEXT}",), id="prompt beyond the context"),
+    pytest.param(3, 100_000, ("max_new_tokens=100000", f"{CONTEXT}"), id="max-new-tokens beyond the context"),
     pytest.param(0, 3, ("empty",), id="empty prompt"),
 ])
 def test_cli_generate_context_and_empty_prompts(capsys, tiny_dir, words, max_new, fragments) -> None:
