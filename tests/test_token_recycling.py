@@ -233,7 +233,7 @@ def test_pickle_deepcopy_and_the_bench_copy_keep_the_matrix_and_a_working_lock()
 
 def test_protocol_attributes_and_memory():
     src = TokenRecycling(k=8, vocab_size=151936)
-    assert src.top_k == 8 and src.name == "recycle" and len(src.template) == 80
+    assert src.top_k == 8 and src.name == "recycle" and len(src.template) == 16  # the default template, tr16
     assert src.memory_bytes == 151936 * 8 * 4  # 4.9 MB for Qwen2.5's vocabulary
     from specdraft.sources.base import DraftSource, source_option
     assert isinstance(src, DraftSource) and source_option(src, "top_k") == 8
