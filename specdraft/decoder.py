@@ -37,6 +37,7 @@ from .sources.base import Context, Draft, DraftSource, Feedback, SideBlock, sour
 from .sources.registry import default_sources
 from .stats import GenerationStats, SourceStats
 from .stopping import StopRule
+from .topk import top_k_ids
 from .tree import TokenTree
 from .verify import Verdict, multinomial_draw, verify_greedy, verify_sampling
 
@@ -307,12 +308,12 @@ class Decoder:
 
     def _top_rows(self, tree: TokenTree, logits: torch.Tensor,
                   pending: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray] | None:
-        """One ``torch.topk`` over the tree's rows for the largest ``top_k`` any source asked for
+        """One top-k (:func:`~specdraft.topk.top_k_ids`) over the tree's rows for the largest ``top_k`` any source asked for
         (nothing when none did), appended to rows not yet delivered (the prefill's)."""
         if not self._top_k:
             return None
         k = min(self._top_k, logits.shape[-1])
-        ids = torch.topk(logits[: len(tree)], k, dim=-1).indices.cpu().numpy()
+        ids = top_k_ids(logits[: len(tree)], k).cpu().numpy()
         rows = np.asarray(tree.tokens, dtype=np.int64)
         if pending is not None:
             ids, rows = np.concatenate([pending[0], ids]), np.concatenate([pending[1], rows])
