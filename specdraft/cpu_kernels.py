@@ -13,7 +13,7 @@ Why
 What it changes, and what it does not
     Nothing of the user's model is patched. :class:`PackedModel` builds a :class:`PackedLinear`
     per ``nn.Linear`` (the tied ``lm_head`` included) and :meth:`PackedModel.swapped` puts them in
-    place with ``set_submodule`` for the duration of one forward, then puts the very same
+    place (an attribute assignment on the parent module, what ``set_submodule`` does) for the duration of one forward, then puts the very same
     ``nn.Linear`` objects back (reference-counted, so forwards of several decoders sharing one
     model in threads nest correctly). Between forwards the model is exactly as it was: same
     modules, same parameters. A ``model.generate`` running in *another thread at the same moment*
@@ -144,6 +144,8 @@ class PackedModel:
         self.layers: dict[str, PackedLinear] = {
             name: PackedLinear(module, batch_hint) for name, module in model.named_modules()
             if isinstance(module, nn.Linear) and name}
+        # (parent module, attribute name, packed layer), resolved once: the swap runs twice a forward
+        self._slots = [(_parent(model, name), name.rpartition(".")[2], layer) for name, layer in self.layers.items()]
         self._depth = 0  # forwards in flight (threads): the first swaps in, the last swaps back
         self._lock = threading.Lock()
 
@@ -161,9 +163,13 @@ class PackedModel:
             raise RuntimeError("the model these packed weights belong to no longer exists")
         with self._lock:
             if self._depth == 0:
-                for name, layer in self.layers.items():
+                moved = [child for parent, child, layer in self._slots if getattr(parent, child) is not layer.original]
+                if moved:
+                    raise RuntimeError(f"the model's linear layers changed since their weights were packed ({moved[:3]} "
+                                       "replaced); build a new Decoder (or packed_model) for the changed model")
+                for parent, child, layer in self._slots:
                     layer.refresh()
-                    _set_submodule(model, name, layer)
+                    setattr(parent, child, layer)
             self._depth += 1
         try:
             yield
@@ -171,8 +177,8 @@ class PackedModel:
             with self._lock:
                 self._depth -= 1
                 if self._depth == 0:
-                    for name, layer in self.layers.items():
-                        _set_submodule(model, name, layer.original)
+                    for parent, child, layer in self._slots:
+                        setattr(parent, child, layer.original)
 
 
 _SHARED: "weakref.WeakValueDictionary[int, PackedModel]" = weakref.WeakValueDictionary()
@@ -190,7 +196,7 @@ def packed_model(model: nn.Module) -> PackedModel:
         return packed
 
 
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
+def _parent(model: nn.Module, name: str) -> nn.Module:
+    """The module that holds submodule ``name`` (``model.get_submodule`` of its dotted parent)."""
+    parent_name = name.rpartition(".")[0]
+    return model.get_submodule(parent_name) if parent_name else model

@@ -190,3 +190,14 @@ def test_bench_methods_plain_and_packed() -> None:
     result = plain.run(prompt, 20)
     assert result.steps == len(result.token_ids) == 20
     assert build_method("default", model, None, 16).decoder.cpu_kernels == "stock"
+
+
+def test_a_replaced_layer_is_refused_not_overwritten() -> None:
+    model = copy.deepcopy(tiny32("llama"))
+    packed = packed_model(model)
+    new = nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+    model.lm_head = new
+    with pytest.raises(RuntimeError, match="changed since their weights were packed"):
+        with packed.swapped():
+            pass
+    assert model.lm_head is new
