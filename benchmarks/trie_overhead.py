@@ -55,14 +55,11 @@ CLOCK = time.perf_counter_ns  # --clock cpu: time.thread_time_ns (CPU time, immu
 
 
 def load_tokenizer(name: str):
-    """The tokenizer of a model named as ``specdraft.models.resolve_model`` takes it (a checkpoint
+    """The tokenizer of a model named as ``specdraft.models.load_model`` takes it (a checkpoint
     directory, a ``.gguf`` file, a hub id or a mirrored alias such as ``qwen2.5-coder-0.5b``)."""
-    from transformers import AutoTokenizer
+    from specdraft.models import load_tokenizer as load
 
-    from specdraft.models import resolve_model
-
-    resolved = resolve_model(name)
-    return AutoTokenizer.from_pretrained(resolved.path, gguf_file=resolved.gguf_file)
+    return load(name)
 
 
 def load_streams(n_files: int, model: str) -> list[list[int]]:

@@ -263,33 +263,6 @@ def recycling_decoder(model, law: ExactLaw, mix: str) -> tuple[Decoder, TokenRec
     return Decoder(model, sources=sources, max_tree_nodes=12, adaptive_budget=False), recycle
 
 
-@pytest.mark.parametrize("mix", ["alone", "mixed"])
-def test_token_recycling_keeps_the_sampling_law(model, law_a: ExactLaw, mix: str) -> None:
-    """The source drafts from the model's own top-k, which is what the sampler likes best: the law
-    must still be the plain one (fewer samples than setting A's main test)."""
-    decoder, recycle = recycling_decoder(model, law_a, mix)
-    counts, mean_accepted = sample(decoder, N_MUTANT, SETTING_A, seed0=40_000)
-    pvalue, dof, impossible = chi_square(counts, law_a)
-    print(f"\n[recycle {mix}] N={N_MUTANT} p={pvalue:.4g} dof={dof} mean_accepted={mean_accepted:.2f}")
-    assert impossible == 0 and pvalue > P_THRESHOLD
-    accepted = sum(decoder.generate(PROMPT, max_new_tokens=NEW, do_sample=True, seed=s, **SETTING_A)
-                   .stats.per_source[recycle.name].accepted for s in range(30))
-    assert accepted > 0, "the recycled drafts are never accepted: the test does not exercise them"
-
-
-@pytest.mark.parametrize("mix", ["alone", "mixed"])
-def test_token_recycling_same_random_stream_as_model_generate(model, law_a: ExactLaw, mix: str) -> None:
-    decoder, _ = recycling_decoder(model, law_a, mix)
-    prompt = torch.tensor([PROMPT])
-    for s in range(40):
-        new = 3 if s % 2 else 12
-        torch.manual_seed(s)
-        ref = model.generate(prompt, max_new_tokens=new, do_sample=True, **SETTING_A)[0, len(PROMPT):].tolist()
-        torch.manual_seed(s)
-        out = decoder.generate(PROMPT, max_new_tokens=new, do_sample=True, seed=None, **SETTING_A)
-        assert out.token_ids == ref, (s, ref, out.token_ids)
-
-
 def suffix_decoder(model, law: ExactLaw, mix: str) -> tuple[Decoder, SuffixTree]:
     """SuffixDecoding alone, or with the table, Token Recycling and prompt lookup. Its global tree
     holds every earlier sample, so it drafts the likely continuations with their frequencies."""
@@ -299,21 +272,32 @@ def suffix_decoder(model, law: ExactLaw, mix: str) -> tuple[Decoder, SuffixTree]
     return Decoder(model, sources=sources, max_tree_nodes=12), suffix
 
 
+#: the sources that learn from what they see (the model's own top-k; every earlier sample), each
+#: alone and mixed with others: name -> (decoder factory, seed of its chi-square run)
+LEARNING_SOURCES = {"recycle": (recycling_decoder, 40_000), "suffix": (suffix_decoder, 50_000)}
+
+
 @pytest.mark.parametrize("mix", ["alone", "mixed"])
-def test_suffix_tree_keeps_the_sampling_law(model, law_a: ExactLaw, mix: str) -> None:
-    decoder, suffix = suffix_decoder(model, law_a, mix)
-    counts, mean_accepted = sample(decoder, N_MUTANT, SETTING_A, seed0=50_000)
+@pytest.mark.parametrize("kind", list(LEARNING_SOURCES))
+def test_learning_source_keeps_the_sampling_law(model, law_a: ExactLaw, kind: str, mix: str) -> None:
+    """Token Recycling drafts from the model's own top-k and the suffix tree from every earlier
+    sample, which is what the sampler likes best: the law must still be the plain one (fewer
+    samples than setting A's main test), and the drafts must really be accepted."""
+    make, seed0 = LEARNING_SOURCES[kind]
+    decoder, source = make(model, law_a, mix)
+    counts, mean_accepted = sample(decoder, N_MUTANT, SETTING_A, seed0=seed0)
     pvalue, dof, impossible = chi_square(counts, law_a)
-    print(f"\n[suffix {mix}] N={N_MUTANT} p={pvalue:.4g} dof={dof} mean_accepted={mean_accepted:.2f}")
+    print(f"\n[{kind} {mix}] N={N_MUTANT} p={pvalue:.4g} dof={dof} mean_accepted={mean_accepted:.2f}")
     assert impossible == 0 and pvalue > P_THRESHOLD
     accepted = sum(decoder.generate(PROMPT, max_new_tokens=NEW, do_sample=True, seed=s, **SETTING_A)
-                   .stats.per_source[suffix.name].accepted for s in range(30))
-    assert accepted > 0, "the suffix drafts are never accepted: the test does not exercise them"
+                   .stats.per_source[source.name].accepted for s in range(30))
+    assert accepted > 0, f"the {kind} drafts are never accepted: the test does not exercise them"
 
 
 @pytest.mark.parametrize("mix", ["alone", "mixed"])
-def test_suffix_tree_same_random_stream_as_model_generate(model, law_a: ExactLaw, mix: str) -> None:
-    decoder, _ = suffix_decoder(model, law_a, mix)
+@pytest.mark.parametrize("kind", list(LEARNING_SOURCES))
+def test_learning_source_same_random_stream_as_model_generate(model, law_a: ExactLaw, kind: str, mix: str) -> None:
+    decoder, _ = LEARNING_SOURCES[kind][0](model, law_a, mix)
     prompt = torch.tensor([PROMPT])
     for s in range(40):
         new = 3 if s % 2 else 12

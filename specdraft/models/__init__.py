@@ -16,7 +16,7 @@ from __future__ import annotations
 from .errors import ChecksumMismatchError, CorruptCheckpointError, ModelError, ModelFetchError, ModelNotFoundError
 from .hub import HUB_PROBE_TIMEOUT
 from .integrity import sha256_file
-from .loader import DEFAULT_MODEL, DTYPES, ResolvedModel, load_model, resolve_dtype, resolve_model
+from .loader import DEFAULT_MODEL, DTYPES, ResolvedModel, load_model, load_tokenizer, resolve_dtype, resolve_model
 from .mirror import (MIRRORS, Mirror, MirrorPart, assemble_parts, convert_gguf_to_checkpoint, default_cache_dir,
                      find_mirror, find_wheel)
 
@@ -39,6 +39,7 @@ __all__ = [
     "find_mirror",
     "find_wheel",
     "load_model",
+    "load_tokenizer",
     "resolve_dtype",
     "resolve_model",
     "sha256_file",

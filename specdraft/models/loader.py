@@ -174,6 +174,16 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype = "float32", attn_
     return model, tokenizer
 
 
+def load_tokenizer(name_or_path: str, *, cache_dir: Path | None = None,
+                   progress: bool = True) -> "PreTrainedTokenizerBase":
+    """The tokenizer alone of a model named as :func:`load_model` takes it (no weights are loaded,
+    though a mirrored alias is fetched and converted once if it is not cached yet)."""
+    from transformers import AutoTokenizer
+
+    resolved = resolve_model(name_or_path, cache_dir=cache_dir, progress=progress)
+    return AutoTokenizer.from_pretrained(resolved.path, gguf_file=resolved.gguf_file)
+
+
 def _load_resolved(resolved: ResolvedModel, torch_dtype: torch.dtype,
                    kwargs: dict[str, Any]) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
