@@ -99,7 +99,7 @@ class ArcticSuffix(SourceBase[_Request]):
     def propose(self, context: Context, budget: int) -> Draft:
         if budget <= 0:
             return Draft()
-        state = self.state(context)
+        state = self.request_state(context)
         self._sync(state, context)
         tail = np.asarray(context.tokens[-self.max_depth :], dtype=np.int32)
         with self._lock:
@@ -112,7 +112,7 @@ class ArcticSuffix(SourceBase[_Request]):
         return Draft(paths)
 
     def observe(self, feedback: Feedback) -> None:
-        self._sync(self.state(feedback.context), feedback.context)
+        self._sync(self.request_state(feedback.context), feedback.context)
 
     def end(self, context: Context) -> None:
         with self._states_lock:
