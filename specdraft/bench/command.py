@@ -40,6 +40,9 @@ def _dataset_specs(text: str) -> list[DatasetSpec]:
     items = [text] if whole.is_file() else [t for t in (p.strip() for p in text.split(",")) if t]
     if not items:
         raise _usage_error("--dataset needs humaneval, mtbench or a path to a .jsonl file")
+    twice = next((item for item in items if items.count(item) > 1), None)
+    if twice is not None:  # said before looking for the datasets' packages, which may be missing
+        raise _usage_error(f"dataset {twice!r} is listed twice in --dataset")
     specs: list[DatasetSpec] = []
     for item in items:
         try:
