@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="check --max-tree-nodes every step instead of sizing the tree adaptively")
     gen.add_argument("--attention", choices=["auto", "sdpa", "eager", "flash"], default="auto",
                      help="attention backend; flash = split+merge flash kernel (default: %(default)s)")
+    gen.add_argument("--cpu-kernels", choices=["stock", "packed"], default="stock",
+                     help="packed = linear layers on weights packed once for oneDNN (CPU, float32/bfloat16; "
+                          "a second copy of the weights in memory; see docs/cpu-fast-path.md) (default: %(default)s)")
     samp = gen.add_argument_group("sampling (defaults come from the model's generation config)")
     samp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     samp.add_argument("--temperature", type=_positive_float, metavar="T")
@@ -280,7 +283,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     prompt_ids = _encode_prompt(tokenizer, prompt_text, args.chat)
     decoder = Decoder(model, tokenizer, sources=sources, max_tree_nodes=args.max_tree_nodes,
-                      adaptive_budget=not args.fixed_budget, attention=args.attention)
+                      adaptive_budget=not args.fixed_budget, attention=args.attention, cpu_kernels=args.cpu_kernels)
     seed_kw = {} if args.seed is None else {"seed": args.seed}
 
     # One warm-up forward serves both runs (same weights, same threads); then one timed run each.

@@ -154,6 +154,16 @@ def test_generate_json_compare_on_tiny_model(capsys, tiny_dir: Path) -> None:
     assert record["token_ids"] and isinstance(record["text"], str)
 
 
+def test_generate_with_packed_cpu_kernels(capsys, tiny_dir: Path) -> None:
+    code, out, err = run(capsys, "generate", "--model", str(tiny_dir), "--prompt", "a b c d a b c d a b",
+                         "--max-new-tokens", "12", "--dtype", "float32", "--cpu-kernels", "packed", "--compare",
+                         "--json", "-q")
+    assert code == 0, err
+    assert json.loads(out.strip())["compare"]["identical"] is True
+    code, _, err = run(capsys, "generate", "--model", str(tiny_dir), "--prompt", "a", "--cpu-kernels", "fast")
+    assert code == 2 and "'fast'" in err and "packed" in err
+
+
 def test_generate_text_chat_and_sampling_on_tiny_model(capsys, tiny_dir: Path) -> None:
     code, out, err = run(capsys, "generate", "--model", str(tiny_dir), "--prompt", "a b a b", "--chat",
                          "--max-new-tokens", "5", "--sample", "--temperature", "0.9", "--top-k", "20", "--seed", "1",
