@@ -92,6 +92,9 @@ def test_cli_bench_writes_every_output(capsys, tiny_dir: Path, prompt_file: Path
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["methods"] == methods
+    # results name no folder of this machine: the model, dataset and --out paths are made portable
+    config_text = json.dumps(summary["config"])
+    assert str(tmp_path) not in config_text and str(tiny_dir) not in config_text
     data = summary["datasets"]["three"]
     assert list(data["methods"]) == methods and data["prompts"] == 3
     for name in methods:  # float64: every method is greedy-identical to the baseline

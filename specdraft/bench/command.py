@@ -55,6 +55,25 @@ def _dataset_specs(text: str) -> list[DatasetSpec]:
     return specs
 
 
+def _portable(text: str) -> str:
+    """A path as a results file should record it: from ``site-packages/`` for a dataset shipped in
+    a package, relative to the working directory or ``~`` where it lies below them, so results
+    name no particular machine's folders. Anything that is not an absolute path is kept."""
+    if not text.startswith(("/", "~")):
+        return text
+    path = Path(text).expanduser()
+    parts = path.parts
+    if "site-packages" in parts:
+        return str(Path(*parts[parts.index("site-packages"):]))
+    for base, shown in ((Path.cwd(), ""), (Path.home(), "~")):
+        try:
+            relative = path.relative_to(base)
+        except ValueError:
+            continue
+        return str(Path(shown) / relative) if shown else str(relative)
+    return path.name
+
+
 def _model_id(model: str) -> str:
     name = model.rstrip("/\\")
     return Path(name).name.removesuffix(".gguf") or name
@@ -108,11 +127,11 @@ def _run(args: argparse.Namespace, model: Any, tokenizer: Any, method_names: lis
          chat: Any, out_dir: Path) -> int:
     say = (lambda msg: None) if args.quiet else (lambda msg: print(f"{PROG}: {msg}", file=sys.stderr, flush=True))
     config = {
-        "model": args.model, "model_id": _model_id(args.model), "dtype": args.dtype, "threads": args.threads,
+        "model": _portable(args.model), "model_id": _model_id(args.model), "dtype": args.dtype, "threads": args.threads,
         "max_new_tokens": args.max_new_tokens, "max_tree_nodes": args.max_tree_nodes,
         "limit": args.limit or None, "repeats": args.repeats, "chat": args.chat, "greedy": True,
-        "datasets": {s.key: str(s.path) for s in specs}, "methods": method_names,
-        "versions": _versions(), "platform": platform.platform(), "argv": sys.argv[1:],
+        "datasets": {s.key: _portable(str(s.path)) for s in specs}, "methods": method_names,
+        "versions": _versions(), "platform": platform.platform(), "argv": [_portable(a) for a in sys.argv[1:]],
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     # what a checkpoint must share with this run to be resumed (the runner adds prompts and methods)
