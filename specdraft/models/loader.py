@@ -149,9 +149,13 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_model(name_or_path: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str | None = None,
-               cache_dir: Path | None = None, progress: bool = True,
+               cache_dir: Path | None = None, progress: bool = True, trust_remote_code: bool = False,
                ) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
     """Resolve ``name_or_path`` and load a stock ``AutoModelForCausalLM`` plus its tokenizer.
+
+    Safety: weights load from safetensors only (a pickled ``.bin`` checkpoint can run code when
+    loaded, so it is refused; convert it with ``save_pretrained`` first), and a checkpoint's own
+    Python code runs only with ``trust_remote_code=True``.
 
     The model is in eval mode (no dropout: greedy identity with plain decoding depends on it). A
     ``.gguf`` file is dequantized to dense float32 and then cast, so every block type is exact.
@@ -159,7 +163,7 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype = "float32", attn_
     """
     torch_dtype = resolve_dtype(dtype)  # validate before any download
     resolved = resolve_model(name_or_path, cache_dir=cache_dir, progress=progress)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"trust_remote_code": bool(trust_remote_code)}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     try:
@@ -196,8 +200,12 @@ def _load_resolved(resolved: ResolvedModel, torch_dtype: torch.dtype,
             model = model.to(torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(resolved.path, gguf_file=resolved.gguf_file)
     else:
-        model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch_dtype, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+        if not any(Path(resolved.path).glob("*.safetensors")) and any(Path(resolved.path).glob("*.bin")):
+            raise ModelNotFoundError(
+                f"{resolved.path} holds only pickled .bin weights, which can run code when loaded; specdraft "
+                "loads safetensors only: convert it once with model.save_pretrained(dir) (safetensors is its default)")
+        model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch_dtype, use_safetensors=True, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=kwargs["trust_remote_code"])
     return model, tokenizer
 
 
