@@ -8,8 +8,8 @@ live per-request states, Jacobi windows) must be exactly what it was before: a d
 compared. ``tests/test_bad_input.py`` holds the hand-written cases (prompt shapes, sampling
 options, stop-rule unit tests, model kinds); rows here do not repeat them.
 
-Rows marked ``xfail(strict=False)`` are known gaps whose fix belongs to a module this file's
-author does not own (the decoder, the sampling settings, the CLI); the reason says what is missing.
+The one test marked ``xfail(strict=False)`` is a known gap (a request failing after it started
+still ends its sources normally); its reason says what is missing.
 """
 
 from __future__ import annotations
