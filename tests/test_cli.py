@@ -171,3 +171,12 @@ def test_generate_text_chat_and_sampling_on_tiny_model(capsys, tiny_dir: Path) -
     assert code == 0, err
     assert "tokens" in err and "steps" in err and "tokens/s" in err and "speedup" in err
     assert out.endswith("\n")
+
+
+def test_demo_runs_on_a_tiny_model(capsys, tiny_dir: Path) -> None:
+    """The README's main job, end to end on a tiny checkpoint (the real one is the slow suite's)."""
+    code, out, err = run(capsys, "demo", "--model", str(tiny_dir), "--dtype", "float64", "--max-new-tokens", "10",
+                         "--repeats", "1", "-q")
+    assert code == 0, err
+    assert "specdraft demo:" in err and "tokens/s" in err
+    assert err.count("identical to plain: yes") == 2  # transformers' prompt lookup and ours
