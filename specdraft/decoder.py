@@ -11,7 +11,11 @@ One step, in order:
 4. the verifier walks the tree and commits the accepted path plus one token of the model's own,
    so even a step whose drafts all fail commits one token, like plain decoding;
 5. stop rules cut the step's tokens; the cache keeps only the root and the accepted path;
-   sources learn from what was committed.
+   sources learn from what was committed (and, if they asked, the model's top-k at every row);
+   the budget learns the step's cost and, through the full tree, which ranks would have paid.
+
+The loop runs 4-5 first, on the prefill: its last row is verified on a root-only tree, so the
+first new token takes the same commit path as every later one.
 
 The decoder knows the sources, the verifier and the runner; none of them knows the decoder.
 """
