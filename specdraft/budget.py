@@ -262,8 +262,6 @@ class AdaptiveBudget:
         self.request_steps = 0
         self._shadows = []
 
-    new_request = start_request  # the name before the StepOutcome interface
-
     def observe(self, outcome: StepOutcome) -> None:
         """Learn from one step: its cost, and (through shadow trees) which ranks of the *full* tree
         were or would have been accepted, resolved as later steps commit tokens."""

@@ -249,7 +249,7 @@ class Decoder:
                 source.begin(request.context())
                 begun.append(source)
             self.budget.start_request()
-            step = _Step(TokenTree(request.root), [], [None] * len(self.sources), self._decision0, started, prefill=True)
+            step = _Step(TokenTree(request.root), [], [None] * len(self.sources), None, self._decision0, started)
             pending_top = None
             while True:
                 # 4. verify; 5. stop rules, compaction, commit, feedback
@@ -260,7 +260,7 @@ class Decoder:
                     self.runner.compact([0] + verdict.path)
                 start = request.commit(tokens)
                 pending_top = self._top_rows(step.tree, logits, pending_top)
-                if not step.prefill:  # the prefill's token answers no proposal, so nobody observes it
+                if step.forward_input is not None:  # the prefill's token answers no proposal: nobody observes it
                     self._feed_back(step, tokens, request.context(), logits, pending_top)
                     pending_top = None
                     self.budget.observe(StepOutcome(step.decision, step.tree, [d.branches for d in step.drafts],
@@ -274,7 +274,7 @@ class Decoder:
                 # 1. draft; 2. merge under the budget; 3. one forward
                 step = self._draft(request, rule)
                 with self._kernels():
-                    logits = self.runner.forward(*_step_input(step.tree, step.sides))
+                    logits = self.runner.forward(*step.forward_input)
         finally:
             for source in begun:
                 source.end(request.context())
@@ -293,19 +293,15 @@ class Decoder:
         if not decision.keeps_side_blocks:
             sides = [None] * len(sides)
         tree = TokenTree.from_drafts(context.root, [d.branches for d in drafts], decision.nodes)
-        return _Step(tree, drafts, sides, decision, started)
+        tokens, offsets, block, side_slices = _step_input(tree, sides)
+        return _Step(tree, drafts, side_slices, (tokens, offsets, block), decision, started)
 
     def _feed_back(self, step: "_Step", tokens: list[int], after: Context, logits: torch.Tensor,
                    top: tuple[np.ndarray, np.ndarray] | None) -> None:
         """Tell every source what its step committed, with its side block's logits and, for
         sources that asked (``top_k``), the top-k of every tree row."""
-        rows = len(step.tree)
-        at = rows
-        for source, side, wants_top in zip(self.sources, step.sides, self._wants_top):
-            side_logits = None
-            if side is not None and side.tokens:
-                side_logits = logits[at : at + len(side.tokens)]
-                at += len(side.tokens)
+        for source, side, wants_top in zip(self.sources, step.side_slices, self._wants_top):
+            side_logits = logits[side] if side is not None else None
             top_ids, row_tokens = top if (wants_top and top is not None) else (None, None)
             source.observe(Feedback(committed=list(tokens), context=after, side_logits=side_logits,
                                     top_ids=top_ids, row_tokens=row_tokens))
@@ -401,8 +397,10 @@ class Decoder:
         return [int(t) for t in ids]
 
 
-def _step_input(tree: TokenTree, sides: Sequence[SideBlock | None]) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """Lay out one forward: tree nodes, then each source's side block, with the block mask.
+def _step_input(tree: TokenTree, sides: Sequence[SideBlock | None]
+                ) -> tuple[list[int], np.ndarray, np.ndarray, list[slice | None]]:
+    """Lay out one forward: tree nodes, then each source's side block, with the block mask and
+    each source's rows of the output (``None`` for a source without a side block this step).
 
     Tree nodes see their ancestors; side tokens see themselves, the root (if asked) and what their
     own mask allows; nothing crosses between the tree and a side block or between two side blocks.
@@ -413,9 +411,11 @@ def _step_input(tree: TokenTree, sides: Sequence[SideBlock | None]) -> tuple[lis
     block[:n, :n] = tree.ancestor_mask()
     tokens = list(tree.tokens)
     offsets = [tree.position_offsets()]
+    slices: list[slice | None] = []
     at = n
     for side in sides:
         if side is None or not side.tokens:
+            slices.append(None)
             continue
         m = len(side.tokens)
         # a side token always sees itself, so no attention row is empty (an empty row is NaN in
@@ -425,8 +425,9 @@ def _step_input(tree: TokenTree, sides: Sequence[SideBlock | None]) -> tuple[lis
             block[at : at + m, 0] = True
         tokens.extend(int(t) for t in side.tokens)
         offsets.append(np.asarray(side.positions, dtype=np.int64))
+        slices.append(slice(at, at + m))
         at += m
-    return tokens, np.concatenate(offsets), block
+    return tokens, np.concatenate(offsets), block, slices
 
 
 @dataclass
@@ -457,18 +458,19 @@ class _Request:
 
 @dataclass
 class _Step:
-    """One step between its drafting and its verification."""
+    """One step between its drafting and its verification. Step 0, the prompt's prefill verified
+    on a root-only tree, has no drafts and no ``forward_input`` of its own."""
 
     tree: TokenTree
     drafts: list[Draft]
-    sides: list[SideBlock | None]
+    side_slices: list[slice | None]  # each source's side-block rows of the forward's output
+    forward_input: tuple[list[int], np.ndarray, np.ndarray] | None  # tokens, position offsets, mask
     decision: BudgetDecision
     started: float
-    prefill: bool = False  # step 0: the prompt's prefill, verified on a root-only tree
 
     @property
     def width(self) -> int:
-        return len(self.tree) + sum(len(s.tokens) for s in self.sides if s is not None)
+        return len(self.forward_input[0]) if self.forward_input is not None else 1
 
 
 def _eos_ids(model: Any) -> list[int]:

@@ -27,7 +27,7 @@ def simulate(curve: dict[int, float], accept_len, steps: int, max_nodes: int = 3
     full chain (the decoder's shadow verification)."""
     rng = random.Random(seed)
     ctl = AdaptiveBudget(max_nodes)
-    ctl.new_request()
+    ctl.start_request()
     decisions = []
     offered = max_nodes if available is None else available
     for step in range(steps):
@@ -91,15 +91,15 @@ def test_a_request_starts_from_the_long_run_acceptance_not_the_tail_of_the_last_
     for width, seconds in CPU_FP32.items():
         ctl.observe_cost(width, seconds)
     for _ in range(10):  # ten requests of novel text: drafts never accepted
-        ctl.new_request()
+        ctl.start_request()
         for _ in range(20):
             ctl.observe_acceptance(32, [])
-    ctl.new_request()  # ... then one that ends in a copy
+    ctl.start_request()  # ... then one that ends in a copy
     for _ in range(3):
         ctl.observe_cost(1, CPU_FP32[1])
         ctl.observe_acceptance(32, list(range(32)))
     assert ctl.choose().nodes >= 31  # during the copy: the whole tree
-    ctl.new_request()
+    ctl.start_request()
     assert ctl.choose().nodes == 0  # the next request: plain steps until its own drafts pay
     ctl.observe_cost(1, CPU_FP32[1])
     assert ctl.choose().nodes == 0  # (not only its first step, which is held back anyway, see below)
@@ -115,14 +115,14 @@ def test_a_requests_first_step_is_plain_only_when_width_is_dear(curve, first_is_
         ctl.observe_cost(width, seconds)
     for _ in range(5):
         ctl.observe_acceptance(32, list(range(8)))  # the long run says: the first 8 ranks hit
-    ctl.new_request()
+    ctl.start_request()
     first = ctl.choose()
     assert (first.nodes == 0) == first_is_plain
     ctl.observe_cost(1 if first.nodes == 0 else 1 + first.nodes, curve[_bucket(1 + first.nodes)])
     assert ctl.choose().nodes >= 7  # from the second step on the averages decide
     never = AdaptiveBudget(32, warmup=0, opening_cost_ratio=math.inf)
     never.cost, never.long_run_rate = dict(ctl.cost), list(ctl.long_run_rate)
-    never.new_request()
+    never.start_request()
     assert never.choose().nodes >= 7
 
 

@@ -124,11 +124,11 @@ def test_step_mask_is_figure_2b() -> None:
     draft = src.propose(ctx([3, 4, 5, 7]), budget=32)
     assert draft.branches == [[70, 71, 72], [60, 61, 62]]  # most recently generated first
     tree = TokenTree.from_drafts(7, [draft.branches], 32)
-    tokens, offsets, block = _step_input(tree, [draft.side_block])
+    tokens, offsets, block, slices = _step_input(tree, [draft.side_block])
     assert tokens == [7, 70, 71, 72, 60, 61, 62, 11, 12, 13, 14, 20, 21, 22, 23, 24, 30, 31, 32, 33, 34]
     assert offsets.tolist() == FIGURE_2B_POSITIONS
     np.testing.assert_array_equal(block, parse_figure(FIGURE_2B))
-    assert len(tokens) == 21  # the side block takes rows 7..20, right after the tree
+    assert slices == [slice(7, 21)]  # the side block takes rows 7..20, right after the tree
 
 
 def test_window_side_block_while_filling() -> None:
