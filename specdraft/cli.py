@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 from .errors import UsageError
 from .bench.runner import first_difference
+from .cpu_kernels import CPU_KERNELS
 from .prompts import encode_prompt
 from .sources import registry
 from .sources.registry import DEFAULT_SOURCES, SOURCES, make_sources
@@ -119,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="check --max-tree-nodes every step instead of sizing the tree adaptively")
     gen.add_argument("--attention", choices=["auto", "sdpa", "eager", "flash"], default="auto",
                      help="attention backend; flash = split+merge flash kernel (default: %(default)s)")
-    gen.add_argument("--cpu-kernels", choices=["stock", "packed"], default="stock",
+    gen.add_argument("--cpu-kernels", choices=list(CPU_KERNELS), default="stock",
                      help="packed = linear layers on weights packed once for oneDNN (CPU, float32/bfloat16; "
                           "a second copy of the weights in memory; see docs/cpu-fast-path.md) (default: %(default)s)")
     samp = gen.add_argument_group("sampling (defaults come from the model's generation config)")

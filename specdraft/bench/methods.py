@@ -337,7 +337,7 @@ class SpecdraftMethod:
 
     def __init__(self, name: str, model: Any, tokenizer: Any, source_names: Sequence[str],
                  max_tree_nodes: int = 32, adaptive_budget: bool = True, cpu_kernels: str = "stock") -> None:
-        from specdraft.source_spec import parse_source_spec
+        from specdraft.sources.registry import make_sources
 
         self.name = name
         self.source_names = list(source_names)
@@ -350,8 +350,7 @@ class SpecdraftMethod:
         self.model = model
         self.tokenizer = tokenizer
         self.max_tree_nodes = max_tree_nodes
-        registry = _sources()
-        self.sources = [parse_source_spec(spec, registry, check=False).build(registry) for spec in self.source_names]
+        self.sources = make_sources(self.source_names, _sources())
         self.decoder = self._decoder_for(self.sources)
 
     def _decoder_for(self, sources: list[Any]) -> Any:

@@ -10,7 +10,7 @@ cannot break the others).
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..source_spec import SourceSpecError, parse_source_spec, split_top_level
 
@@ -56,9 +56,11 @@ def parse_source_names(text: str) -> list[str]:
     return specs
 
 
-def make_sources(specs: Sequence[str]) -> list[Any]:
-    """New source instances from specs as returned by :func:`parse_source_names`."""
-    return [parse_source_spec(spec, SOURCES, check=False).build(SOURCES) for spec in specs]
+def make_sources(specs: Sequence[str], sources: Mapping[str, Callable[..., Any]] | None = None) -> list[Any]:
+    """New source instances from specs as returned by :func:`parse_source_names`, built from
+    :data:`SOURCES` or another name -> factory mapping (the bench adds its peers to it)."""
+    table = SOURCES if sources is None else sources
+    return [parse_source_spec(spec, table, check=False).build(table) for spec in specs]
 
 
 def default_sources() -> list[Any]:
