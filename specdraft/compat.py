@@ -19,9 +19,9 @@ CACHE_KEYWORD = "cache"
 
 
 def cache_keyword(model: Any) -> str:
-    """The keyword under which ``model.forward`` takes its KV cache: ``"cache"`` when the signature
-    names it, else ``"past_key_values"`` (older releases, and wrappers that only take ``**kwargs``,
-    which forward it to a model of an older release or accept both)."""
+    """The keyword under which ``model.forward`` takes its KV cache: the one its signature names
+    (``"cache"`` from 5.24, ``"past_key_values"`` before), or, for a forward that names neither
+    (a wrapper taking ``**kwargs``), the one the installed transformers release expects."""
     forward = getattr(model, "forward", None)
     try:
         parameters = inspect.signature(forward).parameters if forward is not None else {}
