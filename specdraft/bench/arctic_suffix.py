@@ -136,7 +136,6 @@ class ArcticSuffix(SourceBase[_Request]):
     def __getstate__(self) -> dict[str, Any]:
         with self._lock:
             state = super().__getstate__()
-            state.pop("_lock", None)
             state.pop("_cache", None)
             state["_states"] = {}
             state["_responses"] = {rid: list(toks) for rid, toks in self._responses.items()}
@@ -144,7 +143,6 @@ class ArcticSuffix(SourceBase[_Request]):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._lock = threading.Lock()
         self._cache = _cache_class()(max_tree_depth=self.max_depth, max_cached_requests=self.max_cached_requests)
         for rid, tokens in self._responses.items():  # replay, oldest first: the same FIFO order
             self._cache.start_request(rid, np.zeros(0, dtype=np.int32))

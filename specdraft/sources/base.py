@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Any, Generic, Protocol, Sequence, TypeVar, runtime_checkable
 
 import numpy as np
 import torch
@@ -231,11 +231,21 @@ class SourceBase(Generic[State]):
         with self._states_lock:
             return len(self._states)
 
+    # Copies (pickle, deepcopy: the bench copies sources for its repeats) get new, unlocked locks:
+    # every attribute that holds a lock is left out and made again, so a subclass with locks of its
+    # own needs no pickling code for them.
+
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_states_lock", None)
+        state = {k: v for k, v in self.__dict__.items() if not isinstance(v, _LOCK_TYPES)}
+        state["_lock_attributes"] = [k for k, v in self.__dict__.items() if isinstance(v, _LOCK_TYPES)]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        made = {name: threading.Lock() for name in state.pop("_lock_attributes", ["_states_lock"])}
         self.__dict__.update(state)
-        self._states_lock = threading.Lock()
+        self.__dict__.update(made)
+
+
+#: The lock types :class:`SourceBase` recreates on copy (``threading.RLock`` is a factory).
+_LOCK_TYPES = (type(threading.Lock()), type(threading.RLock()))

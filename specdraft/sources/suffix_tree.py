@@ -617,15 +617,6 @@ class SuffixTree(SourceBase[_Request]):
             assert self._global.num_sequences == len(self._cached)
             self._global.check_invariants()
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.pop("_lock", None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._lock = threading.Lock()
-
     def __repr__(self) -> str:
         return (f"SuffixTree(max_depth={self.max_depth}, max_spec_factor={self.max_spec_factor}, "
                 f"min_token_prob={self.min_token_prob}, max_cached_requests={self.max_cached_requests}, "

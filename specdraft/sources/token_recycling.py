@@ -436,16 +436,10 @@ class TokenRecycling(SourceBase[None]):
     # --- copies -----------------------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        lock = state.pop("_lock", None)
-        if lock is not None:
-            with lock:
-                state["_matrix"] = self._matrix.copy()
+        with self._lock:  # a consistent matrix, even while other threads update it
+            state = super().__getstate__()
+            state["_matrix"] = self._matrix.copy()
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (f"TokenRecycling(k={self.k}, template={self.template.name!r} ({len(self.template)} nodes), "
