@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench-out", metavar="DIR", help="output directory (default: %(default)s)")
     bench.add_argument("--resume", action="store_true",
                        help="continue an interrupted run with the same settings from the checkpoint that every "
-                            "prompt leaves in --out/<dataset>/checkpoint.pkl (without it a run starts afresh)")
+                            "prompt leaves in --out/<dataset>/checkpoint.pkl (without it a run starts afresh); "
+                            "a larger --limit extends a finished run, a smaller one reports its first prompts")
     bench.add_argument("--no-plot", action="store_true", help="skip speedup.png (no matplotlib needed)")
     bench.add_argument("-q", "--quiet", action="store_true", help="no progress bar or messages on stderr")
     bench.set_defaults(func=cmd_bench)

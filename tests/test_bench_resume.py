@@ -113,6 +113,30 @@ def test_without_resume_a_run_starts_afresh(tiny, prompts, tmp_path: Path) -> No
     assert run2.resumed == 0 and len(log2) == 6 and (tmp_path / "none.pkl").exists()
 
 
+def test_a_larger_limit_extends_a_run_and_a_smaller_one_reports_its_prefix(tiny, prompts, tmp_path: Path) -> None:
+    """The prompt list may grow or shrink by its tail: growing continues with the states after the
+    finished prompts (the same as one long run); shrinking reports the finished prefix, running
+    nothing, and keeps the checkpoint of the longer run."""
+    model, _ = tiny
+    whole = run_benchmark(model, prompts, methods(model, []), 6, progress=False)
+    ckpt = tmp_path / "ckpt.pkl"
+    run_benchmark(model, prompts[:2], methods(model, []), 6, progress=False, checkpoint=ckpt)
+    log: list = []
+    longer = run_benchmark(model, prompts, methods(model, log), 6, progress=False, checkpoint=ckpt, resume=True)
+    assert longer.resumed == 2 and [entry[2] for entry in log] == [2, 2, 2, 3, 3, 3]  # states carried on
+    for name in (BASELINE, "m1", "m2"):
+        assert [r.wall_times for r in longer.runs[name]] == [r.wall_times for r in whole.runs[name]]
+    log = []
+    shorter = run_benchmark(model, prompts[:3], methods(model, log), 6, progress=False, checkpoint=ckpt, resume=True)
+    assert shorter.resumed == 3 and log == [] and len(shorter.runs["m1"]) == 3
+    assert load_checkpoint(ckpt, {"dataset": "", "methods": [BASELINE, "m1", "m2"], "max_new_tokens": 6,
+                                  "repeats": 1, "prompts": [(p.id, list(p.token_ids)) for p in prompts]}).done == 4
+    # a different prompt in the middle is still another experiment
+    with pytest.raises(CheckpointMismatch, match="the first 1 agree"):
+        run_benchmark(model, [prompts[0], prompts[2]], methods(model, []), 6, progress=False, checkpoint=ckpt,
+                      resume=True)
+
+
 def test_a_checkpoint_of_another_experiment_is_refused(tiny, prompts, tmp_path: Path) -> None:
     model, _ = tiny
     ckpt = tmp_path / "ckpt.pkl"

@@ -85,8 +85,17 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     os.replace(tmp, path)
 
 
+def _first_difference(a: list[Any], b: list[Any]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def load_checkpoint(path: Path, fingerprint: dict[str, Any]) -> Checkpoint:
-    """Read a checkpoint and check it belongs to the experiment described by ``fingerprint``."""
+    """Read a checkpoint and check it belongs to the experiment described by ``fingerprint``.
+
+    Everything must be equal but the prompt list, where one list may be a prefix of the other: a
+    run may go on with a larger ``--limit`` (the finished prompts and the methods' states after
+    them are exactly what a longer run would have had at that point), or be reported on a
+    smaller one (its first prompts, without running anything)."""
     with open(path, "rb") as f:
         try:
             checkpoint = pickle.load(f)
@@ -99,7 +108,11 @@ def load_checkpoint(path: Path, fingerprint: dict[str, Any]) -> Checkpoint:
                                  "delete it to start this dataset again")
     differing = [f"{key}: was {checkpoint.fingerprint.get(key)!r}, now {fingerprint.get(key)!r}"
                  for key in sorted(set(checkpoint.fingerprint) | set(fingerprint))
-                 if checkpoint.fingerprint.get(key) != fingerprint.get(key)]
+                 if key != "prompts" and checkpoint.fingerprint.get(key) != fingerprint.get(key)]
+    saved, now = checkpoint.fingerprint.get("prompts"), fingerprint.get("prompts")
+    if (saved is None) != (now is None) or (saved is not None and now[: len(saved)] != saved[: len(now)]):
+        differing.append(f"prompts: the first {_first_difference(saved or [], now or [])} agree, then they "
+                         "differ (a run may only be resumed on its prompts, or on a prefix or an extension of them)")
     if differing:
         raise CheckpointMismatch(f"{path} belongs to a different run; resuming would mix experiments. "
                                  "Differences: " + "; ".join(differing)

@@ -154,10 +154,10 @@ def run_benchmark(model: Any, prompts: Sequence[PromptRecord], methods: Sequence
                    "repeats": repeats, "prompts": [(p.id, list(p.token_ids)) for p in usable]}
     if resume and checkpoint is not None and checkpoint.exists():
         saved = load_checkpoint(checkpoint, fingerprint)
-        run.resumed = saved.done
+        run.resumed = min(saved.done, len(usable))  # a smaller --limit reports the finished prefix
         for method in methods:
-            run.runs[method.name] = list(saved.runs[method.name][: saved.done])
-            method.set_state(saved.states[method.name])
+            run.runs[method.name] = list(saved.runs[method.name][: run.resumed])
+            method.set_state(saved.states[method.name])  # only used if prompts are left to run
 
     bar = _progress((len(usable) - run.resumed) * len(methods) * repeats, dataset or "bench", progress)
     try:
