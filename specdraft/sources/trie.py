@@ -17,7 +17,8 @@ paper                                  this module
                                        :meth:`~FrequencyTrie.observe` and
                                        :meth:`~FrequencyTrie.end` (output), :meth:`~FrequencyTrie.insert`
 4.3.1 branch eliminating               :meth:`~FrequencyTrie.end` removes exactly the request's
-                                       prompt contribution
+                                       prompt contribution (:meth:`~FrequencyTrie.abort`, for a
+                                       failed request, takes back all it taught, outputs too)
 4.3.1 node pruning                     ``_prune_tree``: least frequent nodes of one first-token
                                        tree first, past ``capacity``; ``_prune_global``: least
                                        frequent nodes of the whole trie, past ``max_nodes``
@@ -142,12 +143,34 @@ class TrieNode:
 
 @dataclass
 class _Request:
-    """Per-request bookkeeping, keyed by ``Context.request_id``."""
+    """Per-request bookkeeping, keyed by ``Context.request_id``; it lives only while the request does.
+
+    ``contributed`` maps every node this request's prompt counted (by identity) to the stamp it had
+    before the request first touched it: :meth:`FrequencyTrie._eliminate` takes the counts back,
+    :meth:`FrequencyTrie.abort` the stamps too (``prompt_clocks`` are the clocks of the prompt's
+    windows, first and last: a node whose stamp is in that range was last touched by one of them).
+
+    ``journal`` is the undo log :meth:`FrequencyTrie.abort` replays backwards, in the order things
+    happened: one ``(deepest node, clock, old stamps)`` tuple per output window inserted (the stamps
+    the window's pre-existing nodes had before it, top-down; the nodes it made come after them and
+    had none), and, while the request is ``exclusive``, the top node of every subtree a prune
+    removed during one of the request's calls (the node objects themselves: a removed subtree is
+    never touched again, so its counts, stamps and child links are as they were when it went).
+    ``base`` is the trie's clock, edit counter and prune counters before the request, ``mark`` the
+    clock and edit counter after its latest call: if they differ at its next call, something else
+    changed the trie (or another request ended) in between and ``exclusive`` goes (for good, with
+    the prune records, which only an exact undo uses).
+    """
 
     prompt: tuple[int, ...]
     prompt_length: int
     next_start: int  # start of the first output window not inserted yet
-    contributed: set = field(default_factory=set)  # nodes this request's prompt incremented (by identity)
+    base: tuple[int, ...] = ()
+    mark: tuple[int, int] = (0, 0)
+    exclusive: bool = True
+    prompt_clocks: tuple[int, int] = (1, 0)  # an empty range: no prompt window yet
+    contributed: dict = field(default_factory=dict)  # node (by identity) -> its stamp before the request
+    journal: list = field(default_factory=list)
 
 
 class FrequencyTrie:
@@ -240,7 +263,9 @@ class FrequencyTrie:
         self._size = 0
         self._tree_size: dict[int, int] = {}  # first token -> nodes of its tree (its own node included)
         self._grown: set[int] = set()  # first tokens whose tree got new nodes since the last check
-        self._clock = 0
+        self._clock = 0  # windows inserted so far: a window's clock stamps the nodes it touches
+        self._edits = 0  # changes other than insertions (removals, requests ending, ...): with the
+        # clock, it tells a request whether anything else happened to the trie between two of its calls
         self._requests: dict[int, _Request] = {}
         self.prunes = 0  #: how many times pruning ran (per tree or global)
         self.tree_prunes = 0  #: of which per-tree prunes (a tree past ``capacity``)
@@ -255,15 +280,20 @@ class FrequencyTrie:
         prompt = tuple(int(t) for t in context.tokens[: context.prompt_length])
         with self._lock:
             old = self._requests.pop(context.request_id, None)
-            if old is not None and self.eliminate:  # a reused id: take the old prompt back first
-                self._eliminate(old)
-            req = _Request(prompt, len(prompt), max(0, len(prompt) - self.branch_length))
+            if old is not None:  # a reused id: the old request ends here, its prompt taken back first
+                self._edits += 1
+                if self.eliminate:
+                    self._eliminate(old)
+            req = self._new_request(prompt, len(prompt))
             self._requests[context.request_id] = req
             if self.insert_prompt:
                 width = self.branch_length + 1
+                first = self._clock + 1
                 for start in range(len(prompt) - 1):
                     self._insert(prompt, start, min(start + width, len(prompt)), req.contributed)
-                self._prune_if_needed()
+                req.prompt_clocks = (first, self._clock)
+                self._prune_if_needed(req.journal)
+            req.mark = (self._clock, self._edits)
 
     def propose(self, context: Context, budget: int) -> Draft:
         """Trie retrieving (Sec. 4.3.2; Algorithm 1, lines 12-19): see :meth:`retrieve`."""
@@ -276,18 +306,22 @@ class FrequencyTrie:
         with self._lock:
             req = self._requests.get(context.request_id)
             if req is None:  # observe without begin: track the output anyway, insert no prompt
-                req = _Request((), context.prompt_length, max(0, context.prompt_length - self.branch_length))
+                req = self._new_request((), context.prompt_length)
                 self._requests[context.request_id] = req
+            elif req.exclusive and req.mark != (self._clock, self._edits):
+                self._not_exclusive(req)
             if not self.insert_output:
                 return
             tokens = context.tokens
             width = self.branch_length + 1
             start = req.next_start
+            journal = req.journal
             while start + width <= len(tokens):
-                self._insert(tokens, start, start + width, None)
+                self._insert(tokens, start, start + width, None, journal)
                 start += 1
             req.next_start = start
-            self._prune_if_needed()
+            self._prune_if_needed(journal if req.exclusive else None)
+            req.mark = (self._clock, self._edits)
 
     def end(self, context: Context) -> None:
         """The request is over: insert its unfinished output windows (shortened at the end of the
@@ -297,6 +331,7 @@ class FrequencyTrie:
             req = self._requests.pop(context.request_id, None)
             if req is None:
                 return
+            self._edits += 1  # even if nothing below changes the trie: see abort
             tokens = context.tokens
             if self.insert_output and len(tokens) > req.prompt_length:
                 for start in range(req.next_start, len(tokens) - 1):
@@ -305,6 +340,80 @@ class FrequencyTrie:
                 self._eliminate(req)
             req.contributed.clear()
             self._prune_if_needed()
+
+    def abort(self, context: Context) -> None:
+        """The request failed (see :class:`~specdraft.sources.base.DraftSource`): take back
+        everything it taught the trie, then drop it. Unknown request ids are ignored.
+
+        The request's undo journal (see ``_Request``) is replayed backwards: an output window is
+        taken back by subtracting its ``out`` count along its path, top-down, removing a node whose
+        frequency drops to zero with its subtree, as :meth:`_eliminate` does for prompt counts, and
+        by giving each node the stamp it had before the window; a subtree a prune removed is put
+        back, the same node objects with their counts, stamps and children. Then the prompt
+        contribution goes as in :meth:`end` (whatever ``eliminate`` says: a failed request leaves
+        nothing), its nodes get their stamps from before the request back, and the clock, the
+        prune counters (``prunes``, ``tree_prunes``, ``global_prunes``, ``pruned_nodes``) go back
+        to their values before it. No end-of-output windows are inserted.
+
+        Exact when nothing else changed the trie, and no other request ended, between this request's
+        ``begin`` and its abort (reads, and other calls that changed nothing, do not count; nor does
+        another request begun and aborted exactly in between two of this one's calls, which left the
+        trie as it found it). An ending counts even when it changes nothing that can be seen: the
+        ended request's prompt counts may sit in a subtree this request pruned, and putting it back
+        would bring them back with nobody left to take them away. Then each undo step meets the trie
+        exactly as the step it undoes left it, so the replay walks the states back one by one to the
+        one before ``begin``: same keys, counts, stamps, clock, tree sizes and counters (nodes the
+        request made come back to zero and go; nodes it pruned come back as they were, under the
+        same parents: a prune removes whole subtrees, so the parent of a subtree's top stayed, and
+        whatever removed it later is undone first). Only the order of a node's children can differ
+        (a subtree put back comes last among its siblings), and no result depends on it: the
+        frontier of a retrieval (``_select``) never holds two nodes with the same frequency and
+        stamp (the same stamp means the same last window, hence one path, and an ancestor and its
+        descendant are never in the frontier together), and pruning orders nodes by frequency, depth
+        and stamp, which never tie either. So drafts, prunes and everything after are as if the
+        request had never run. Putting the same node objects back (rather than new ones) also keeps
+        other running requests' ``contributed`` valid.
+
+        When something else did change the trie meanwhile (other requests running at the same
+        time), the abort is best effort and the trie stays consistent (``check_invariants``
+        passes): every output window is taken back from the nodes of its path still in the trie (a
+        node in the trie since the window was counted holds the window's count; one a prune took,
+        or a node made again since, does not, and is skipped with what lies below it), the stamps
+        go back where no later window touched the node, the prompt goes as in :meth:`end`; what
+        was pruned stays pruned (it may hold prompt counts of requests that ended since, which
+        nothing would ever take back), and the clock and counters stay; this ending too counts as
+        a change for the other running requests.
+
+        Cost: the journal holds one small tuple per output window (the deepest node, the clock, the
+        old stamps of the path's pre-existing nodes) and, while the request has the trie to itself,
+        the subtrees its calls pruned (kept from the garbage collector until it ends); it is
+        dropped with the request. The abort itself is linear in what the request inserted and
+        pruned.
+        """
+        with self._lock:
+            req = self._requests.pop(context.request_id, None)
+            if req is None:
+                return
+            if req.exclusive and req.mark != (self._clock, self._edits):
+                self._not_exclusive(req)
+            for entry in reversed(req.journal):
+                if type(entry) is tuple:
+                    self._undo_window(entry)
+                else:
+                    self._revive(entry)
+            req.journal.clear()
+            if req.contributed:
+                self._eliminate(req)
+                lo, hi = req.prompt_clocks
+                for node, stamp in req.contributed.items():
+                    if node.alive and lo <= node.stamp <= hi:
+                        node.stamp = stamp
+                req.contributed.clear()
+            if req.exclusive:
+                (self._clock, self._edits, self.prunes, self.tree_prunes, self.global_prunes,
+                 self.pruned_nodes) = req.base
+            else:
+                self._edits += 1
 
     # -- public helpers ------------------------------------------------------------------------
 
@@ -381,6 +490,7 @@ class FrequencyTrie:
             self._tree_size.clear()
             self._grown.clear()
             self._requests.clear()
+            self._edits += 1
 
     @property
     def trie(self) -> pygtrie.Trie:
@@ -467,27 +577,60 @@ class FrequencyTrie:
 
     # -- internals (callers hold the lock) -----------------------------------------------------
 
-    def _insert(self, tokens: Sequence[int], start: int, stop: int, contributed: set | None) -> None:
-        """Count one window ``tokens[start:stop]``: as prompt (into ``contributed``) or as output."""
+    def _new_request(self, prompt: tuple[int, ...], prompt_length: int) -> _Request:
+        req = _Request(prompt, prompt_length, max(0, prompt_length - self.branch_length))
+        req.base = (self._clock, self._edits, self.prunes, self.tree_prunes, self.global_prunes, self.pruned_nodes)
+        req.mark = (self._clock, self._edits)
+        return req
+
+    @staticmethod
+    def _not_exclusive(req: _Request) -> None:
+        """Something else changed the trie since the request's last call: its abort can no longer
+        be exact, so the prune records (used only by an exact undo) go, and no more are kept."""
+        req.exclusive = False
+        req.journal = [entry for entry in req.journal if type(entry) is tuple]
+
+    def _insert(self, tokens: Sequence[int], start: int, stop: int, contributed: dict | None,
+                journal: list | None = None) -> None:
+        """Count one window ``tokens[start:stop]``: as prompt (into ``contributed``, each node with
+        its stamp from before the request's first touch) or as output; with ``journal``, log it for
+        :meth:`abort` as ``(deepest node, clock, old stamps of the nodes that existed)``."""
         self._clock += 1
         clock = self._clock
+        olds = [] if journal is not None else None
         node = self._root
-        for i in range(start, stop):
+        i = start
+        while i < stop:
             child = node.children.get(tokens[i])
             if child is None:
-                self._create(node, tokens, start, i, stop)
-                child = node.children[tokens[i]]
+                break
             if contributed is None:
                 child.out += 1
             else:
                 child.prompt += 1
-                contributed.add(child)
+                if child not in contributed:
+                    contributed[child] = child.stamp
+            if olds is not None:
+                olds.append(child.stamp)
             child.stamp = clock
             node = child
+            i += 1
+        if i < stop:  # below a missing node everything is missing: make the rest, counted once
+            for child in self._create(node, tokens, start, i, stop):
+                if contributed is None:
+                    child.out = 1
+                else:
+                    child.prompt = 1
+                    contributed[child] = 0
+                child.stamp = clock
+            node = child
+        if journal is not None:
+            journal.append((node, clock, olds))
 
-    def _create(self, parent: TrieNode, tokens: Sequence[int], start: int, first: int, stop: int) -> None:
+    def _create(self, parent: TrieNode, tokens: Sequence[int], start: int, first: int, stop: int) -> list[TrieNode]:
         """Make the nodes for ``tokens[first:stop]`` below ``parent`` (the node of
-        ``tokens[start:first]``), in the child index and in the pygtrie.
+        ``tokens[start:first]``), in the child index and in the pygtrie; returns them, top-down,
+        with zero counts.
 
         Below a missing node everything is missing, so the whole tail is made at once: one
         ``__setitem__`` for the deepest key makes pygtrie's path, one ``walk_towards`` sets the values
@@ -510,6 +653,7 @@ class FrequencyTrie:
         tree = key[0]
         self._tree_size[tree] = self._tree_size.get(tree, 0) + len(made)
         self._grown.add(tree)
+        return made
 
     def _eliminate(self, req: _Request) -> None:
         """Walk the request's prompt windows again and take back one count per window per node.
@@ -552,7 +696,55 @@ class FrequencyTrie:
             self._tree_size[key[0]] = left
         else:  # the first-token node itself went: the whole tree
             del self._tree_size[key[0]]
+        self._edits += 1
         return removed
+
+    def _undo_window(self, entry: tuple[TrieNode, int, list[int]]) -> None:
+        """Take back one journaled output window (for :meth:`abort`): one ``out`` count from each
+        node of its path, top-down, and the stamps it set where no later window touched the node.
+
+        The path is the deepest node's chain of parents (parent links never change). A node still
+        in the trie (``alive``) is the one the window counted, so it holds the window's count;
+        a removed node took the count with it, and everything below it went too, so the walk
+        stops there. A node whose frequency drops to zero goes with its subtree (all zero as well:
+        counts shrink going down), as in :meth:`_eliminate`.
+        """
+        node, clock, olds = entry
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        existed = len(olds)
+        for depth, node in enumerate(path):
+            if not node.alive:
+                break
+            node.out -= 1
+            if depth < existed and node.stamp == clock:
+                node.stamp = olds[depth]
+            if node.out == 0 and node.prompt == 0:
+                self._remove(node)
+                break
+        self._edits += 1
+
+    def _revive(self, top: TrieNode) -> None:
+        """Put back a subtree a prune removed (for an exact :meth:`abort`): the same node objects,
+        with the counts, stamps and children they had, under the same parent (alive again by then),
+        in the child index (last among its siblings: no result depends on the order, see
+        :meth:`abort`) and in the pygtrie."""
+        top.parent.children[top.token] = top
+        key = self._key(top)
+        revived = 0
+        stack = [(key, top)]
+        while stack:
+            key_n, node = stack.pop()
+            node.alive = True
+            self._trie[key_n] = node
+            revived += 1
+            stack.extend((key_n + (token,), child) for token, child in node.children.items())
+        self._size += revived
+        self._tree_size[key[0]] = self._tree_size.get(key[0], 0) + revived
+        self._edits += 1
 
     @staticmethod
     def _key(node: TrieNode) -> tuple[int, ...]:
@@ -568,9 +760,10 @@ class FrequencyTrie:
     def _global_watermark(self) -> int:
         return min(self.max_nodes, int(self.max_nodes * self.prune_to))
 
-    def _prune_if_needed(self) -> None:
+    def _prune_if_needed(self, journal: list | None = None) -> None:
         """After every call that may add nodes: prune each grown tree past ``capacity``, then the
-        whole trie if past ``max_nodes``. Only the trees that grew are looked at."""
+        whole trie if past ``max_nodes``. Only the trees that grew are looked at. The top of every
+        subtree removed is appended to ``journal`` if given (for :meth:`abort`)."""
         if self._grown:
             capacity, sizes = self.capacity, self._tree_size
             over = [t for t in self._grown if sizes.get(t, 0) > capacity]
@@ -578,11 +771,11 @@ class FrequencyTrie:
             if over:
                 low = self._tree_watermark()
                 for t in over:
-                    self._prune_tree(t, low)
+                    self._prune_tree(t, low, journal)
         if self._size > self.max_nodes:
-            self._prune_global(self._global_watermark())
+            self._prune_global(self._global_watermark(), journal)
 
-    def _prune_tree(self, first_token: int, target: int) -> int:
+    def _prune_tree(self, first_token: int, target: int, journal: list | None = None) -> int:
         """Node pruning (Sec. 4.3.1) in one first-token tree: drop its least frequent nodes until
         ``target`` remain in it. Touches only that tree: O(T log T) for a tree of T nodes."""
         top = self._root.children.get(first_token)
@@ -594,11 +787,11 @@ class FrequencyTrie:
             n = stack.pop()
             nodes.append(n)
             stack.extend(n.children.values())
-        removed = self._drop(nodes, len(nodes) - target)
+        removed = self._drop(nodes, len(nodes) - target, journal)
         self.tree_prunes += 1
         return removed
 
-    def _prune_global(self, target: int) -> int:
+    def _prune_global(self, target: int, journal: list | None = None) -> int:
         """Node pruning over the whole trie (the ``max_nodes`` bound): drop the globally least
         frequent nodes until ``target`` remain. O(N log N) for N nodes."""
         if self._size <= target:
@@ -609,11 +802,11 @@ class FrequencyTrie:
             n = stack.pop()
             nodes.append(n)
             stack.extend(n.children.values())
-        removed = self._drop(nodes, self._size - target)
+        removed = self._drop(nodes, self._size - target, journal)
         self.global_prunes += 1
         return removed
 
-    def _drop(self, nodes: list[TrieNode], excess: int) -> int:
+    def _drop(self, nodes: list[TrieNode], excess: int, journal: list | None = None) -> int:
         """Remove the ``excess`` least frequent of ``nodes`` (a set closed under descendants).
 
         Order: frequency ascending, then deepest first, then stalest first. A node's descendants
@@ -636,6 +829,8 @@ class FrequencyTrie:
         for node in victims:
             if node.parent not in doomed:  # the top of a doomed subtree (the root is never doomed)
                 removed += self._remove(node)
+                if journal is not None:
+                    journal.append(node)
         assert removed == len(victims), "pruned set was not closed under descendants"
         self.prunes += 1
         self.pruned_nodes += removed
