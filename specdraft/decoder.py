@@ -241,6 +241,7 @@ class Decoder:
         scorer, draw = NodeScorer(settings), multinomial_draw(generator)
         request = _Request(list(prompt_ids), len(prompt_ids), next(_request_ids))
         begun: list[DraftSource] = []
+        failed = False
         try:
             with self._kernels():
                 logits = self.runner.prefill(request.committed)[None]
@@ -275,11 +276,17 @@ class Decoder:
                 step = self._draft(request, rule)
                 with self._kernels():
                     logits = self.runner.forward(*step.forward_input)
+        except GeneratorExit:  # the caller closed the stream: a normal early stop, not a failure
+            raise
+        except BaseException:
+            failed = True
+            raise
         finally:
-            for source in begun:
-                source.end(request.context())
-            stats.wall_time = self.clock() - started
-            self._busy.release()
+            try:
+                _finish_sources(begun, request.context(), failed)
+            finally:
+                stats.wall_time = self.clock() - started
+                self._busy.release()
 
     def _draft(self, request: "_Request", rule: StopRule) -> "_Step":
         """Steps 1-2: every source drafts (branches cut so a step never commits past the token
@@ -488,3 +495,19 @@ def _unique_names(names: list[str]) -> list[str]:
         seen[name] = seen.get(name, 0) + 1
         out.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
     return out
+
+
+def _finish_sources(sources: Sequence[DraftSource], context: Context, failed: bool) -> None:
+    """End every begun source, or, when the request failed, ``abort`` those that can undo what it
+    taught them (see :class:`~specdraft.sources.base.DraftSource`). Every source is finished even
+    if one raises; the first such error is raised afterwards (unless the request already failed,
+    whose own error then stands)."""
+    error: BaseException | None = None
+    for source in sources:
+        finish = getattr(source, "abort", None) if failed else None
+        try:
+            (finish or source.end)(context)
+        except Exception as exc:  # noqa: BLE001 - finish the others first
+            error = error or exc
+    if error is not None and not failed:
+        raise error

@@ -122,6 +122,17 @@ class DraftSource(Protocol):
     many decoders), so per-request state must be keyed by ``Context.request_id``
     (:class:`SourceBase` does that, with a lock).
 
+    One optional method makes a source transactional:
+
+    ``abort(context)``
+        called *instead of* ``end`` when the request failed (an exception, ``KeyboardInterrupt``
+        included, raised after this source's ``begin``): take back everything the request taught
+        state that outlives it (a shared trie, n-gram table or matrix), so the source is exactly
+        as it was before the request, then drop the per-request state. A source without it gets
+        ``end`` (:class:`SourceBase` provides an ``abort`` that calls ``end``, right for sources
+        whose only state is per-request). A caller closing a stream early is not a failure: what
+        was committed was verified, so it is kept and ``end`` is called.
+
     Two optional attributes tune what the decoder does for a source; a source without them gets
     ``0`` (so the runtime ``isinstance`` check only asks for the five members above them):
 
@@ -152,7 +163,8 @@ class DraftSource(Protocol):
         ...
 
     def end(self, context: Context) -> None:
-        """The request is over (finished, stopped or failed); drop its per-request state."""
+        """The request is over (finished, or stopped by a stop rule, the token limit or a caller
+        closing its stream); drop its per-request state."""
         ...
 
 
@@ -224,6 +236,11 @@ class SourceBase(Generic[State]):
     def end(self, context: Context) -> None:
         with self._states_lock:
             self._states.pop(context.request_id, None)
+
+    def abort(self, context: Context) -> None:
+        """The request failed (see :class:`DraftSource`). A source whose learning outlives its
+        requests overrides this to undo it; per-request state alone only needs :meth:`end`."""
+        self.end(context)
 
     @property
     def active_requests(self) -> int:
