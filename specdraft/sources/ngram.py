@@ -55,6 +55,13 @@ State and memory
     bounds are approximate; that only changes the drafts, never the output (the verifier
     decides). The same two bounds can be set in per-request mode too.
 
+    *A failed request* (the decoder calls ``abort`` instead of ``end``) leaves the shared model as
+    it was: while it runs, each request journals the contexts it changes or evicts (a copy of
+    each before its first change, ``None`` for a new one), and ``abort`` puts them back and
+    rebuilds the LRU order (:meth:`NGramModel.undo`; exact when no other request updated the model
+    meanwhile). A journal costs at most what a per-request model of the same request would (one
+    entry per context touched), and is dropped at ``end``. Per-request mode needs none.
+
 Cost
     A step's query is at most ``K * (N - 1)`` dict lookups of short tuples (plus, with ``top_b >
     1``, a partial sort of one context's followers per branching position and one chain per
@@ -70,6 +77,7 @@ in several threads (per-request states are keyed by ``Context.request_id``).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import numbers
@@ -91,6 +99,11 @@ DEFAULT_SHARED_MAX_FOLLOWERS = 8
 #: less memory than a pair. ``last_seen`` is a position counter, far below 2**40 in practice.
 _SHIFT = 40
 _ONE = 1 << _SHIFT
+_CLOCK_MASK = _ONE - 1
+
+#: What :meth:`NGramModel.add` records, when asked, to take an update back: each context's content
+#: before its first change (``None``: the context did not exist), evicted contexts included.
+Journal = dict  # dict[tuple[int, ...], _Followers | None]
 
 
 class _Followers:
@@ -109,6 +122,17 @@ class _Followers:
         if b == 1:
             return [self.best]
         return heapq.nlargest(b, self.stats, key=self.stats.__getitem__)
+
+    def copy(self) -> "_Followers":
+        twin = _Followers()
+        twin.stats = dict(self.stats)
+        twin.best, twin.best_key = self.best, self.best_key
+        return twin
+
+    def last_update(self) -> int:
+        """The clock of the context's last update: every update stamps the follower it counts with
+        the current clock, and a follower eviction (only when a new one arrives) never drops it."""
+        return max(key & _CLOCK_MASK for key in self.stats.values())
 
     def evict_one(self) -> None:
         """Forget the weakest follower (lowest count, ties: least recently seen)."""
@@ -149,12 +173,21 @@ class NGramModel:
 
     # -- updates ------------------------------------------------------------------------------
 
-    def add(self, tokens: Sequence[int], start: int = 0) -> None:
+    def add(self, tokens: Sequence[int], start: int = 0, journal: Journal | None = None) -> None:
         """Count ``tokens[i]`` after each of its ``1 .. N-1`` preceding contexts, for ``i >= start``.
 
         ``tokens[:start]`` must already have been counted (or be history only); they serve as the
         left context of the first new positions. Cost: ``N - 1`` dict updates per new token.
+
+        With a ``journal`` (a dict, kept by the caller across calls), every context this call
+        changes or evicts that the journal does not hold yet is recorded there first: a copy of its
+        followers, or ``None`` if it did not exist. :meth:`undo` takes the changes back. (One more
+        dict lookup per update, plus a copy at a context's first change; without a journal
+        nothing is recorded and the loop is the plain one.)
         """
+        if journal is not None:
+            self._add_journaled(tokens, start, journal)
+            return
         top = self.max_ngram - 1
         lo = max(start - top, 0)
         window = tuple(int(t) for t in tokens[lo:])
@@ -190,6 +223,99 @@ class NGramModel:
                     f.best = nxt
                     f.best_key = key
         self._clock = clock
+
+    def _add_journaled(self, tokens: Sequence[int], start: int, journal: Journal) -> None:
+        """:meth:`add` recording each context's first change in ``journal`` (same updates)."""
+        top = self.max_ngram - 1
+        lo = max(start - top, 0)
+        window = tuple(int(t) for t in tokens[lo:])
+        table = self._table
+        get = table.get
+        lru = self.max_contexts is not None
+        max_contexts = self.max_contexts or 0
+        cap = self.max_followers
+        one, shift = _ONE, _SHIFT
+        clock = self._clock
+        for i in range(max(start - lo, 1), len(window)):
+            clock += 1
+            nxt = window[i]
+            for m in range(1, min(top, i) + 1):
+                ctx = window[i - m : i]
+                f = get(ctx)
+                if f is None:
+                    if ctx not in journal:
+                        journal[ctx] = None
+                    if lru and len(table) >= max_contexts:
+                        gone, followers = table.popitem(last=False)  # type: ignore[call-arg]
+                        if gone not in journal:  # untouched so far: this is its content before
+                            journal[gone] = followers
+                    f = table[ctx] = _Followers()
+                else:
+                    if ctx not in journal:
+                        journal[ctx] = f.copy()
+                    if lru:
+                        table.move_to_end(ctx)  # type: ignore[attr-defined]
+                stats = f.stats
+                key = stats.get(nxt)
+                if key is None:
+                    if cap is not None and len(stats) >= cap:
+                        f.evict_one()
+                    key = one | clock
+                else:
+                    key = ((key >> shift) + 1) << shift | clock
+                stats[nxt] = key
+                if key > f.best_key:
+                    f.best = nxt
+                    f.best_key = key
+        self._clock = clock
+
+    def undo(self, journal: Journal, clock: int | None = None) -> None:
+        """Take back the updates recorded in ``journal`` (see :meth:`add`): every context it names
+        gets its recorded content back (or goes, if it did not exist), and the LRU order is rebuilt.
+
+        With ``clock`` (the model's clock when the journal started) and no other update since the
+        journal started, the model is then exactly as it was: same counts, same tie-break stamps,
+        same clock and same LRU order. That rests on an invariant of the table: its order is the
+        order of (the context's last update clock, its length). Every update stamps the follower it
+        counts with the current clock, so a context's last update is its followers' newest stamp
+        (a follower eviction happens only when a new follower arrives, and never drops it); one
+        clock tick is one position, whose contexts are updated in increasing length. Contexts the
+        journal does not name kept their relative order, so the restored ones are merged in at
+        their place.
+
+        Without ``clock`` (other updates came in meanwhile) the named contexts still get their
+        recorded content back -- later updates to those same contexts, from other streams, are
+        lost with it -- the clock stays (never going back below a stamp in the table), the table is
+        trimmed to ``max_contexts`` (least recently updated first) and the order rebuilt by the same
+        invariant: a consistent model, though not the one it would have been without the undone
+        updates.
+        """
+        table = self._table
+        if clock is not None:
+            self._clock = clock
+        if self.max_contexts is None:  # a plain dict (no eviction): insertion order; put back in place
+            for ctx, followers in journal.items():
+                if followers is None:
+                    table.pop(ctx, None)
+                else:
+                    table[ctx] = followers
+            return
+        # the contexts the journal does not name are still in order; merge the restored ones in
+        kept = [(ctx, f) for ctx, f in table.items() if ctx not in journal]
+        restored = sorted(((ctx, f) for ctx, f in journal.items() if f is not None), key=_order_key)
+        merged: list[tuple[tuple[int, ...], _Followers]] = []
+        lo = 0
+        for item in restored:
+            at = bisect.bisect_left(kept, _order_key(item), lo=lo, key=_order_key)
+            merged.extend(kept[lo:at])
+            merged.append(item)
+            lo = at
+        merged.extend(kept[lo:])
+        excess = len(merged) - self.max_contexts
+        if excess > 0:  # only when other updates came in meanwhile: least recently updated go first
+            merged = merged[excess:]
+        table.clear()
+        table.update(merged)
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -253,6 +379,11 @@ class NGramModel:
         return iter(self._table)
 
     @property
+    def clock(self) -> int:
+        """Positions counted so far (the stamp of the most recent update)."""
+        return self._clock
+
+    @property
     def num_contexts(self) -> int:
         return len(self._table)
 
@@ -265,12 +396,22 @@ class NGramModel:
         return f"NGramModel(max_ngram={self.max_ngram}, contexts={self.num_contexts})"
 
 
-class _Request:
-    __slots__ = ("model", "seen")
+def _order_key(item: tuple[tuple[int, ...], _Followers]) -> tuple[int, int]:
+    """Where a context sits in an LRU table: (its last update clock, its length)."""
+    return item[1].last_update(), len(item[0])
 
-    def __init__(self, model: NGramModel, seen: int) -> None:
+
+class _Request:
+    __slots__ = ("model", "seen", "journal", "clock", "writes", "own_writes")
+
+    def __init__(self, model: NGramModel, seen: int, writes: int | None = None) -> None:
         self.model = model
         self.seen = seen  # tokens of this request's stream already counted
+        # shared mode: what this request changed in the shared model, to take it back at abort
+        self.journal: Journal | None = None if writes is None else {}
+        self.clock = model.clock  # the shared model's clock when the journal started
+        self.writes = writes  # the source's write count then
+        self.own_writes = 0  # updates this request made since
 
 
 class MultiLevelNGram:
@@ -326,6 +467,7 @@ class MultiLevelNGram:
         self._lock = threading.Lock()
         self._requests: OrderedDict[int, _Request] = OrderedDict()
         self._shared_model = self._new_model() if shared else None
+        self._writes = 0  # updates of the shared model (and aborts): tells an abort it was alone
         # rank vectors of the branching positions, best first (see the module docstring)
         depth = min(branch_depth, num_tokens) if top_b > 1 else 0
         self._rank_vectors = sorted(itertools.product(range(top_b), repeat=depth),
@@ -348,6 +490,30 @@ class MultiLevelNGram:
     def end(self, context: Context) -> None:
         with self._lock:
             self._requests.pop(context.request_id, None)
+
+    def abort(self, context: Context) -> None:
+        """The request failed: take back what it taught the shared model, then drop its state (see
+        :class:`~specdraft.sources.base.DraftSource`). Per-request mode: the same as :meth:`end`.
+
+        Shared mode: the request's journal (see :meth:`NGramModel.add`) holds every context it
+        changed or evicted, as it was before. If no other request updated the shared model (or
+        aborted) while it ran, the model comes back exactly: counts, tie-break stamps, clock and LRU
+        order. Otherwise the contexts it touched get their old content back (other requests' later
+        updates to those contexts go with it), the clock stays and the order is rebuilt: a
+        consistent model, not an exact one. Only what was taught since the request's state was
+        made is taken back (a state dropped past ``max_requests`` is made again, with an empty
+        journal). An unknown request id is ignored.
+        """
+        with self._lock:
+            state = self._requests.pop(context.request_id, None)
+            if state is None or state.journal is None:
+                return
+            model = self._shared_model
+            assert model is not None and state.writes is not None
+            if state.journal:  # (empty: it counted nothing, so there is nothing to take back)
+                alone = self._writes - state.writes == state.own_writes
+                model.undo(state.journal, state.clock if alone else None)
+                self._writes += 1
 
     def propose(self, context: Context, budget: int) -> Draft:
         if budget <= 0 or not len(context.tokens):
@@ -394,8 +560,10 @@ class MultiLevelNGram:
         state = self._requests.get(context.request_id)
         if state is None:
             shared = self._shared_model
-            state = _Request(shared if shared is not None else self._new_model(),
-                             len(tokens) if shared is not None and not begin else 0)
+            if shared is None:
+                state = _Request(self._new_model(), 0)
+            else:
+                state = _Request(shared, 0 if begin else len(tokens), self._writes)
             self._requests[context.request_id] = state
             while len(self._requests) > self.max_requests:
                 self._requests.popitem(last=False)
@@ -406,7 +574,12 @@ class MultiLevelNGram:
             else:
                 state.seen = len(tokens)  # a shared model cannot un-count; just follow along
         if len(tokens) > state.seen:
-            state.model.add(tokens, state.seen)
+            if state.journal is None:
+                state.model.add(tokens, state.seen)
+            else:
+                state.model.add(tokens, state.seen, state.journal)
+                self._writes += 1
+                state.own_writes += 1
             state.seen = len(tokens)
         return state
 

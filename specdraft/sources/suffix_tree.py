@@ -60,7 +60,9 @@ per *distinct* repeated string). The global tree forgets the oldest request's re
 it never holds more than ``max_cached_requests`` responses (the running requests' included: a
 response enters the cache when its request begins). The default, 1000 responses (vLLM's is 10000,
 for a C++ tree of ~10x less memory per token), bounds 300-token responses to ~0.1 GB when they do
-not repeat and ~0.75 GB in the worst case.
+not repeat and ~0.75 GB in the worst case. A running request also keeps the tokens of the responses
+its admission evicted (usually one) until it ends: if it fails, :meth:`SuffixTree.abort` takes its
+response out and puts them back.
 
 Cost (one CPU core; a 3000-token prompt and 500 generated tokens after 100 requests warmed the
 global tree): ``propose`` 0.11 ms median (0.18 ms p90), ``observe`` 0.02 ms median; replaying all
@@ -78,7 +80,6 @@ source object can serve several decoders in several threads.
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import threading
 from collections import OrderedDict
@@ -181,6 +182,10 @@ class SuffixTrie:
     def sequence(self, seq_id: int) -> list[int]:
         """The tokens of a sequence (a copy)."""
         return list(self._seqs[seq_id])
+
+    def is_open(self, seq_id: int) -> bool:
+        """Whether a sequence in the tree can still grow (added and not :meth:`close` d)."""
+        return seq_id in self._open
 
     def add(self, seq_id: int, tokens: Sequence[int] = ()) -> None:
         """Start a new sequence, ``tokens`` its first tokens."""
@@ -366,26 +371,28 @@ class SuffixTrie:
                 continue
             if tree:
                 yield count * scale, token, where
-            elif count > best_count:
+            elif count > best_count or (count == best_count and token < best[1]):  # type: ignore[index]
                 best, best_count = (count * scale, token, where), count
         if best is not None:
             yield best
 
     def _expand(self, pos: _Position, limit: int, min_token_prob: float, tree: bool) -> SuffixDraft:
-        """Grow a draft of at most ``limit`` tokens from ``pos``, best D(N) first."""
+        """Grow a draft of at most ``limit`` tokens from ``pos``, best D(N) first; equal D(N): the
+        child of the node chosen first, then the smaller token id. (Siblings are distinct tokens, so
+        that order is total, and it depends on the counts alone, not on the order the children
+        were made in: a tree whose sequences were removed and added again drafts the same.)"""
         draft = SuffixDraft()
-        tie = itertools.count()
-        heap = [(-p, next(tie), t, where, -1) for p, t, where in self._children(pos, 1.0, min_token_prob, tree)]
+        heap = [(-p, -1, t, where) for p, t, where in self._children(pos, 1.0, min_token_prob, tree)]
         heapq.heapify(heap)
         tokens, parents, probs = draft.tokens, draft.parents, draft.probs
         while heap and len(tokens) < limit:
-            neg, _, token, where, parent = heapq.heappop(heap)
+            neg, parent, token, where = heapq.heappop(heap)
             index = len(tokens)
             tokens.append(token)
             parents.append(parent)
             probs.append(-neg)
             for p, t, below in self._children(where, -neg, min_token_prob, tree):
-                heapq.heappush(heap, (-p, next(tie), t, below, index))
+                heapq.heappush(heap, (-p, index, t, below))
         draft.score = math.fsum(probs)
         return draft
 
@@ -455,6 +462,8 @@ class _Request:
     prompt_length: int
     cache_id: int | None  # its response's sequence id in the global tree (None: not cached)
     cached_length: int = 0  # output tokens in the global tree
+    # responses its admission evicted, oldest first: (cache id, tokens, still open), for abort
+    evicted: list[tuple[int, list[int], bool]] = field(default_factory=list)
 
 
 class SuffixTree(SourceBase[_Request]):
@@ -512,7 +521,8 @@ class SuffixTree(SourceBase[_Request]):
         self.name = name
         self._lock = threading.Lock()
         self._global = SuffixTrie(max_depth)
-        self._cached: OrderedDict[int, None] = OrderedDict()  # cache ids, oldest first
+        self._cached: OrderedDict[int, None] = OrderedDict()  # cache ids, oldest first (= ascending)
+        self._live: dict[int, _Request] = {}  # cache id -> its running request's state
         self._next_id = 0
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -521,17 +531,20 @@ class SuffixTree(SourceBase[_Request]):
         local = SuffixTrie(self.max_depth)
         tokens = [int(t) for t in context.tokens]
         local.add(0, tokens)
-        cache_id = None
+        state = _Request(local, len(tokens), context.prompt_length, None)
         if self.max_cached_requests:
             with self._lock:
-                cache_id = self._next_id
+                cache_id = state.cache_id = self._next_id
                 self._next_id += 1
                 self._global.add(cache_id)
                 self._cached[cache_id] = None
                 while len(self._cached) > self.max_cached_requests:
                     oldest, _ = self._cached.popitem(last=False)
+                    # kept while this request runs, so that abort can put it back
+                    evicted = (oldest, self._global.sequence(oldest), self._global.is_open(oldest))
+                    state.evicted.append(evicted)
                     self._global.remove(oldest)
-        state = _Request(local, len(tokens), context.prompt_length, cache_id)
+                self._live[cache_id] = state
         self._sync_global(state, tokens)
         return state
 
@@ -560,7 +573,52 @@ class SuffixTree(SourceBase[_Request]):
             with self._lock:
                 if state.cache_id in self._global:
                     self._global.close(state.cache_id)
+                self._live.pop(state.cache_id, None)
+                state.evicted = []
         super().end(context)
+
+    def abort(self, context: Context) -> None:
+        """The request failed: take its response out of the global tree and put back the responses
+        its admission evicted (see :class:`~specdraft.sources.base.DraftSource`).
+
+        The evicted responses come back with their tokens, at their place in the cache order
+        (oldest first) and open if their request still runs (with what it committed since, which
+        it still counts as cached), closed otherwise. With no other request admitted or aborted
+        meanwhile, the global tree then holds exactly the responses it held before, so its counts
+        are the same, and so are its drafts (they depend on the counts alone, see ``_expand``).
+        With concurrent requests: if others' admissions filled the cache meanwhile, only as many
+        of the evicted responses as fit come back (the youngest), and a request still running whose
+        admission evicted this one's response will not bring it back. Unknown ids are ignored.
+        """
+        with self._states_lock:
+            state = self._states.pop(context.request_id, None)
+        if state is None or state.cache_id is None:
+            return
+        cache_id = state.cache_id
+        with self._lock:
+            self._live.pop(cache_id, None)
+            if cache_id in self._global:
+                self._global.remove(cache_id)
+                del self._cached[cache_id]
+            for other in self._live.values():  # evicted by a running request: it must not come back
+                if any(entry[0] == cache_id for entry in other.evicted):
+                    other.evicted = [entry for entry in other.evicted if entry[0] != cache_id]
+            room = self.max_cached_requests - len(self._cached)
+            back = state.evicted[max(len(state.evicted) - room, 0) :] if room > 0 else []
+            for old_id, tokens, was_open in back:
+                if old_id in self._global:
+                    continue
+                owner = self._live.get(old_id) if was_open else None
+                if owner is not None:  # still running: what it committed while evicted comes too
+                    start = owner.prompt_length + len(tokens)
+                    tokens = tokens + owner.local.sequence(0)[start : owner.prompt_length + owner.cached_length]
+                self._global.add(old_id, tokens)
+                if owner is None:
+                    self._global.close(old_id)
+                self._cached[old_id] = None
+            if back:  # ids are given in admission order, so ascending ids = oldest first
+                self._cached = OrderedDict((i, None) for i in sorted(self._cached))
+            state.evicted = []
 
     # -- state ------------------------------------------------------------------------------------
 

@@ -64,7 +64,10 @@ int64). Without ``vocab_size`` the matrix starts empty and grows to cover the la
 (in ``row_tokens`` or ``top_ids``), by at least half its size each time and in steps of 1024 rows,
 so it is copied O(log vocab) times and overshoots the vocabulary by at most half (about 7 MB at
 most for Qwen2.5). With ``vocab_size`` it is allocated once, and any token id outside it is an
-error.
+error. Beside it, 4 bytes per row (0.6 MB for Qwen2.5) record which running request wrote each row
+last, and a running request logs the rows it overwrites (their old content, ``k * 4 + 12`` bytes a
+row, at most twice per row it touched): what :meth:`TokenRecycling.abort` puts back when a request
+fails.
 
 Cost. ``propose`` is one gather per template level (6 for ``tr80``; an empty parent, ``-1``, reads
 an always-empty sentinel row kept after the last, so no masking is needed) plus building the paths
@@ -258,7 +261,64 @@ _GROW_ROWS = 1024
 TemplateArg = Union[str, TreeTemplate, Sequence[Sequence[int]]]
 
 
-class TokenRecycling(SourceBase[None]):
+class _Undo:
+    """What one begun request overwrote in the matrix, to put it back if the request fails.
+
+    The matrix keeps, per row, the serial of the begun request that wrote it last
+    (``TokenRecycling._writer``; 0: none, or a write outside a begun request). Before a request
+    writes a row whose last writer is not itself -- its first write to the row, or the first after
+    another request wrote it -- it logs the row's content and last writer: the row's state before
+    this *run* of its writes. A request that overwrites the same rows step after step logs each row
+    once (one fancy-index read per step, of the rows it had not written last). The latest entry of
+    a row is the one to put back; :meth:`compact` keeps only those, and runs when the log doubles
+    (only when requests keep overwriting each other's rows), so the log holds about twice the rows
+    the request touched at most.
+    """
+
+    __slots__ = ("serial", "rows", "before", "writers", "logged", "compacted", "grown_from", "grown_to")
+
+    def __init__(self, serial: int) -> None:
+        self.serial = serial
+        self.rows: list[np.ndarray] = []
+        self.before: list[np.ndarray] = []
+        self.writers: list[np.ndarray] = []
+        self.logged = 0  # rows in the log
+        self.compacted = 0  # rows in the log after the last compaction
+        self.grown_from: int | None = None  # the matrix's rows before this request first grew it
+        self.grown_to = 0  # its rows after this request last grew it
+
+    def log(self, rows: np.ndarray, before: np.ndarray, writers: np.ndarray) -> None:
+        self.rows.append(rows)
+        self.before.append(before)
+        self.writers.append(writers)
+        self.logged += rows.shape[0]
+        if self.logged > max(_COMPACT_ROWS, 2 * self.compacted):
+            self.compact()
+
+    def compact(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, their content before this request's last run of writes, their writer then): the
+        latest entry of each row."""
+        if not self.rows:
+            return np.empty(0, dtype=np.intp), np.empty((0, 0), np.int32), np.empty(0, np.int32)
+        if len(self.rows) > 1:
+            rows = np.concatenate(self.rows)  # in time order
+            _, first_reversed = np.unique(rows[::-1], return_index=True)
+            latest = rows.shape[0] - 1 - first_reversed
+            self.rows = [rows[latest]]
+            self.before = [np.concatenate(self.before)[latest]]
+            self.writers = [np.concatenate(self.writers)[latest]]
+            self.logged = self.compacted = latest.shape[0]
+        return self.rows[0], self.before[0], self.writers[0]
+
+
+#: A request's undo log is first compacted when it reaches this many rows.
+_COMPACT_ROWS = 4096
+
+#: Request serials (``_Undo.serial``) run 1 .. this, then start again (0 is "no begun request").
+_MAX_SERIAL = 2**31 - 1
+
+
+class TokenRecycling(SourceBase[_Undo]):
     """Draft source: BFS over an adjacency matrix of the model's recycled top-k (Luo et al., 2025).
 
     Parameters:
@@ -279,7 +339,8 @@ class TokenRecycling(SourceBase[None]):
         The source's name in statistics.
 
     The matrix lives as long as the source (hot start, Sec. 3.1) and may be shared by decoders
-    whose models share a vocabulary; :meth:`reset` empties it.
+    whose models share a vocabulary; :meth:`reset` empties it. A request that fails is taken back
+    by :meth:`abort`.
     """
 
     def __init__(self, k: int = 8, template: TemplateArg = DEFAULT_TEMPLATE, vocab_size: int | None = None,
@@ -311,6 +372,10 @@ class TokenRecycling(SourceBase[None]):
         # one extra row at the end, always empty: an empty entry (-1) used as a row index reads it,
         # so an empty node's whole subtree comes out empty with no masking in the BFS
         self._matrix = np.full(((self.vocab_size or 0) + 1, self.k), -1, dtype=np.int32)
+        # per row, the serial of the begun request that wrote it last (0: none): what abort needs
+        # to tell its own rows from rows another request overwrote since (see _Undo)
+        self._writer = np.zeros(self._matrix.shape[0], dtype=np.int32)
+        self._serial = 0
         self._lock = threading.Lock()
         self._levels = self._compile(tree)
 
@@ -345,6 +410,7 @@ class TokenRecycling(SourceBase[None]):
         """Forget everything learnt (the paper's cold start); the size is kept."""
         with self._lock:
             self._matrix.fill(-1)
+            self._writer.fill(0)  # (a running request's abort then has nothing of its own to put back)
 
     def _check_token(self, token: int, what: str) -> None:
         if token < 0:
@@ -364,8 +430,55 @@ class TokenRecycling(SourceBase[None]):
         grown = np.full((new + 1, self.k), -1, dtype=np.int32)  # the sentinel row stays last and empty
         grown[:have] = self._matrix[:-1]
         self._matrix = grown
+        writer = np.zeros(new + 1, dtype=np.int32)
+        writer[:have] = self._writer[:-1]
+        self._writer = writer
 
     # --- the protocol -----------------------------------------------------------------------
+
+    def new_state(self, context: Context) -> _Undo:
+        """A begun request logs what it overwrites, so that :meth:`abort` can put it back."""
+        with self._lock:
+            self._serial = self._serial % _MAX_SERIAL + 1
+            return _Undo(self._serial)
+
+    def abort(self, context: Context) -> None:
+        """The request failed: put back every row it overwrote and undo the matrix's growth it
+        caused, then drop its state (see :class:`~specdraft.sources.base.DraftSource`).
+
+        A row this request wrote last gets back its content (and last writer) from before the
+        request's last run of writes to it -- before its first write, unless another request wrote
+        the row in between (see ``_Undo``); a row another request has written since keeps that
+        newer content. The growth is undone if the matrix is still the size this request last grew
+        it to and every row past the old size is empty once the rows are back.
+
+        With no other request writing meanwhile, that is exactly the matrix before the request.
+        With concurrent requests that end normally, every row is what they alone would have left
+        (the size may differ). When several concurrent requests fail, the matrix is consistent but
+        not always exact: a request Q that overwrote a row another request P wrote last logged P's
+        content as that row's "before", so if P fails first (its abort leaves the row, which Q wrote
+        last) and then Q fails, Q puts P's content back -- draft statistics only, never output.
+        Requests not begun, and unknown ids, are ignored.
+        """
+        with self._states_lock:
+            undo = self._states.pop(context.request_id, None)
+        if undo is None:
+            return
+        with self._lock:
+            rows, before, writers = undo.compact()
+            matrix = self._matrix
+            if rows.shape[0]:
+                inside = rows < matrix.shape[0] - 1  # (a row past a shrunk matrix is empty anyway)
+                rows, before, writers = rows[inside], before[inside], writers[inside]
+                ours = self._writer[rows] == undo.serial  # not written by another request since
+                rows = rows[ours]
+                matrix[rows] = before[ours]
+                self._writer[rows] = writers[ours]
+            have = matrix.shape[0] - 1
+            if undo.grown_from is not None and have == undo.grown_to and \
+                    not (matrix[undo.grown_from : have] != -1).any():
+                self._matrix = matrix[: undo.grown_from + 1].copy()  # its last row, empty, is the sentinel
+                self._writer = self._writer[: undo.grown_from + 1].copy()
 
     def propose(self, context: Context, budget: int) -> Draft:
         """BFS from the root along the template (Sec. 3.2); one path per existing node, best first,
@@ -427,11 +540,29 @@ class TokenRecycling(SourceBase[None]):
         unique, first_reversed = np.unique(row_tokens[::-1], return_index=True)
         last = row_tokens.shape[0] - 1 - first_reversed
         values = top[last].astype(np.int32)
+        if width < self.k:
+            values = np.concatenate([values, np.full((values.shape[0], self.k - width), -1, np.int32)], axis=1)
+        undo = self.peek_state(feedback.context.request_id)
         with self._lock:
+            have = self._matrix.shape[0] - 1
             self._grow(high + 1)
-            self._matrix[unique, :width] = values
-            if width < self.k:
-                self._matrix[unique, width:] = -1
+            if undo is None:  # not a begun request: nothing to take back, but its rows are not ours
+                self._writer[unique] = 0
+            else:
+                if self._matrix.shape[0] - 1 != have:
+                    if undo.grown_from is None:
+                        undo.grown_from = have
+                    undo.grown_to = self._matrix.shape[0] - 1
+                writers = self._writer[unique]
+                fresh = writers != undo.serial  # rows it did not write last: log them first
+                count = np.count_nonzero(fresh)  # (cheaper than .all() / .any() on small arrays)
+                if count == fresh.shape[0]:
+                    undo.log(unique, self._matrix[unique], writers)
+                elif count:
+                    rows = unique[fresh]
+                    undo.log(rows, self._matrix[rows], writers[fresh])
+                self._writer[unique] = undo.serial
+            self._matrix[unique] = values
 
     # --- copies -----------------------------------------------------------------------------
 
@@ -439,6 +570,7 @@ class TokenRecycling(SourceBase[None]):
         with self._lock:  # a consistent matrix, even while other threads update it
             state = super().__getstate__()
             state["_matrix"] = self._matrix.copy()
+            state["_writer"] = self._writer.copy()
         return state
 
     def __repr__(self) -> str:
