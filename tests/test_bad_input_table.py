@@ -8,8 +8,9 @@ live per-request states, Jacobi windows) must be exactly what it was before: a d
 compared. ``tests/test_bad_input.py`` holds the hand-written cases (prompt shapes, sampling
 options, stop-rule unit tests, model kinds); rows here do not repeat them.
 
-The one test marked ``xfail(strict=False)`` is a known gap (a request failing after it started
-still ends its sources normally); its reason says what is missing.
+A request that fails *after* it started (a source raising in its first ``propose``) must leave the
+shared state exactly as it was too: the decoder aborts its sources, which undo what it taught them
+(``tests/test_failed_request.py`` covers every source and every way to fail).
 """
 
 from __future__ import annotations
@@ -37,11 +38,6 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 CONTEXT = 256  # max_position_embeddings of the tiny models
 FOREIGN = 151_936  # a token id range from another (the default model's) vocabulary
 
-
-
-def _maybe_xfail(gap: str | None) -> list:
-    """The xfail mark of a known gap (``None``: no mark)."""
-    return [pytest.mark.xfail(strict=False, reason=gap)] if gap else []
 
 
 class LetterTokenizer:
@@ -109,7 +105,6 @@ class Row:
     call: Callable[[dict[str, Any]], Any]
     error: type[BaseException] | None
     fragments: tuple[str, ...] = ()
-    gap: str | None = None  # xfail reason
     check: Callable[[dict[str, Any], Any], None] | None = field(default=None, repr=False)
 
 
@@ -174,7 +169,7 @@ GENERATE_ROWS = [
 ]
 
 
-@pytest.mark.parametrize("row", [pytest.param(r, id=r.id, marks=_maybe_xfail(r.gap)) for r in GENERATE_ROWS])
+@pytest.mark.parametrize("row", [pytest.param(r, id=r.id) for r in GENERATE_ROWS])
 def test_generate_table(env, row: Row) -> None:
     before = snapshot(env["sources"])
     if row.error is None:
@@ -262,10 +257,6 @@ def test_a_source_built_on_another_vocabulary_is_named(model, make, name) -> Non
     assert dec.generate([3, 4, 5], max_new_tokens=6).token_ids == reference_greedy(model, [3, 4, 5], 6)
 
 
-@pytest.mark.xfail(strict=False, reason="a request that fails mid-way still ends its sources normally, so the "
-                                        "trie learns the output committed before the failure and a shared n-gram "
-                                        "keeps the prompt; leaving no trace needs the decoder to tell end() the "
-                                        "request failed (reported to the lead)")
 @pytest.mark.parametrize("make", [foreign_trie, foreign_ngram], ids=["trie", "ngram-shared"])
 def test_a_request_failing_mid_way_leaves_shared_state_exactly_as_it_was(model, make) -> None:
     source = make()
