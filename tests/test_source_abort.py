@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specdraft.sources import Context, Feedback
-from specdraft.sources.ngram import MultiLevelNGram, NGramModel, _order_key
+from specdraft.sources.ngram import MultiLevelNGram, NGramModel
 from specdraft.sources.suffix_tree import SuffixTree
 from specdraft.sources.token_recycling import TokenRecycling
 
@@ -74,7 +74,7 @@ def ngram_drafts(src: MultiLevelNGram, tails: list[list[int]]) -> list[list[list
 
 def assert_lru_invariant(model: NGramModel) -> None:
     """The table's order is the order of (last update clock, context length), all distinct."""
-    keys = [_order_key(item) for item in model._table.items()]
+    keys = [(f.last_update(), len(c)) for c, f in model._table.items()]
     assert keys == sorted(keys) and len(set(keys)) == len(keys)
     assert all(key[0] <= model.clock for key in keys)
     if model.max_contexts is not None:
@@ -460,3 +460,39 @@ def test_suffix_abort_among_concurrent_requests_keeps_the_cache_consistent(seed:
     src.end(ctx(streams[10], 4, 10))
     src.check_invariants()
     assert suffix_snapshot(src)["open"] == [False] * len(suffix_snapshot(src)["ids"]) and not src._live
+
+
+def test_token_recycling_two_failures_undone_last_first_are_exact() -> None:
+    """P writes rows, Q overwrites some of them; Q fails, then P fails: the matrix of before both."""
+    rng = random.Random(3)
+    src, _ = warmed_tr(3, vocab=12, vocab_size=12)
+    before = tr_snapshot(src)
+    p, q = ctx([1, 1], 1, 1), ctx([2, 2], 1, 2)
+    src.begin(p)
+    src.begin(q)
+    for _ in range(30):
+        src.observe(tr_feedback(rng, p, 12, 4, 5))
+    for _ in range(30):
+        src.observe(tr_feedback(rng, q, 12, 4, 5))
+    src.abort(q)
+    src.abort(p)
+    assert tr_equal(tr_snapshot(src), before)
+
+
+def test_token_recycling_reset_and_copies_during_a_request() -> None:
+    """A reset forgets the request's rows too (abort brings nothing back); a copy taken mid-request
+    aborts on its own, like the original."""
+    import copy
+    import pickle
+
+    rng = random.Random(4)
+    src, _ = warmed_tr(4)
+    before = tr_snapshot(src)
+    context = tr_request(src, rng, 9, 60, 6, end=False)
+    twins = [copy.deepcopy(src), pickle.loads(pickle.dumps(src))]
+    for twin in twins:
+        twin.abort(context)
+        assert tr_equal(tr_snapshot(twin), before)
+    src.reset()
+    src.abort(context)
+    assert (src.matrix == -1).all() and src.active_requests == 0

@@ -289,6 +289,10 @@ class NGramModel:
         trimmed to ``max_contexts`` (least recently updated first) and the order rebuilt by the same
         invariant: a consistent model, though not the one it would have been without the undone
         updates.
+
+        Cost: one pass over the table plus ``O(j log n)`` for ``j`` journaled contexts among ``n``
+        (0.1-0.2 s for a request of 500 tokens after a 1000-token prompt on a full default table
+        of 65 536 contexts, on a busy CPU core); only ever paid when a request fails.
         """
         table = self._table
         if clock is not None:
@@ -300,22 +304,38 @@ class NGramModel:
                 else:
                     table[ctx] = followers
             return
-        # the contexts the journal does not name are still in order; merge the restored ones in
-        kept = [(ctx, f) for ctx, f in table.items() if ctx not in journal]
-        restored = sorted(((ctx, f) for ctx, f in journal.items() if f is not None), key=_order_key)
-        merged: list[tuple[tuple[int, ...], _Followers]] = []
+        # The contexts the journal does not name are still in order: merge the restored ones in, by
+        # (last update, length) packed in one int, finding each one's place by galloping from the
+        # last (O(j log(n / j)) keys computed for j restored contexts among n) -- and no tuple made
+        # per context, so no garbage-collector passes over a big table either.
+        mask_and = _CLOCK_MASK.__and__
+        shift = self.max_ngram.bit_length()
+
+        def key_of(ctx: tuple[int, ...]) -> int:
+            return max(map(mask_and, table[ctx].stats.values())) << shift | len(ctx)
+
+        restored = sorted((max(map(mask_and, f.stats.values())) << shift | len(ctx), ctx, f)
+                          for ctx, f in journal.items() if f is not None)  # keys are distinct
+        kept = [ctx for ctx in table if ctx not in journal]
+        n = len(kept)
+        merged: OrderedDict[tuple[int, ...], _Followers] = OrderedDict()
         lo = 0
-        for item in restored:
-            at = bisect.bisect_left(kept, _order_key(item), lo=lo, key=_order_key)
-            merged.extend(kept[lo:at])
-            merged.append(item)
+        for key, ctx, followers in restored:
+            below, probe, step = lo, lo, 1  # kept[:below] all sort before this one
+            while probe < n and key_of(kept[probe]) < key:  # gallop: lo, lo + 1, lo + 3, lo + 7, ...
+                below = probe + 1
+                probe = below + step
+                step <<= 1
+            at = bisect.bisect_left(kept, key, below, min(probe, n), key=key_of)
+            for c in kept[lo:at]:
+                merged[c] = table[c]
+            merged[ctx] = followers
             lo = at
-        merged.extend(kept[lo:])
-        excess = len(merged) - self.max_contexts
-        if excess > 0:  # only when other updates came in meanwhile: least recently updated go first
-            merged = merged[excess:]
-        table.clear()
-        table.update(merged)
+        for c in kept[lo:]:
+            merged[c] = table[c]
+        while len(merged) > self.max_contexts:  # only when other updates came in meanwhile
+            merged.popitem(last=False)  # least recently updated first
+        self._table = merged
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -394,11 +414,6 @@ class NGramModel:
 
     def __repr__(self) -> str:
         return f"NGramModel(max_ngram={self.max_ngram}, contexts={self.num_contexts})"
-
-
-def _order_key(item: tuple[tuple[int, ...], _Followers]) -> tuple[int, int]:
-    """Where a context sits in an LRU table: (its last update clock, its length)."""
-    return item[1].last_update(), len(item[0])
 
 
 class _Request:
