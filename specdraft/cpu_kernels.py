@@ -38,6 +38,7 @@ parameter's version counter and repacked before the next forward.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from contextlib import contextmanager
@@ -68,6 +69,20 @@ def packed_kernels_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+@functools.lru_cache(maxsize=None)
+def packed_dtype_problem(dtype: torch.dtype) -> str | None:
+    """Why oneDNN cannot pack ``dtype`` weights on this CPU (``None``: it can). Packing needs
+    instructions the CPU may lack (bfloat16: AVX512 BW/VL/DQ or AVX-NE-CONVERT), which only the op
+    itself knows, so a tiny weight is packed once per dtype and the answer kept."""
+    if not packed_kernels_available():
+        return f"torch {torch.__version__} is built without oneDNN's packed linear"
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), BATCH_HINT)
+    except RuntimeError as exc:
+        return str(exc).strip().splitlines()[0]
+    return None
+
+
 def check_cpu_kernels(model: Any, kernels: str) -> None:
     """Raise a clear error when ``kernels`` is not a choice or cannot run for ``model``."""
     if kernels not in CPU_KERNELS:
@@ -86,6 +101,12 @@ def check_cpu_kernels(model: Any, kernels: str) -> None:
     if bad:
         raise CpuKernelError(f"cpu_kernels='packed' supports float32 and bfloat16 weights (oneDNN has no float64, and "
                              f"float16 needs AVX512-FP16), this model has {bad}; use cpu_kernels='stock'")
+    for dtype in sorted(dtypes, key=str):
+        problem = packed_dtype_problem(dtype)
+        if problem is not None:
+            name = str(dtype).removeprefix("torch.")
+            raise CpuKernelError(f"cpu_kernels='packed' cannot pack {name} weights on this CPU (oneDNN: {problem}); "
+                                 f"use cpu_kernels='stock'{', or float32 weights' if name != 'float32' else ''}")
 
 
 class PackedLinear(nn.Module):

@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from specdraft import Decoder, PromptLookup
-from specdraft.cpu_kernels import CpuKernelError, PackedLinear, packed_kernels_available, packed_model
+from specdraft.cpu_kernels import (CpuKernelError, PackedLinear, check_cpu_kernels, packed_dtype_problem,
+                                   packed_kernels_available, packed_model)
 
 from conftest import FAST, full_logits, reference_greedy, tiny_model
 from test_greedy_identity import build_sources, oracle_sequence, prompts, source_specs
@@ -91,18 +92,23 @@ def test_greedy_identity_packed(case, prompt, n, max_tree_nodes, specs, adaptive
         event("equal to stock")
 
 
-def test_packed_linear_matches_stock_float32_and_bfloat16() -> None:
+@pytest.mark.parametrize("dtype, tol", [
+    (torch.float32, 1e-5),
+    pytest.param(torch.bfloat16, 2e-2, marks=pytest.mark.skipif(
+        packed_dtype_problem(torch.bfloat16) is not None,
+        reason=f"this CPU cannot pack bfloat16 weights: {packed_dtype_problem(torch.bfloat16)}")),
+], ids=["float32", "bfloat16"])
+def test_packed_linear_matches_stock(dtype: torch.dtype, tol: float) -> None:
     torch.manual_seed(0)
-    for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]:
-        for bias in (True, False):
-            linear = nn.Linear(48, 40, bias=bias).to(dtype)
-            packed = PackedLinear(linear)
-            for rows in (1, 3, 16, 33):
-                x = torch.randn(1, rows, 48, dtype=dtype)
-                with torch.inference_mode():
-                    want, got = linear(x), packed(x)
-                assert got.shape == want.shape and got.dtype == want.dtype
-                assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+    for bias in (True, False):
+        linear = nn.Linear(48, 40, bias=bias).to(dtype)
+        packed = PackedLinear(linear)
+        for rows in (1, 3, 16, 33):
+            x = torch.randn(1, rows, 48, dtype=dtype)
+            with torch.inference_mode():
+                want, got = linear(x), packed(x)
+            assert got.shape == want.shape and got.dtype == want.dtype
+            assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
 
 
 def test_weights_changed_in_place_are_repacked() -> None:
@@ -201,3 +207,18 @@ def test_a_replaced_layer_is_refused_not_overwritten() -> None:
         with packed.swapped():
             pass
     assert model.lm_head is new
+
+
+def test_a_dtype_this_cpu_cannot_pack_is_refused_by_name() -> None:
+    """Whether oneDNN packs bfloat16 depends on the CPU (AVX512 BW/VL/DQ or AVX-NE-CONVERT); where
+    it cannot, ``packed`` is refused up front, naming the dtype and the way out, instead of failing
+    inside the first forward. Where it can, the check passes."""
+    model = copy.deepcopy(tiny32("llama")).to(torch.bfloat16)
+    problem = packed_dtype_problem(torch.bfloat16)
+    if problem is None:
+        check_cpu_kernels(model, "packed")
+        return
+    with pytest.raises(CpuKernelError) as info:
+        Decoder(model, cpu_kernels="packed")
+    message = str(info.value)
+    assert "bfloat16" in message and "cpu_kernels='stock'" in message and problem in message

@@ -265,11 +265,12 @@ def recycling_decoder(model, law: ExactLaw, mix: str) -> tuple[Decoder, TokenRec
 
 def suffix_decoder(model, law: ExactLaw, mix: str) -> tuple[Decoder, SuffixTree]:
     """SuffixDecoding alone, or with the table, Token Recycling and prompt lookup. Its global tree
-    holds every earlier sample, so it drafts the likely continuations with their frequencies."""
+    holds every earlier sample, so it drafts the likely continuations with their frequencies. A fixed
+    budget: with the adaptive one a loaded machine can shrink the trees until no draft is checked."""
     suffix = SuffixTree(max_depth=8, max_cached_requests=64, min_token_prob=0.05)
     sources = [suffix] if mix == "alone" else [TableSource(law), suffix, TokenRecycling(k=8, template="tr16"),
                                                PromptLookup(max_ngram=3, min_ngram=1, num_tokens=3)]
-    return Decoder(model, sources=sources, max_tree_nodes=12), suffix
+    return Decoder(model, sources=sources, max_tree_nodes=12, adaptive_budget=False), suffix
 
 
 #: the sources that learn from what they see (the model's own top-k; every earlier sample), each
