@@ -183,11 +183,8 @@ class NGramModel:
         changes or evicts that the journal does not hold yet is recorded there first: a copy of its
         followers, or ``None`` if it did not exist. :meth:`undo` takes the changes back. (One more
         dict lookup per update, plus a copy at a context's first change; without a journal
-        nothing is recorded and the loop is the plain one.)
+        nothing is recorded.)
         """
-        if journal is not None:
-            self._add_journaled(tokens, start, journal)
-            return
         top = self.max_ngram - 1
         lo = max(start - top, 0)
         window = tuple(int(t) for t in tokens[lo:])
@@ -198,6 +195,7 @@ class NGramModel:
         cap = self.max_followers
         one, shift = _ONE, _SHIFT
         clock = self._clock
+        journaled = journal is not None
         for i in range(max(start - lo, 1), len(window)):
             clock += 1
             nxt = window[i]
@@ -205,53 +203,15 @@ class NGramModel:
                 ctx = window[i - m : i]
                 f = get(ctx)
                 if f is None:
-                    if lru and len(table) >= max_contexts:
-                        table.popitem(last=False)  # type: ignore[call-arg]
-                    f = table[ctx] = _Followers()
-                elif lru:
-                    table.move_to_end(ctx)  # type: ignore[attr-defined]
-                stats = f.stats
-                key = stats.get(nxt)
-                if key is None:
-                    if cap is not None and len(stats) >= cap:
-                        f.evict_one()
-                    key = one | clock
-                else:
-                    key = ((key >> shift) + 1) << shift | clock
-                stats[nxt] = key
-                if key > f.best_key:  # more frequent, or as frequent and (being this one) newer
-                    f.best = nxt
-                    f.best_key = key
-        self._clock = clock
-
-    def _add_journaled(self, tokens: Sequence[int], start: int, journal: Journal) -> None:
-        """:meth:`add` recording each context's first change in ``journal`` (same updates)."""
-        top = self.max_ngram - 1
-        lo = max(start - top, 0)
-        window = tuple(int(t) for t in tokens[lo:])
-        table = self._table
-        get = table.get
-        lru = self.max_contexts is not None
-        max_contexts = self.max_contexts or 0
-        cap = self.max_followers
-        one, shift = _ONE, _SHIFT
-        clock = self._clock
-        for i in range(max(start - lo, 1), len(window)):
-            clock += 1
-            nxt = window[i]
-            for m in range(1, min(top, i) + 1):
-                ctx = window[i - m : i]
-                f = get(ctx)
-                if f is None:
-                    if ctx not in journal:
+                    if journaled and ctx not in journal:
                         journal[ctx] = None
                     if lru and len(table) >= max_contexts:
                         gone, followers = table.popitem(last=False)  # type: ignore[call-arg]
-                        if gone not in journal:  # untouched so far: this is its content before
+                        if journaled and gone not in journal:  # untouched so far: its content before
                             journal[gone] = followers
                     f = table[ctx] = _Followers()
                 else:
-                    if ctx not in journal:
+                    if journaled and ctx not in journal:
                         journal[ctx] = f.copy()
                     if lru:
                         table.move_to_end(ctx)  # type: ignore[attr-defined]
@@ -264,7 +224,7 @@ class NGramModel:
                 else:
                     key = ((key >> shift) + 1) << shift | clock
                 stats[nxt] = key
-                if key > f.best_key:
+                if key > f.best_key:  # more frequent, or as frequent and (being this one) newer
                     f.best = nxt
                     f.best_key = key
         self._clock = clock
