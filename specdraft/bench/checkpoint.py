@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .compare import first_difference
+
 __all__ = ["Checkpoint", "CheckpointMismatch", "dumps_with_locks", "load_checkpoint", "save_checkpoint"]
 
 #: Bumped when the layout of :class:`Checkpoint` changes; older files are refused with a clear error.
@@ -85,10 +87,6 @@ def save_checkpoint(path: Path, checkpoint: Checkpoint) -> None:
     os.replace(tmp, path)
 
 
-def _first_difference(a: list[Any], b: list[Any]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def load_checkpoint(path: Path, fingerprint: dict[str, Any]) -> Checkpoint:
     """Read a checkpoint and check it belongs to the experiment described by ``fingerprint``.
 
@@ -111,7 +109,7 @@ def load_checkpoint(path: Path, fingerprint: dict[str, Any]) -> Checkpoint:
                  if key != "prompts" and checkpoint.fingerprint.get(key) != fingerprint.get(key)]
     saved, now = checkpoint.fingerprint.get("prompts"), fingerprint.get("prompts")
     if (saved is None) != (now is None) or (saved is not None and now[: len(saved)] != saved[: len(now)]):
-        differing.append(f"prompts: the first {_first_difference(saved or [], now or [])} agree, then they "
+        differing.append(f"prompts: the first {first_difference(saved or [], now or []) or 0} agree, then they "
                          "differ (a run may only be resumed on its prompts, or on a prefix or an extension of them)")
     if differing:
         raise CheckpointMismatch(f"{path} belongs to a different run; resuming would mix experiments. "

@@ -33,6 +33,7 @@ import torch
 
 from ..runner import context_limit
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from .compare import first_difference
 from .datasets import PromptRecord
 from .methods import BASELINE, Method, MethodResult
 
@@ -86,14 +87,6 @@ class DatasetRun:
     @property
     def method_names(self) -> list[str]:
         return [m.name for m in self.methods]
-
-
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """The first index where ``a`` and ``b`` differ (a length difference counts), else None."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 @torch.inference_mode()
