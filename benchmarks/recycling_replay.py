@@ -20,7 +20,7 @@ What it prints
     curve.json`` from ``cost_curve.py``, the speed a fixed budget of that size would reach on the
     machine that measured the curve: ``mean accepted x cost(1) / cost(1 + nodes)``.
 
-    python benchmarks/recycling_replay.py --model qwen2.5-coder-0.5b --dataset mtbench --limit 40 \\
+    python benchmarks/recycling_replay.py --model qwen2.5-coder-0.5b --dtype bfloat16 --limit 40 \\
         --references bench-out/mtbench/checkpoint.pkl --out bench-out/recycling-replay
 
 ``--references`` takes a ``specdraft bench`` checkpoint (its prompts, as the bench encoded them, and
@@ -172,18 +172,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_model(args.model, dtype=args.dtype)
     if args.references is not None and args.references.suffix in (".pkl", ".gz"):
-        _, recordings, _ = load_recordings(args.references)
+        dataset, recordings, _ = load_recordings(args.references)
         recordings = recordings[: args.limit] if args.limit else recordings
         prompts = [{"id": str(r.prompt_id), "ids": r.prompt_ids} for r in recordings]
         refs = {str(r.prompt_id): r.reference for r in recordings}
     else:
+        dataset = args.dataset
         records = load_prompts(args.dataset, args.limit, tokenizer)
         prompts = [{"id": str(r.id), "ids": list(r.token_ids)} for r in records]
-        cache = args.references or out / f"references-{args.dataset}.json"
+        cache = args.references or out / f"references-{dataset}.json"
         refs = reference_outputs(model, prompts, args.max_new_tokens, cache)
     print(f"{len(prompts)} prompts, {sum(len(refs[p['id']]) for p in prompts)} reference tokens", file=sys.stderr)
 
-    tops = recorded_top_k_cached(model, prompts, refs, args.k, out / f"top-k-{args.dtype}-k{args.k}.npz")
+    tops = recorded_top_k_cached(model, prompts, refs, args.k, out / f"top-k-{dataset}-{args.dtype}-k{args.k}.npz")
 
     curve = load_cost_curve(args.cost_curve, args.kernels) if args.cost_curve is not None else None
 
@@ -214,8 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            lambda t=template: [PromptLookup(), FrequencyTrie(), MultiLevelNGram(),
                                                TokenRecycling(k=args.k, template=t)], size))
         results.append(run("prompt+trie+ngram", lambda: [PromptLookup(), FrequencyTrie(), MultiLevelNGram()], size))
-    (out / f"recycling-replay-{args.dataset}-{args.dtype}.json").write_text(json.dumps(
-        {"model": args.model, "dtype": args.dtype, "dataset": args.dataset, "limit": args.limit, "k": args.k,
+    (out / f"recycling-replay-{dataset}-{args.dtype}.json").write_text(json.dumps(
+        {"model": args.model, "dtype": args.dtype, "dataset": dataset, "limit": args.limit, "k": args.k,
          "references": str(args.references) if args.references else None, "results": results}, indent=2))
     return 0
 

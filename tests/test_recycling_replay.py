@@ -157,3 +157,40 @@ def test_recorded_top_k_is_cached_per_prompt_and_sequence(tmp_path: Path) -> Non
         assert all(np.array_equal(first[k], again[k]) for k in first)
         shorter = {k: v[:-1] for k, v in refs.items()}  # another reference: recorded anew
         assert rr.recorded_top_k_cached(model, prompts, shorter, K, cache)["0"].shape == (NEW - 1, K)
+
+
+def test_main_replays_a_bench_checkpoint_end_to_end(tiny_dir: Path, tmp_path: Path) -> None:
+    """The command line on a saved checkpoint and a bench checkpoint of its greedy outputs: the
+    dataset's name comes from the checkpoint, every template runs three ways, the speed estimate
+    appears where the cost curve reaches, and a second run takes the top-k from the cache."""
+    import json
+    import pickle
+
+    from specdraft.bench.checkpoint import Checkpoint
+    from specdraft.bench.methods import MethodResult
+    from specdraft.bench.runner import PromptRun
+    from specdraft.models import load_model
+
+    model, _ = load_model(str(tiny_dir), progress=False)
+    prompts = [("p0", [5, 6, 7, 8, 5, 6, 7]), ("p1", [9, 10, 11, 9, 10])]
+    with generation_config_override(model, eos_token_id=None):
+        outputs = [reference_greedy(model, ids, 10) for _, ids in prompts]
+    runs = [PromptRun(MethodResult(out, 1.0, [1] * len(out), len(out)), [1.0]) for out in outputs]
+    bench = tmp_path / "checkpoint.pkl"
+    bench.write_bytes(pickle.dumps(Checkpoint({"dataset": "toy", "prompts": prompts}, runs={"baseline": runs})))
+    curve = tmp_path / "curve.json"
+    curve.write_text(json.dumps({"rows": [{"path": "stock", "k": k, "median_ms": 10.0 * k} for k in (1, 9)]}))
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_dir), "--references", str(bench), "--templates", "tr8,tr16",
+            "--cost-curve", str(curve), "--out", str(out)]
+    assert rr.main(argv) == 0
+    report = json.loads((out / "recycling-replay-toy-float32.json").read_text())
+    assert report["dataset"] == "toy"
+    assert [(r["config"], r["nodes"]) for r in report["results"]] == [
+        ("recycle[tr8]", 8), ("prompt+trie+ngram+recycle[tr8]", 8), ("prompt+trie+ngram", 8),
+        ("recycle[tr16]", 16), ("prompt+trie+ngram+recycle[tr16]", 16), ("prompt+trie+ngram", 16)]
+    assert all(r["mean_accepted"] >= 1.0 and len(r["per_prompt_mean_accepted"]) == 2 for r in report["results"])
+    assert report["results"][0]["cost_ratio"] == 9.0  # width 9 costs 90 ms against 10
+    assert report["results"][3]["estimated_speedup"] is None  # width 17 is past the curve
+    assert (out / "top-k-toy-float32-k8.npz").exists()
+    assert rr.main(argv) == 0  # from the cache
