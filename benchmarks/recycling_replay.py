@@ -52,25 +52,27 @@ from specdraft.tree import TokenTree  # noqa: E402
 
 
 @torch.inference_mode()
-def recorded_top_k(model: Any, prompt: Sequence[int], reference: Sequence[int], k: int) -> np.ndarray:
+def recorded_top_k(model: Any, prompt: Sequence[int], reference: Sequence[int], k: int,
+                   prompt_rows: bool = False) -> np.ndarray:
     """``[len(reference), k]``: row ``j`` holds the top-k next tokens after ``prompt + reference[:j]``
-    (row 0 is the prefill's last position), from one forward over the whole sequence."""
+    (row 0 is the prefill's last position), from one forward over the whole sequence. With
+    ``prompt_rows`` the prompt's other positions come first (``len(prompt) - 1`` more rows)."""
     ids = torch.tensor([list(prompt) + list(reference[:-1])])
-    logits = model(ids).logits[0, len(prompt) - 1:]
+    logits = model(ids).logits[0, 0 if prompt_rows else len(prompt) - 1:]
     return logits.topk(k, dim=-1).indices.to(torch.int64).numpy()
 
 
 def recorded_top_k_cached(model: Any, prompts: list[dict[str, Any]], refs: dict[str, list[int]], k: int,
-                          cache: Path) -> dict[str, np.ndarray]:
+                          cache: Path, prompt_rows: bool = False) -> dict[str, np.ndarray]:
     """:func:`recorded_top_k` of every prompt, kept in ``cache`` (an ``.npz`` keyed by prompt id and
     the sequence's length) so that another grid over the same references skips the forwards."""
     saved: dict[str, np.ndarray] = dict(np.load(cache)) if cache.exists() else {}
     tops: dict[str, np.ndarray] = {}
     started = time.perf_counter()
     for i, p in enumerate(prompts):
-        key = f"{p['id']}:{len(p['ids'])}+{len(refs[p['id']])}"
+        key = f"{p['id']}:{len(p['ids'])}+{len(refs[p['id']])}" + ("+prompt-rows" if prompt_rows else "")
         if key not in saved:
-            saved[key] = recorded_top_k(model, p["ids"], refs[p["id"]], k)
+            saved[key] = recorded_top_k(model, p["ids"], refs[p["id"]], k, prompt_rows)
             np.savez(cache, **saved)
         tops[p["id"]] = saved[key]
         print(f"\rtop-k recorded {i + 1}/{len(prompts)} ({time.perf_counter() - started:.0f} s)", end="",
@@ -80,19 +82,22 @@ def recorded_top_k_cached(model: Any, prompts: list[dict[str, Any]], refs: dict[
 
 
 def replay(prompt: Sequence[int], reference: Sequence[int], top: np.ndarray, sources: Sequence[Any],
-           max_tree_nodes: int, request_id: int) -> list[int]:
+           max_tree_nodes: int, request_id: int, prompt_rows: bool = False) -> list[int]:
     """Tokens committed per step when decoding ``reference`` after ``prompt`` with ``sources``, the
     way the decoder steps: the prefill commits the first token (step 0, observed by nobody), then
     every tree step commits its accepted path plus one. Sources that asked for top-k
     (``top_k > 0``) get, every tree step, the recorded top-k of the rows on the accepted path (the
-    root and the accepted nodes), the first one preceded by the prefill's last row."""
+    root and the accepted nodes), the first one preceded by the prefill's last row, or, with
+    ``prompt_rows`` (``top`` from :func:`recorded_top_k` with ``prompt_rows``), by every prompt row:
+    what a decoder that computed the prompt's logits at the prefill would hand on."""
     committed = list(prompt)
     start, end = len(prompt), len(prompt) + len(reference)
     full = list(prompt) + list(reference)
     for s in sources:
         s.begin(Context(tuple(committed), start, request_id))
     lengths: list[int] = []
-    pending = [start - 1]  # rows computed but not yet delivered: the prefill's last one
+    first = 0 if prompt_rows else start - 1  # the position of ``top``'s first row
+    pending = list(range(first, start))  # rows computed but not yet delivered: the prefill's rows
     try:
         if reference:
             committed.append(full[start])  # step 0: the prefill's token
@@ -114,7 +119,7 @@ def replay(prompt: Sequence[int], reference: Sequence[int], top: np.ndarray, sou
             rows = pending + list(range(len(committed) - 1, len(committed) - 1 + len(step)))  # positions in ``full``
             pending = []
             row_tokens = np.array([full[j] for j in rows], dtype=np.int64)
-            row_top = top[np.array(rows) - (start - 1)]
+            row_top = top[np.array(rows) - first]
             committed.extend(step)
             lengths.append(len(step))
             after = Context(tuple(committed), start, request_id)
@@ -164,6 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--templates", default="tr8,tr16,tr32,tr80")
     ap.add_argument("--references", type=Path, help="a bench checkpoint (.pkl, .pkl.gz) or a references-<dataset>.json")
     ap.add_argument("--cost-curve", type=Path, help="curve.json of cost_curve.py, for the speed estimate")
+    ap.add_argument("--prompt-rows", action="store_true",
+                    help="also hand Token Recycling the top-k of every prompt row at the first step (an idea "
+                         "of the roadmap: what warming the matrix from the prompt would gain)")
     ap.add_argument("--kernels", default="stock", choices=["stock", "packed"], help="which row of the cost curve")
     ap.add_argument("--out", default="bench-out/recycling-replay")
     args = ap.parse_args(argv)
@@ -184,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         refs = reference_outputs(model, prompts, args.max_new_tokens, cache)
     print(f"{len(prompts)} prompts, {sum(len(refs[p['id']]) for p in prompts)} reference tokens", file=sys.stderr)
 
-    tops = recorded_top_k_cached(model, prompts, refs, args.k, out / f"top-k-{dataset}-{args.dtype}-k{args.k}.npz")
+    tops = recorded_top_k_cached(model, prompts, refs, args.k, out / f"top-k-{dataset}-{args.dtype}-k{args.k}.npz",
+                                 args.prompt_rows)
 
     curve = load_cost_curve(args.cost_curve, args.kernels) if args.cost_curve is not None else None
 
@@ -193,7 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         lengths: list[int] = []
         per_prompt = []
         for i, p in enumerate(prompts):
-            got = replay(p["ids"], refs[p["id"]], tops[p["id"]], sources, nodes, request_id=10_000 + i)
+            got = replay(p["ids"], refs[p["id"]], tops[p["id"]], sources, nodes, request_id=10_000 + i,
+                         prompt_rows=args.prompt_rows)
             lengths += got
             per_prompt.append(sum(got) / len(got))
         mean = sum(lengths) / len(lengths)
@@ -215,8 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                            lambda t=template: [PromptLookup(), FrequencyTrie(), MultiLevelNGram(),
                                                TokenRecycling(k=args.k, template=t)], size))
         results.append(run("prompt+trie+ngram", lambda: [PromptLookup(), FrequencyTrie(), MultiLevelNGram()], size))
-    (out / f"recycling-replay-{dataset}-{args.dtype}.json").write_text(json.dumps(
-        {"model": args.model, "dtype": args.dtype, "dataset": dataset, "limit": args.limit, "k": args.k,
+    suffix = "-prompt-rows" if args.prompt_rows else ""
+    (out / f"recycling-replay-{dataset}-{args.dtype}{suffix}.json").write_text(json.dumps(
+        {"model": args.model, "dtype": args.dtype, "dataset": dataset, "limit": args.limit, "k": args.k, "prompt_rows": args.prompt_rows,
          "references": str(args.references) if args.references else None, "results": results}, indent=2))
     return 0
 

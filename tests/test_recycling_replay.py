@@ -194,3 +194,22 @@ def test_main_replays_a_bench_checkpoint_end_to_end(tiny_dir: Path, tmp_path: Pa
     assert report["results"][3]["estimated_speedup"] is None  # width 17 is past the curve
     assert (out / "top-k-toy-float32-k8.npz").exists()
     assert rr.main(argv) == 0  # from the cache
+
+
+def test_prompt_rows_hand_every_prompt_row_at_the_first_step_and_change_nothing_after() -> None:
+    model = tiny_model("llama")
+    with generation_config_override(model, eos_token_id=None):
+        prompt = PROMPTS[1]
+        reference = reference_greedy(model, prompt, NEW)
+        top = rr.recorded_top_k(model, prompt, reference, K)
+        full_top = rr.recorded_top_k(model, prompt, reference, K, prompt_rows=True)
+        assert full_top.shape == (len(prompt) - 1 + NEW, K)
+        assert np.array_equal(full_top[len(prompt) - 1:], top)  # the same forward, more rows kept
+        plain_spy, prompt_spy = RowSpy(), RowSpy()
+        oracle = lambda: Oracle(prompt + reference, 80)
+        rr.replay(prompt, reference, top, [oracle(), plain_spy], 8, request_id=0)
+        rr.replay(prompt, reference, full_top, [oracle(), prompt_spy], 8, request_id=1, prompt_rows=True)
+        (_, plain_first), (_, prompt_first) = plain_spy.steps[0], prompt_spy.steps[0]
+        assert [t for t, _ in prompt_first] == prompt[:-1] + [t for t, _ in plain_first]
+        assert prompt_first[len(prompt) - 1:] == plain_first
+        assert prompt_spy.steps[1:] == plain_spy.steps[1:]
