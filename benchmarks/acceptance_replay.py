@@ -32,6 +32,26 @@ from specdraft.sources import Context, Feedback
 from specdraft.tree import TokenTree
 
 
+def greedy_step(sources: Sequence[Any], context: Context, full: Sequence[int], max_tree_nodes: int) -> list[int]:
+    """One step at ``context`` of a greedy decode whose whole sequence is ``full``: every source
+    drafts (branches cut so the step never commits past the end), the decoder's own merge builds the
+    tree, and the walk along ``full`` gives what the verifier commits: the accepted path plus the
+    model's own next token."""
+    done, end = len(context.tokens), len(full)
+    depth_limit = end - done - 1
+    drafts = [s.propose(context, max_tree_nodes) for s in sources]
+    branches = [[list(b[:depth_limit]) for b in d.branches if b] if depth_limit > 0 else [] for d in drafts]
+    tree = TokenTree.from_drafts(context.root, branches, max_tree_nodes)
+    node, step = 0, []
+    while True:
+        token = full[done + len(step)]
+        step.append(token)
+        child = tree.child(node, token)
+        if child is None or done + len(step) >= end:
+            return step
+        node = child
+
+
 def replay(prompt: Sequence[int], reference: Sequence[int], sources: Sequence[Any], max_tree_nodes: int,
            request_id: int) -> list[int]:
     """Tokens committed per step when decoding ``reference`` after ``prompt`` with ``sources``."""
@@ -44,18 +64,7 @@ def replay(prompt: Sequence[int], reference: Sequence[int], sources: Sequence[An
     try:
         while len(committed) < end:
             context = Context(tuple(committed), len(prompt), request_id)
-            depth_limit = end - len(committed) - 1
-            drafts = [s.propose(context, max_tree_nodes) for s in sources]
-            branches = [[list(b[:depth_limit]) for b in d.branches if b] if depth_limit > 0 else [] for d in drafts]
-            tree = TokenTree.from_drafts(context.root, branches, max_tree_nodes)
-            node, step = 0, []
-            while True:
-                token = full[len(committed) + len(step)]
-                step.append(token)
-                child = tree.child(node, token)
-                if child is None or len(committed) + len(step) >= end:
-                    break
-                node = child
+            step = greedy_step(sources, context, full, max_tree_nodes)
             committed.extend(step)
             lengths.append(len(step))
             after = Context(tuple(committed), len(prompt), request_id)

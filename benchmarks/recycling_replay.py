@@ -44,11 +44,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from acceptance_replay import reference_outputs  # noqa: E402
+from acceptance_replay import greedy_step, reference_outputs  # noqa: E402
 from budget_replay import load_recordings  # noqa: E402
 
 from specdraft.sources import Context, Feedback  # noqa: E402
-from specdraft.tree import TokenTree  # noqa: E402
 
 
 @torch.inference_mode()
@@ -104,18 +103,7 @@ def replay(prompt: Sequence[int], reference: Sequence[int], top: np.ndarray, sou
             lengths.append(1)
         while len(committed) < end:
             context = Context(tuple(committed), start, request_id)
-            depth_limit = end - len(committed) - 1
-            drafts = [s.propose(context, max_tree_nodes) for s in sources]
-            branches = [[list(b[:depth_limit]) for b in d.branches if b] if depth_limit > 0 else [] for d in drafts]
-            tree = TokenTree.from_drafts(context.root, branches, max_tree_nodes)
-            node, step = 0, []
-            while True:
-                token = full[len(committed) + len(step)]
-                step.append(token)
-                child = tree.child(node, token)
-                if child is None or len(committed) + len(step) >= end:
-                    break
-                node = child
+            step = greedy_step(sources, context, full, max_tree_nodes)
             rows = pending + list(range(len(committed) - 1, len(committed) - 1 + len(step)))  # positions in ``full``
             pending = []
             row_tokens = np.array([full[j] for j in rows], dtype=np.int64)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
+import pytest
 
 from specdraft import Decoder
 from specdraft.sources import Context, Draft, Feedback, TokenRecycling
@@ -72,59 +73,64 @@ class Oracle(SourceBase[None]):
         return None
 
 
-def test_recorded_top_k_is_aligned_with_the_greedy_output() -> None:
-    model = tiny_model("llama")
-    with generation_config_override(model, eos_token_id=None):
-        for prompt in PROMPTS:
-            reference = reference_greedy(model, prompt, NEW)
-            top = rr.recorded_top_k(model, prompt, reference, K)
-            assert top.shape == (NEW, K)
-            assert top[:, 0].tolist() == reference  # row j's best next token is the greedy token j
+@pytest.fixture()
+def model() -> Iterator[Any]:
+    """The tiny float64 Llama, with no end-of-sequence token so every output has ``NEW`` tokens."""
+    tiny = tiny_model("llama")
+    with generation_config_override(tiny, eos_token_id=None):
+        yield tiny
 
 
-def test_replay_hands_sources_exactly_the_accepted_path_rows_of_the_real_step() -> None:
+def recorded(model: Any, prompt: list[int], prompt_rows: bool = False) -> tuple[list[int], np.ndarray]:
+    """The greedy reference of ``prompt`` and its recorded top-k."""
+    reference = reference_greedy(model, prompt, NEW)
+    return reference, rr.recorded_top_k(model, prompt, reference, K, prompt_rows)
+
+
+def test_recorded_top_k_is_aligned_with_the_greedy_output(model: Any) -> None:
+    for prompt in PROMPTS:
+        reference, top = recorded(model, prompt)
+        assert top.shape == (NEW, K)
+        assert top[:, 0].tolist() == reference  # row j's best next token is the greedy token j
+
+
+def test_replay_hands_sources_exactly_the_accepted_path_rows_of_the_real_step(model: Any) -> None:
     """An oracle drafts the same in both (it ignores top-k), so the steps coincide; a spy compares
     the rows the replay hands on with the rows the real decoder computed."""
-    model = tiny_model("llama")
-    with generation_config_override(model, eos_token_id=None):
-        for i, prompt in enumerate(PROMPTS):
-            reference = reference_greedy(model, prompt, NEW)
-            real_spy, replay_spy = RowSpy(), RowSpy()
-            real = Decoder(model, sources=[Oracle(prompt + reference, 80), real_spy], max_tree_nodes=8, adaptive_budget=False)
-            out = real.generate(prompt, max_new_tokens=NEW)
-            assert out.token_ids == reference
-            top = rr.recorded_top_k(model, prompt, reference, K)
-            lengths = rr.replay(prompt, reference, top, [Oracle(prompt + reference, 80), replay_spy], 8, request_id=i)
-            assert sum(lengths) == NEW and lengths[0] == 1  # step 0 is the prefill's token
-            assert lengths == out.stats.accept_lengths  # the same steps, committing the same tokens
-            assert [c for c, _ in replay_spy.steps] == [c for c, _ in real_spy.steps]
-            assert any(len(c) > 1 for c, _ in replay_spy.steps)  # some drafts were accepted
-            committed = list(prompt)
-            committed.append(reference[0])  # the prefill's token: observed by nobody
-            for n, ((step, replayed), (_, computed)) in enumerate(zip(replay_spy.steps, real_spy.steps)):
-                prefill_row = [prompt[-1]] if n == 0 else []  # delivered with the first tree step
-                assert [t for t, _ in replayed] == prefill_row + [committed[-1]] + step[:-1]  # root, accepted nodes
-                for row in replayed:
-                    assert row in computed  # the real step computed this row, with this top-k
-                if len(step) > 1:  # the tree had its wrong branches too: their rows stay out
-                    assert len(computed) > len(replayed)
-                committed += step
+    for i, prompt in enumerate(PROMPTS):
+        reference, top = recorded(model, prompt)
+        real_spy, replay_spy = RowSpy(), RowSpy()
+        real = Decoder(model, sources=[Oracle(prompt + reference, 80), real_spy], max_tree_nodes=8, adaptive_budget=False)
+        out = real.generate(prompt, max_new_tokens=NEW)
+        assert out.token_ids == reference
+        lengths = rr.replay(prompt, reference, top, [Oracle(prompt + reference, 80), replay_spy], 8, request_id=i)
+        assert sum(lengths) == NEW and lengths[0] == 1  # step 0 is the prefill's token
+        assert lengths == out.stats.accept_lengths  # the same steps, committing the same tokens
+        assert [c for c, _ in replay_spy.steps] == [c for c, _ in real_spy.steps]
+        assert any(len(c) > 1 for c, _ in replay_spy.steps)  # some drafts were accepted
+        committed = list(prompt)
+        committed.append(reference[0])  # the prefill's token: observed by nobody
+        for n, ((step, replayed), (_, computed)) in enumerate(zip(replay_spy.steps, real_spy.steps)):
+            prefill_row = [prompt[-1]] if n == 0 else []  # delivered with the first tree step
+            assert [t for t, _ in replayed] == prefill_row + [committed[-1]] + step[:-1]  # root, accepted nodes
+            for row in replayed:
+                assert row in computed  # the real step computed this row, with this top-k
+            if len(step) > 1:  # the tree had its wrong branches too: their rows stay out
+                assert len(computed) > len(replayed)
+            committed += step
 
 
-def test_token_recycling_learns_from_the_replay_and_drafts_the_recorded_candidates() -> None:
-    model = tiny_model("llama")
-    with generation_config_override(model, eos_token_id=None):
-        prompt = PROMPTS[0]
-        reference = reference_greedy(model, prompt, NEW)
-        top = rr.recorded_top_k(model, prompt, reference, K)
-        source = TokenRecycling(k=K, template="tr8")
-        rr.replay(prompt, reference, top, [source], 8, request_id=0)
-        full = prompt + reference
-        last_row = {}  # the last recorded top-k of every input token (later rows win)
-        for j in range(len(prompt) - 1, len(full) - 1):
-            last_row[full[j]] = top[j - (len(prompt) - 1)]
-        for token, row in last_row.items():
-            assert source.matrix[token].tolist() == row.tolist()
+def test_token_recycling_learns_from_the_replay_and_drafts_the_recorded_candidates(model: Any) -> None:
+    prompt = PROMPTS[0]
+    reference, top = recorded(model, prompt)
+    source = TokenRecycling(k=K, template="tr8")
+    rr.replay(prompt, reference, top, [source], 8, request_id=0)
+    full = prompt + reference
+    last_row = {}  # the last recorded top-k of every input token (later rows win)
+    for j in range(len(prompt) - 1, len(full) - 1):
+        last_row[full[j]] = top[j - (len(prompt) - 1)]
+    for token, row in last_row.items():
+        assert source.matrix[token].tolist() == row.tolist()
 
 
 def test_cost_ratio_interpolates_the_measured_curve_and_never_extrapolates(tmp_path: Path) -> None:
@@ -142,21 +148,19 @@ def test_cost_ratio_interpolates_the_measured_curve_and_never_extrapolates(tmp_p
     assert rr.cost_ratio(curve, 17) is None  # width 18 was never measured: no guess
 
 
-def test_recorded_top_k_is_cached_per_prompt_and_sequence(tmp_path: Path) -> None:
-    model = tiny_model("llama")
-    with generation_config_override(model, eos_token_id=None):
-        prompts = [{"id": str(i), "ids": p} for i, p in enumerate(PROMPTS)]
-        refs = {p["id"]: reference_greedy(model, p["ids"], NEW) for p in prompts}
-        cache = tmp_path / "top-k.npz"
-        first = rr.recorded_top_k_cached(model, prompts, refs, K, cache)
+def test_recorded_top_k_is_cached_per_prompt_and_sequence(model: Any, tmp_path: Path) -> None:
+    prompts = [{"id": str(i), "ids": p} for i, p in enumerate(PROMPTS)]
+    refs = {p["id"]: reference_greedy(model, p["ids"], NEW) for p in prompts}
+    cache = tmp_path / "top-k.npz"
+    first = rr.recorded_top_k_cached(model, prompts, refs, K, cache)
 
-        def no_forward(*args: Any, **kwargs: Any) -> Any:
-            raise AssertionError("a cached prompt ran a forward")
+    def no_forward(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a cached prompt ran a forward")
 
-        again = rr.recorded_top_k_cached(no_forward, prompts, refs, K, cache)
-        assert all(np.array_equal(first[k], again[k]) for k in first)
-        shorter = {k: v[:-1] for k, v in refs.items()}  # another reference: recorded anew
-        assert rr.recorded_top_k_cached(model, prompts, shorter, K, cache)["0"].shape == (NEW - 1, K)
+    again = rr.recorded_top_k_cached(no_forward, prompts, refs, K, cache)
+    assert all(np.array_equal(first[k], again[k]) for k in first)
+    shorter = {k: v[:-1] for k, v in refs.items()}  # another reference: recorded anew
+    assert rr.recorded_top_k_cached(model, prompts, shorter, K, cache)["0"].shape == (NEW - 1, K)
 
 
 def test_main_replays_a_bench_checkpoint_end_to_end(tiny_dir: Path, tmp_path: Path) -> None:
@@ -196,20 +200,17 @@ def test_main_replays_a_bench_checkpoint_end_to_end(tiny_dir: Path, tmp_path: Pa
     assert rr.main(argv) == 0  # from the cache
 
 
-def test_prompt_rows_hand_every_prompt_row_at_the_first_step_and_change_nothing_after() -> None:
-    model = tiny_model("llama")
-    with generation_config_override(model, eos_token_id=None):
-        prompt = PROMPTS[1]
-        reference = reference_greedy(model, prompt, NEW)
-        top = rr.recorded_top_k(model, prompt, reference, K)
-        full_top = rr.recorded_top_k(model, prompt, reference, K, prompt_rows=True)
-        assert full_top.shape == (len(prompt) - 1 + NEW, K)
-        assert np.array_equal(full_top[len(prompt) - 1:], top)  # the same forward, more rows kept
-        plain_spy, prompt_spy = RowSpy(), RowSpy()
-        oracle = lambda: Oracle(prompt + reference, 80)
-        rr.replay(prompt, reference, top, [oracle(), plain_spy], 8, request_id=0)
-        rr.replay(prompt, reference, full_top, [oracle(), prompt_spy], 8, request_id=1, prompt_rows=True)
-        (_, plain_first), (_, prompt_first) = plain_spy.steps[0], prompt_spy.steps[0]
-        assert [t for t, _ in prompt_first] == prompt[:-1] + [t for t, _ in plain_first]
-        assert prompt_first[len(prompt) - 1:] == plain_first
-        assert prompt_spy.steps[1:] == plain_spy.steps[1:]
+def test_prompt_rows_hand_every_prompt_row_at_the_first_step_and_change_nothing_after(model: Any) -> None:
+    prompt = PROMPTS[1]
+    reference, top = recorded(model, prompt)
+    _, full_top = recorded(model, prompt, prompt_rows=True)
+    assert full_top.shape == (len(prompt) - 1 + NEW, K)
+    assert np.array_equal(full_top[len(prompt) - 1:], top)  # the same forward, more rows kept
+    plain_spy, prompt_spy = RowSpy(), RowSpy()
+    rr.replay(prompt, reference, top, [Oracle(prompt + reference, 80), plain_spy], 8, request_id=0)
+    rr.replay(prompt, reference, full_top, [Oracle(prompt + reference, 80), prompt_spy], 8, request_id=1,
+              prompt_rows=True)
+    (_, plain_first), (_, prompt_first) = plain_spy.steps[0], prompt_spy.steps[0]
+    assert [t for t, _ in prompt_first] == prompt[:-1] + [t for t, _ in plain_first]
+    assert prompt_first[len(prompt) - 1:] == plain_first
+    assert prompt_spy.steps[1:] == plain_spy.steps[1:]
