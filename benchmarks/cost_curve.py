@@ -11,6 +11,7 @@ after each.
 
     python benchmarks/cost_curve.py                        # qwen2.5-coder-0.5b, float32
     python benchmarks/cost_curve.py --dtype bfloat16 --repeats 7 --out cost-bf16
+    python benchmarks/cost_curve.py --dtype bfloat16 --paths stock,fbgemm --out cost-bf16-fbgemm
 
 Writes ``curve.json``, ``curve.csv`` and ``curve.png`` (with matplotlib) under ``--out``.
 Use one thread (``--threads 1``, the default) for numbers comparable with single-stream decoding
@@ -69,8 +70,7 @@ def measure(model, paths: list[str], widths: list[int], cache_len: int, repeats:
 
     for path in paths:
         check_cpu_kernels(model, path)
-    packed = packed_model(model) if "packed" in paths else None
-    contexts = {"stock": nullcontext, "packed": (packed.swapped if packed is not None else None)}
+    contexts = {path: (nullcontext if path == "stock" else packed_model(model, path).swapped) for path in paths}
     vocab = int(model.config.vocab_size)
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, min(vocab, 30000), cache_len).tolist()

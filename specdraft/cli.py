@@ -121,8 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--attention", choices=["auto", "sdpa", "eager", "flash"], default="auto",
                      help="attention backend; flash = split+merge flash kernel (default: %(default)s)")
     gen.add_argument("--cpu-kernels", choices=list(CPU_KERNELS), default="stock",
-                     help="packed = linear layers on weights packed once for oneDNN (CPU, float32/bfloat16; "
-                          "a second copy of the weights in memory; see docs/cpu-fast-path.md) (default: %(default)s)")
+                     help="packed = linear layers on weights packed once for oneDNN (CPU, float32/bfloat16); "
+                          "fbgemm = FBGEMM's float16-weight kernel where float16 holds the weights exactly "
+                          "(bfloat16/float16 checkpoints; the fast bfloat16 path without AVX512); both keep a second "
+                          "copy of the weights in memory; see docs/cpu-fast-path.md (default: %(default)s)")
     samp = gen.add_argument_group("sampling (defaults come from the model's generation config)")
     samp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     samp.add_argument("--temperature", type=_positive_float, metavar="T")

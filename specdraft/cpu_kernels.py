@@ -1,4 +1,17 @@
-"""CPU kernels for the verification forward: linear layers with weights packed once for oneDNN.
+"""CPU kernels for the verification forward: linear layers with weights packed once.
+
+Two packed paths, chosen with ``Decoder(cpu_kernels=...)``:
+
+``"packed"``
+    oneDNN, float32 or bfloat16 weights in oneDNN's blocked layout (described below).
+``"fbgemm"``
+    FBGEMM's float16-weight GEMM, for models whose weights float16 holds exactly -- every
+    bfloat16 and float16 checkpoint, and float32 models loaded from one -- with float32
+    accumulation. On CPUs without AVX512-BF16 it is the only fast bfloat16 path: see
+    :mod:`specdraft.fp16_linear` for why it is exact and what it costs.
+
+Both are swapped in the same way (:class:`PackedModel`); the rest of this docstring says it for
+oneDNN.
 
 Why
     Speculation pays when a forward of ``k`` new tokens costs about what a one-token forward does.
@@ -21,7 +34,8 @@ What it changes, and what it does not
 
 Memory
     The packed weights are a second copy of every linear weight in the model's dtype (about the
-    size of the checkpoint: 2 GB for a 0.5B model in float32, 1 GB in bfloat16). It is made when
+    size of the checkpoint: 2 GB for a 0.5B model in float32, 1 GB in bfloat16; ``"fbgemm"``
+    keeps float16, 1 GB whatever the model's dtype). It is made when
     the decoder is built and freed by ``Decoder.close()`` or when the decoder is collected.
     Decoders over one model share one packed copy.
 
@@ -40,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -47,8 +62,10 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from .fp16_linear import FP16_INPUT_DTYPES, Fp16Linear, fbgemm_problem
+
 #: What ``Decoder(cpu_kernels=...)`` accepts.
-CPU_KERNELS = ("stock", "packed")
+CPU_KERNELS = ("stock", "packed", "fbgemm")
 
 #: Dtypes oneDNN's packed linear runs on every x86 CPU (float16 needs AVX512-FP16 or AVX-NE-CONVERT;
 #: float64 is not supported by oneDNN at all).
@@ -84,19 +101,31 @@ def packed_dtype_problem(dtype: torch.dtype) -> str | None:
 
 
 def check_cpu_kernels(model: Any, kernels: str) -> None:
-    """Raise a clear error when ``kernels`` is not a choice or cannot run for ``model``."""
+    """Raise a clear error when ``kernels`` is not a choice or cannot run for ``model`` here.
+    (Whether ``"fbgemm"`` can hold the weights exactly is known only once they are packed:
+    :class:`PackedModel` checks that.)"""
     if kernels not in CPU_KERNELS:
         raise ValueError(f"cpu_kernels must be one of {list(CPU_KERNELS)}, got {kernels!r}")
     if kernels == "stock":
         return
+    device = getattr(model, "device", torch.device("cpu"))
+    if torch.device(device).type != "cpu":
+        raise CpuKernelError(f"cpu_kernels={kernels!r} is for models on the CPU, this one is on {device}; "
+                             "use cpu_kernels='stock'")
+    dtypes = {m.weight.dtype for m in model.modules() if isinstance(m, nn.Linear)}
+    if kernels == "fbgemm":
+        problem = fbgemm_problem()
+        if problem is not None:
+            raise CpuKernelError(f"cpu_kernels='fbgemm' cannot run here ({problem}); use cpu_kernels='stock'")
+        bad = sorted(str(d).removeprefix("torch.") for d in dtypes if d not in FP16_INPUT_DTYPES)
+        if bad:
+            raise CpuKernelError(f"cpu_kernels='fbgemm' runs bfloat16, float16 and float32 models (it accumulates in "
+                                 f"float32, which would round a float64 model), this one has {bad}; "
+                                 "use cpu_kernels='stock'")
+        return
     if not packed_kernels_available():
         raise CpuKernelError(f"cpu_kernels='packed' needs torch built with oneDNN (torch.ops.mkldnn._linear_pointwise); "
                              f"torch {torch.__version__} here has none; use cpu_kernels='stock'")
-    device = getattr(model, "device", torch.device("cpu"))
-    if torch.device(device).type != "cpu":
-        raise CpuKernelError(f"cpu_kernels='packed' is for models on the CPU, this one is on {device}; "
-                             "use cpu_kernels='stock'")
-    dtypes = {m.weight.dtype for m in model.modules() if isinstance(m, nn.Linear)}
     bad = sorted(str(d).removeprefix("torch.") for d in dtypes if d not in PACKED_DTYPES)
     if bad:
         raise CpuKernelError(f"cpu_kernels='packed' supports float32 and bfloat16 weights (oneDNN has no float64, and "
@@ -105,8 +134,9 @@ def check_cpu_kernels(model: Any, kernels: str) -> None:
         problem = packed_dtype_problem(dtype)
         if problem is not None:
             name = str(dtype).removeprefix("torch.")
+            hint = ", or cpu_kernels='fbgemm'" if name == "bfloat16" and fbgemm_problem() is None else ""
             raise CpuKernelError(f"cpu_kernels='packed' cannot pack {name} weights on this CPU (oneDNN: {problem}); "
-                                 f"use cpu_kernels='stock'{', or float32 weights' if name != 'float32' else ''}")
+                                 f"use cpu_kernels='stock'{hint}{', or float32 weights' if name != 'float32' else ''}")
 
 
 class PackedLinear(nn.Module):
@@ -131,11 +161,13 @@ class PackedLinear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint)
         self._packed_version = (weight.data_ptr(), weight._version)
 
-    def refresh(self) -> None:
-        """Repack if the original weight was changed in place or replaced since packing."""
+    def refresh(self) -> bool:
+        """Repack if the original weight was changed in place or replaced since packing (always
+        possible for oneDNN: ``True``)."""
         weight = self.original.weight
         if (weight.data_ptr(), weight._version) != self._packed_version:
             self._pack()
+        return True
 
     @property
     def nbytes(self) -> int:
@@ -157,14 +189,42 @@ class PackedLinear(nn.Module):
 class PackedModel:
     """The packed stand-ins of every ``nn.Linear`` of one model, and the swap around a forward.
 
-    Build it with :func:`packed_model` (which shares one per model between decoders).
+    ``kind`` is ``"packed"`` (oneDNN, :class:`PackedLinear`) or ``"fbgemm"`` (float16 weights,
+    :class:`~specdraft.fp16_linear.Fp16Linear`). With ``"fbgemm"`` a layer whose weight float16
+    cannot hold exactly keeps its stock kernel: it is listed in :attr:`stock_layers` and named in
+    a warning; a model with no such layer at all is refused. Build it with :func:`packed_model`
+    (which shares one per model and kind between decoders).
     """
 
-    def __init__(self, model: nn.Module, batch_hint: int = BATCH_HINT) -> None:
+    def __init__(self, model: nn.Module, kind: str = "packed", batch_hint: int = BATCH_HINT) -> None:
+        if kind not in CPU_KERNELS or kind == "stock":
+            raise ValueError(f"kind must be one of {[k for k in CPU_KERNELS if k != 'stock']}, got {kind!r}")
+        self.kind = kind
         self._model = weakref.ref(model)
-        self.layers: dict[str, PackedLinear] = {
-            name: PackedLinear(module, batch_hint) for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and name}
+        if any(isinstance(module, (PackedLinear, Fp16Linear)) for module in model.modules()):
+            raise RuntimeError(f"cannot pack this model's weights while another decoder runs a forward of it on packed "
+                               f"kernels; decoders sharing one model across threads must use the same cpu_kernels "
+                               f"(this one: {kind!r})")
+        linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear) and name]
+        #: names of the linear layers left on the stock kernel (float16 cannot hold their weights)
+        self.stock_layers: list[str] = []
+        self.layers: dict[str, PackedLinear | Fp16Linear] = {}
+        for name, module in linears:
+            layer = PackedLinear(module, batch_hint) if kind == "packed" else Fp16Linear.build(module)
+            if layer is None:
+                self.stock_layers.append(name)
+            else:
+                self.layers[name] = layer
+        if linears and not self.layers:
+            raise CpuKernelError(
+                f"cpu_kernels={kind!r} needs weights that float16 holds exactly (bfloat16 or float16 checkpoints, or "
+                f"float32 loaded from one); none of the {len(linears)} linear layers of this model has such weights "
+                "(float32 weights with more than 11 significant bits); load it in bfloat16, or use cpu_kernels="
+                "'packed' or 'stock'")
+        if self.stock_layers:
+            warnings.warn(f"cpu_kernels={kind!r}: {len(self.stock_layers)} of {len(linears)} linear layers keep the "
+                          f"stock kernel, float16 cannot hold their weights exactly (e.g. {self.stock_layers[:3]})",
+                          RuntimeWarning, stacklevel=3)
         # (parent module, attribute name, packed layer), resolved once: the swap runs twice a forward
         self._slots = [(_parent(model, name), name.rpartition(".")[2], layer) for name, layer in self.layers.items()]
         self._depth = 0  # forwards in flight (threads): the first swaps in, the last swaps back
@@ -185,11 +245,18 @@ class PackedModel:
         with self._lock:
             if self._depth == 0:
                 moved = [child for parent, child, layer in self._slots if getattr(parent, child) is not layer.original]
+                if any(isinstance(getattr(parent, child), (PackedLinear, Fp16Linear)) for parent, child, _ in self._slots):
+                    raise RuntimeError(f"another decoder is running a forward of this model on other packed kernels "
+                                       f"right now; decoders sharing one model across threads must use the same "
+                                       f"cpu_kernels (this one: {self.kind!r})")
                 if moved:
                     raise RuntimeError(f"the model's linear layers changed since their weights were packed ({moved[:3]} "
                                        "replaced); build a new Decoder (or packed_model) for the changed model")
+                stale = [name for name, layer in self.layers.items() if not layer.refresh()]
+                if stale:
+                    raise CpuKernelError(f"the weights of {stale[:3]} changed since they were packed and float16 no "
+                                         f"longer holds them exactly; build a new Decoder with cpu_kernels='stock'")
                 for parent, child, layer in self._slots:
-                    layer.refresh()
                     setattr(parent, child, layer)
             self._depth += 1
         try:
@@ -202,18 +269,19 @@ class PackedModel:
                         setattr(parent, child, layer.original)
 
 
-_SHARED: "weakref.WeakValueDictionary[int, PackedModel]" = weakref.WeakValueDictionary()
+_SHARED: "weakref.WeakValueDictionary[tuple[int, str], PackedModel]" = weakref.WeakValueDictionary()
 _SHARED_LOCK = threading.Lock()
 
 
-def packed_model(model: nn.Module) -> PackedModel:
-    """The :class:`PackedModel` of ``model``: built on first use, shared by every decoder that
-    holds it (one packed copy per model), freed when the last holder lets it go."""
+def packed_model(model: nn.Module, kind: str = "packed") -> PackedModel:
+    """The :class:`PackedModel` of ``model`` for ``kind`` (``"packed"`` or ``"fbgemm"``): built on
+    first use, shared by every decoder that holds it (one packed copy per model and kind), freed
+    when the last holder lets it go."""
     with _SHARED_LOCK:
-        packed = _SHARED.get(id(model))
+        packed = _SHARED.get((id(model), kind))
         if packed is None or packed._model() is not model:  # none yet, or an id of a model since collected
-            packed = PackedModel(model)
-            _SHARED[id(model)] = packed
+            packed = PackedModel(model, kind)
+            _SHARED[(id(model), kind)] = packed
         return packed
 
 

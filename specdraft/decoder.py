@@ -81,9 +81,11 @@ class Decoder:
     implementation through transformers' public ``set_attn_implementation``.
     ``cpu_kernels="packed"`` runs the model's linear layers on weights packed once for oneDNN
     (float32 or bfloat16 on a CPU), which makes a forward of many tree tokens nearly as cheap as
-    a one-token one; it holds a second copy of the linear weights until :meth:`close` and may
-    round differently from stock kernels (see :mod:`specdraft.cpu_kernels`). The default
-    ``"stock"`` uses the model's own modules.
+    a one-token one; ``"fbgemm"`` runs them on FBGEMM's float16-weight kernel where float16 holds
+    the weights exactly (bfloat16 and float16 checkpoints: the fast bfloat16 path on CPUs without
+    AVX512-BF16). Both hold a second copy of the linear weights until :meth:`close` and may round
+    differently from stock kernels in the order of their additions (see
+    :mod:`specdraft.cpu_kernels`). The default ``"stock"`` uses the model's own modules.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, sources: Sequence[DraftSource] | None = None,
@@ -110,8 +112,8 @@ class Decoder:
         self.runner = ModelRunner(model)
         check_cpu_kernels(model, cpu_kernels)
         self.cpu_kernels = cpu_kernels
-        #: oneDNN-packed linear weights swapped in around each forward (``cpu_kernels="packed"``)
-        self._packed = packed_model(model) if cpu_kernels == "packed" else None
+        #: packed linear weights swapped in around each forward (``cpu_kernels="packed"`` or ``"fbgemm"``)
+        self._packed = packed_model(model, cpu_kernels) if cpu_kernels != "stock" else None
         # a source may say how many steps it needs before its drafts mean anything (Jacobi fills its
         # window first): the controller keeps the full budget that long before judging
         warmup = max([3] + [source_option(s, "warmup_steps") for s in self.sources])
@@ -145,7 +147,7 @@ class Decoder:
 
     def close(self) -> None:
         """Free what the decoder holds beyond the model: the packed weights of
-        ``cpu_kernels="packed"`` (once no other decoder over the model holds them). The decoder
+        ``cpu_kernels="packed"`` or ``"fbgemm"`` (once no other decoder over the model holds them). The decoder
         then runs on stock kernels."""
         self._packed = None
         self.cpu_kernels = "stock"

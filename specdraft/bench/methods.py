@@ -23,9 +23,10 @@ Names (``--methods``):
     methods by the ``plain`` run on the same kernels.
 
 Suffixes of our methods: ``@fixed`` switches the adaptive budget off; ``@packed`` runs the
-decoder with ``cpu_kernels="packed"`` (oneDNN-packed linear weights, see
-:mod:`specdraft.cpu_kernels`); both may be given (``default@fixed@packed``). ``baseline`` and
-``hf-prompt-lookup`` always run stock ``model.generate``.
+decoder with ``cpu_kernels="packed"`` (oneDNN-packed linear weights) and ``@fbgemm`` with
+``cpu_kernels="fbgemm"`` (exact float16 weights on FBGEMM; see :mod:`specdraft.cpu_kernels`);
+``@fixed`` and one kernel suffix may be given together (``default@fixed@packed``). ``baseline``
+and ``hf-prompt-lookup`` always run stock ``model.generate``.
 
 **State across prompts.** Each method object is built once per dataset and keeps its draft
 sources for the whole run, as a server would: a source that learns across requests (the
@@ -45,7 +46,7 @@ from typing import Any, Callable, Protocol, Sequence
 from ..compat import cache_keyword
 from .checkpoint import dumps_with_locks
 
-__all__ = ["BASELINE", "DEFAULT", "HF_PROMPT_LOOKUP", "PLAIN", "PACKED_SUFFIX", "plain_reference", "MethodError", "MethodResult", "Method", "PlainGenerate",
+__all__ = ["BASELINE", "DEFAULT", "HF_PROMPT_LOOKUP", "PLAIN", "PACKED_SUFFIX", "KERNEL_SUFFIXES", "plain_reference", "MethodError", "MethodResult", "Method", "PlainGenerate",
            "SpecdraftMethod", "build_method", "copy_sources", "build_methods", "default_method_names", "default_source_names",
            "parse_methods", "valid_method_names"]
 
@@ -151,7 +152,7 @@ def valid_method_names() -> str:
     sources = ", ".join(_sources())
     return (f"{BASELINE}, {HF_PROMPT_LOOKUP}, {DEFAULT}, {PLAIN}, or {PREFIX}<sources joined by +> "
             f"with sources from: {sources} (each NAME or NAME[key=value,...]); add {FIXED_SUFFIX} to one of ours to "
-            f"switch its adaptive budget off, {PACKED_SUFFIX} to run it on packed CPU kernels")
+            f"switch its adaptive budget off, {' or '.join(KERNEL_SUFFIXES)} to run it on packed CPU kernels")
 
 
 #: Suffix of a method name that turns the adaptive tree budget off (``default@fixed``,
@@ -159,36 +160,48 @@ def valid_method_names() -> str:
 FIXED_SUFFIX = "@fixed"
 #: Suffix of a method name that runs our decoder with ``cpu_kernels="packed"`` (``default@packed``).
 PACKED_SUFFIX = "@packed"
+#: Method-name suffix -> ``Decoder(cpu_kernels=...)``; without one, a method runs ``"stock"``.
+KERNEL_SUFFIXES = {PACKED_SUFFIX: "packed", "@fbgemm": "fbgemm"}
 
 
-def _split_suffixes(name: str) -> tuple[str, bool, bool]:
-    """``(base, fixed, packed)`` of a method name with its ``@fixed``/``@packed`` suffixes, in any order."""
+def _split_suffixes(name: str) -> tuple[str, bool, str]:
+    """``(base, fixed, cpu_kernels)`` of a method name with its ``@fixed`` and kernel suffixes, in
+    any order (``cpu_kernels`` is ``"stock"`` without a kernel suffix)."""
     name = name.strip()
-    fixed = packed = False
+    fixed, kernels = False, "stock"
     while True:
         if name.endswith(FIXED_SUFFIX) and not fixed:
             name, fixed = name[: -len(FIXED_SUFFIX)].strip(), True
-        elif name.endswith(PACKED_SUFFIX) and not packed:
-            name, packed = name[: -len(PACKED_SUFFIX)].strip(), True
-        else:
-            return name, fixed, packed
+            continue
+        suffix = next((s for s in KERNEL_SUFFIXES if name.endswith(s)), None)
+        if suffix is None:
+            return name, fixed, kernels
+        if kernels != "stock":
+            raise MethodError(f"method {name + _kernel_suffix(kernels)!r} names two CPU kernels; give at most one of "
+                              f"{list(KERNEL_SUFFIXES)}")
+        name, kernels = name[: -len(suffix)].strip(), KERNEL_SUFFIXES[suffix]
+
+
+def _kernel_suffix(kernels: str) -> str:
+    """The method-name suffix of ``cpu_kernels=kernels`` (empty for ``"stock"``)."""
+    return next((s for s, k in KERNEL_SUFFIXES.items() if k == kernels), "")
 
 
 def plain_reference(name: str) -> str:
-    """The ``plain`` method on the same kernels as our method ``name`` (``plain`` or ``plain@packed``)."""
-    return PLAIN + (PACKED_SUFFIX if _split_suffixes(name)[2] else "")
+    """The ``plain`` method on the same kernels as our method ``name`` (``plain``, ``plain@packed``, ...)."""
+    return PLAIN + _kernel_suffix(_split_suffixes(name)[2])
 
 
 def _canonical(name: str) -> str:
-    name, fixed, packed = _split_suffixes(name)
-    if fixed or packed:
+    name, fixed, kernels = _split_suffixes(name)
+    if fixed or kernels != "stock":
         base = _canonical(name)
-        for flag, suffix in ((fixed, FIXED_SUFFIX), (packed, PACKED_SUFFIX)):
+        for flag, suffix in ((fixed, FIXED_SUFFIX), (kernels != "stock", _kernel_suffix(kernels))):
             if flag and base in (BASELINE, HF_PROMPT_LOOKUP):
                 raise MethodError(f"{suffix} applies to our decoder's methods, not to {base!r}")
         if fixed and base == PLAIN:
             raise MethodError(f"{FIXED_SUFFIX} means nothing for {PLAIN!r}, which checks no drafts")
-        return base + (FIXED_SUFFIX if fixed else "") + (PACKED_SUFFIX if packed else "")
+        return base + (FIXED_SUFFIX if fixed else "") + _kernel_suffix(kernels)
     if name in (BASELINE, HF_PROMPT_LOOKUP, DEFAULT, PLAIN):
         return name
     from specdraft.source_spec import SourceSpecError, parse_source_spec, split_top_level
@@ -406,9 +419,8 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32
                              f"model.generate(do_sample=False, prompt_lookup_num_tokens={HF_PROMPT_LOOKUP_TOKENS})")
     from specdraft.source_spec import split_top_level
 
-    base, fixed, packed = _split_suffixes(name)
-    kernels = "packed" if packed else "stock"
-    suffix = (FIXED_SUFFIX if fixed else "") + (PACKED_SUFFIX if packed else "")
+    base, fixed, kernels = _split_suffixes(name)
+    suffix = (FIXED_SUFFIX if fixed else "") + _kernel_suffix(kernels)
     if base == PLAIN:
         return SpecdraftMethod(PLAIN + suffix, model, tokenizer, [], 0, adaptive_budget=True, cpu_kernels=kernels)
     if base == DEFAULT:

@@ -1,0 +1,157 @@
+"""A linear layer on FBGEMM's float16-weight GEMM, used only where float16 holds the weights exactly.
+
+Why
+    On an x86 CPU without AVX512-BF16, a bfloat16 ``nn.Linear`` has no fast kernel: measured on a
+    2-core AMD EPYC (AVX2) with Qwen2.5-0.5B, one token costs 155 ms and 16 tokens 1.6 s -- every
+    row of a tree forward costs a whole extra step, so speculation cannot pay. FBGEMM (in every
+    x86 PyTorch wheel, behind ``torch.ops.quantized.linear_dynamic_fp16``) keeps the weight as
+    float16 packed once for its small-batch kernel, converts it to float32 in registers and
+    accumulates in float32: reading half the bytes of float32 and streaming the weight once per
+    block of up to six rows, so one to six rows cost about the same.
+
+Why it is exact
+    A bfloat16 (or float16) weight has 8 (11) significant bits, float16 has 11: every such weight
+    whose exponent fits float16's range is a float16 number, and converting it loses nothing.
+    Where a row of the weight does not fit (values above 65504, or so small that float16 would
+    round them), the row is multiplied by a power of two that brings its largest value to
+    ``[2**14, 2**15)`` -- exact in binary floating point -- and the row's outputs are multiplied
+    back by the inverse power of two (also exact: scaling by a power of two commutes with
+    rounding). The inputs go to float32 (exact from bfloat16 and float16), the products of an
+    8-bit and an 11-bit significand are exact in float32, and the sums are float32 as in the
+    stock kernels. What remains is the order of the additions, which differs between any two
+    GEMM kernels (and between a one-row and a many-row call of the same one): the same kind of
+    difference as ``cpu_kernels="packed"``. Every weight is checked once, when it is packed, by
+    unpacking what FBGEMM stored and comparing it with the (scaled) original bit for bit; a layer
+    that cannot be stored exactly is reported and not converted (:func:`exact_fp16_weight`).
+
+This module knows nothing of models or decoders: :mod:`specdraft.cpu_kernels` builds one
+:class:`Fp16Linear` per eligible ``nn.Linear`` and swaps them in around a forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+#: Activation dtypes whose values float32 holds exactly (float64 inputs would be rounded).
+FP16_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: A scaled row's largest magnitude lands in ``[2**(TOP_EXPONENT - 1), 2**TOP_EXPONENT)``: as far
+#: from float16's smallest steps (2**-24) as its largest finite value (65504) allows.
+TOP_EXPONENT = 15
+
+
+@functools.lru_cache(maxsize=None)
+def fbgemm_problem() -> str | None:
+    """Why FBGEMM's float16-weight linear cannot run here (``None``: it can). Needs a torch build
+    with FBGEMM (the x86 wheels) and a CPU it supports (AVX2 or later); only the op itself knows,
+    so a tiny weight is packed and run once and the answer kept."""
+    quantized = getattr(torch.ops, "quantized", None)
+    if quantized is None or not hasattr(quantized, "linear_prepack_fp16") \
+            or not hasattr(quantized, "linear_dynamic_fp16"):
+        return f"torch {torch.__version__} has no quantized::linear_dynamic_fp16 op"
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return (f"torch {torch.__version__} on this machine has no FBGEMM engine "
+                f"(engines: {torch.backends.quantized.supported_engines}; FBGEMM needs an x86 CPU with AVX2)")
+    try:
+        packed = torch.ops.quantized.linear_prepack_fp16(torch.eye(8), None)
+        out = torch.ops.quantized.linear_dynamic_fp16(torch.ones(1, 8), packed)
+    except RuntimeError as exc:
+        return str(exc).strip().splitlines()[0]
+    if not torch.equal(out, torch.ones(1, 8)):
+        return f"FBGEMM's float16 linear computed {out.tolist()} for an identity layer"
+    return None
+
+
+def _is_fp16_exact(weight: torch.Tensor) -> torch.Tensor:
+    """Per row: does float16 hold every value of this float32 weight exactly?"""
+    return (weight.to(torch.float16).to(torch.float32) == weight).all(dim=1)
+
+
+def exact_fp16_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(w, row_scale)`` with ``w`` a float32 weight every value of which float16 holds exactly
+    and ``w == weight * row_scale[:, None]`` exactly (``row_scale`` powers of two, ``None`` when no
+    row needs one); ``None`` when no such scaling exists (a row spanning more than float16's
+    ~40 binades, non-finite values, or a dtype float32 does not hold exactly)."""
+    if weight.dtype not in FP16_INPUT_DTYPES:
+        return None
+    w = weight.detach().to(torch.float32)
+    if not bool(torch.isfinite(w).all()):
+        return None
+    if bool(_is_fp16_exact(w).all()):
+        return w, None
+    # per-row power of two bringing each row's largest magnitude to [2**14, 2**15)
+    _, exponent = torch.frexp(w.abs().amax(dim=1))  # max = m * 2**exponent, m in [0.5, 1)
+    shift = torch.where(w.abs().amax(dim=1) > 0, TOP_EXPONENT - exponent, torch.zeros_like(exponent))
+    row_scale = torch.ldexp(torch.ones_like(w[:, 0]), shift.clamp(-120, 120))
+    scaled = w * row_scale[:, None]
+    if not bool(_is_fp16_exact(scaled).all()) or not torch.equal(scaled / row_scale[:, None], w):
+        return None
+    return scaled, row_scale
+
+
+class Fp16Linear(nn.Module):
+    """A stand-in for one ``nn.Linear`` during a forward: the same weight as exact float16, packed
+    for FBGEMM. Build it with :meth:`build`, which returns ``None`` for a weight float16 cannot
+    hold exactly. The original module is kept outside torch's module tree; inputs the kernel must
+    not take (float64, another dtype than the weight's, a tensor that needs gradients) go to it."""
+
+    def __init__(self, linear: nn.Linear, weight: torch.Tensor, row_scale: torch.Tensor | None) -> None:
+        super().__init__()
+        self.__dict__["original"] = linear  # not a registered submodule on purpose
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self._pack(weight, row_scale)
+
+    @classmethod
+    def build(cls, linear: nn.Linear) -> "Fp16Linear | None":
+        """The packed stand-in of ``linear``, or ``None`` where float16 cannot hold its weight
+        exactly (the caller keeps the stock layer there)."""
+        exact = exact_fp16_weight(linear.weight)
+        return None if exact is None else cls(linear, *exact)
+
+    def _pack(self, weight: torch.Tensor, row_scale: torch.Tensor | None) -> None:
+        bias = self.original.bias
+        bias32 = None if bias is None else bias.detach().to(torch.float32)
+        if bias32 is not None and row_scale is not None:
+            bias32 = bias32 * row_scale  # exact: a power of two per output
+        with torch.no_grad():
+            self.packed = torch.ops.quantized.linear_prepack_fp16(weight, bias32)
+            stored, _ = torch.ops.quantized.linear_unpack_fp16(self.packed)
+        if not torch.equal(stored.to(torch.float32), weight):  # what FBGEMM kept, bit for bit
+            raise RuntimeError(f"FBGEMM stored a {tuple(weight.shape)} weight inexactly although float16 holds it; "
+                               "use cpu_kernels='stock'")
+        #: per-output power of two that undoes the row scaling (None: no row was scaled)
+        self.inverse_scale = None if row_scale is None else (1.0 / row_scale)
+        original = self.original.weight
+        self._packed_version = (original.data_ptr(), original._version)
+
+    def refresh(self) -> bool:
+        """Repack if the original weight was changed in place or replaced since packing; ``False``
+        when the new weight is no longer exact in float16 (the caller must then stop using this)."""
+        original = self.original.weight
+        if (original.data_ptr(), original._version) == self._packed_version:
+            return True
+        exact = exact_fp16_weight(original)
+        if exact is None:
+            return False
+        self._pack(*exact)
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed float16 copy (what this layer adds to the model's memory)."""
+        return self.out_features * self.in_features * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.original.weight
+        if x.dtype != weight.dtype or x.dtype not in FP16_INPUT_DTYPES or x.device.type != "cpu" or \
+                (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+            return self.original(x)
+        flat = x.reshape(-1, self.in_features).to(torch.float32)
+        out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)
+        if self.inverse_scale is not None:
+            out.mul_(self.inverse_scale)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
