@@ -6,8 +6,9 @@ Two packed paths, chosen with ``Decoder(cpu_kernels=...)``:
     oneDNN, float32 or bfloat16 weights in oneDNN's blocked layout (described below).
 ``"fbgemm"``
     FBGEMM's float16-weight GEMM, for models whose weights float16 holds exactly -- every
-    bfloat16 and float16 checkpoint, and float32 models loaded from one -- with float32
-    accumulation. On CPUs without AVX512-BF16 it is the only fast bfloat16 path: see
+    bfloat16 and float16 checkpoint, and float32 models loaded from one; float32 weights with up
+    to ~22 significant bits (dequantized 8-bit GGUF files) as the sum of two float16 numbers --
+    with float32 accumulation. On CPUs without AVX512-BF16 it is the only fast bfloat16 path: see
     :mod:`specdraft.fp16_linear` for why it is exact and what it costs.
 
 Both are swapped in the same way (:class:`PackedModel`); the rest of this docstring says it for
@@ -217,10 +218,10 @@ class PackedModel:
                 self.layers[name] = layer
         if linears and not self.layers:
             raise CpuKernelError(
-                f"cpu_kernels={kind!r} needs weights that float16 holds exactly (bfloat16 or float16 checkpoints, or "
-                f"float32 loaded from one); none of the {len(linears)} linear layers of this model has such weights "
-                "(float32 weights with more than 11 significant bits); load it in bfloat16, or use cpu_kernels="
-                "'packed' or 'stock'")
+                f"cpu_kernels={kind!r} needs weights that float16 holds exactly, alone or as a sum of two (bfloat16 "
+                f"or float16 checkpoints, float32 loaded from one or dequantized from 8-bit weights); none of the "
+                f"{len(linears)} linear layers of this model has such weights (float32 with more significant bits); "
+                "load it in bfloat16, or use cpu_kernels='packed' or 'stock'")
         if self.stock_layers:
             warnings.warn(f"cpu_kernels={kind!r}: {len(self.stock_layers)} of {len(linears)} linear layers keep the "
                           f"stock kernel, float16 cannot hold their weights exactly (e.g. {self.stock_layers[:3]})",

@@ -16,13 +16,17 @@ Why it is exact
     round them), the row is multiplied by a power of two that brings its largest value to
     ``[2**14, 2**15)`` -- exact in binary floating point -- and the row's outputs are multiplied
     back by the inverse power of two (also exact: scaling by a power of two commutes with
-    rounding). The inputs go to float32 (exact from bfloat16 and float16), the products of an
-    8-bit and an 11-bit significand are exact in float32, and the sums are float32 as in the
-    stock kernels. What remains is the order of the additions, which differs between any two
-    GEMM kernels (and between a one-row and a many-row call of the same one): the same kind of
-    difference as ``cpu_kernels="packed"``. Every weight is checked once, when it is packed, by
-    unpacking what FBGEMM stored and comparing it with the (scaled) original bit for bit; a layer
-    that cannot be stored exactly is reported and not converted (:func:`exact_fp16_weight`).
+    rounding). A float32 weight with up to ~22 significant bits (what dequantizing an 8-bit GGUF
+    file gives) is the exact sum of two float16 numbers ``hi + lo``; the layer then packs
+    ``[hi | lo]`` and feeds ``[x | x]``, one GEMM over twice the inner length whose exact value is
+    ``x @ W.T`` (4 bytes per weight, as float32). The inputs go to float32 (exact from bfloat16
+    and float16), every product is formed in float32 by fused multiply-adds, and the sums are
+    float32 as in the stock kernels. What remains is the order of the additions, which differs
+    between any two GEMM kernels (and between a one-row and a many-row call of the same one): the
+    same kind of difference as ``cpu_kernels="packed"``. Every weight is checked once, when it
+    is packed, by unpacking what FBGEMM stored and comparing it with the (scaled, split) original
+    bit for bit; a layer that cannot be stored exactly is reported and not converted
+    (:func:`exact_fp16_weight`).
 
 This module knows nothing of models or decoders: :mod:`specdraft.cpu_kernels` builds one
 :class:`Fp16Linear` per eligible ``nn.Linear`` and swaps them in around a forward.
@@ -70,26 +74,44 @@ def _is_fp16_exact(weight: torch.Tensor) -> torch.Tensor:
     return (weight.to(torch.float16).to(torch.float32) == weight).all(dim=1)
 
 
-def exact_fp16_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """``(w, row_scale)`` with ``w`` a float32 weight every value of which float16 holds exactly
-    and ``w == weight * row_scale[:, None]`` exactly (``row_scale`` powers of two, ``None`` when no
-    row needs one); ``None`` when no such scaling exists (a row spanning more than float16's
-    ~40 binades, non-finite values, or a dtype float32 does not hold exactly)."""
+def exact_fp16_weight(weight: torch.Tensor, max_terms: int = 2) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+    """``(w, row_scale, terms)``: a float32 matrix every value of which float16 holds exactly, with
+
+    * ``terms == 1``: ``w == weight * row_scale[:, None]``;
+    * ``terms == 2``: ``w == [hi | lo]`` (``[out, 2 * in]``) with ``hi + lo == weight * row_scale[:, None]``
+      -- a weight with up to ~22 significant bits (float32 dequantized from an 8-bit GGUF, say)
+      as the sum of two float16 numbers, so that ``[x | x] @ w.T`` is ``x @ weight.T`` summed in
+      another order;
+
+    exactly, bit for bit. ``row_scale`` holds powers of two (``None`` when no row needs one).
+    ``None`` when neither fits in ``max_terms`` (a row spanning more than float16's ~40 binades,
+    non-finite values, more bits than two float16 numbers hold, or a dtype float32 does not hold
+    exactly).
+    """
     if weight.dtype not in FP16_INPUT_DTYPES:
         return None
     w = weight.detach().to(torch.float32)
     if not bool(torch.isfinite(w).all()):
         return None
     if bool(_is_fp16_exact(w).all()):
-        return w, None
+        return w, None, 1
     # per-row power of two bringing each row's largest magnitude to [2**14, 2**15)
-    _, exponent = torch.frexp(w.abs().amax(dim=1))  # max = m * 2**exponent, m in [0.5, 1)
-    shift = torch.where(w.abs().amax(dim=1) > 0, TOP_EXPONENT - exponent, torch.zeros_like(exponent))
-    row_scale = torch.ldexp(torch.ones_like(w[:, 0]), shift.clamp(-120, 120))
+    top = w.abs().amax(dim=1)
+    _, exponent = torch.frexp(top)  # top = m * 2**exponent, m in [0.5, 1)
+    shift = torch.where(top > 0, TOP_EXPONENT - exponent, torch.zeros_like(exponent))
+    row_scale = torch.ldexp(torch.ones_like(top), shift.clamp(-120, 120))
     scaled = w * row_scale[:, None]
-    if not bool(_is_fp16_exact(scaled).all()) or not torch.equal(scaled / row_scale[:, None], w):
+    if not torch.equal(scaled / row_scale[:, None], w):  # an overflow or underflow: not exact
         return None
-    return scaled, row_scale
+    if bool(_is_fp16_exact(scaled).all()):
+        return scaled, row_scale, 1
+    if max_terms < 2:
+        return None
+    hi = scaled.to(torch.float16).to(torch.float32)
+    lo = scaled - hi  # exact: the bits of scaled below hi's last one
+    if not bool(_is_fp16_exact(lo).all()) or not torch.equal(hi + lo, scaled):
+        return None
+    return torch.cat([hi, lo], dim=1), row_scale, 2
 
 
 class Fp16Linear(nn.Module):
@@ -98,12 +120,12 @@ class Fp16Linear(nn.Module):
     hold exactly. The original module is kept outside torch's module tree; inputs the kernel must
     not take (float64, another dtype than the weight's, a tensor that needs gradients) go to it."""
 
-    def __init__(self, linear: nn.Linear, weight: torch.Tensor, row_scale: torch.Tensor | None) -> None:
+    def __init__(self, linear: nn.Linear, weight: torch.Tensor, row_scale: torch.Tensor | None, terms: int) -> None:
         super().__init__()
         self.__dict__["original"] = linear  # not a registered submodule on purpose
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self._pack(weight, row_scale)
+        self._pack(weight, row_scale, terms)
 
     @classmethod
     def build(cls, linear: nn.Linear) -> "Fp16Linear | None":
@@ -112,7 +134,7 @@ class Fp16Linear(nn.Module):
         exact = exact_fp16_weight(linear.weight)
         return None if exact is None else cls(linear, *exact)
 
-    def _pack(self, weight: torch.Tensor, row_scale: torch.Tensor | None) -> None:
+    def _pack(self, weight: torch.Tensor, row_scale: torch.Tensor | None, terms: int) -> None:
         bias = self.original.bias
         bias32 = None if bias is None else bias.detach().to(torch.float32)
         if bias32 is not None and row_scale is not None:
@@ -125,6 +147,8 @@ class Fp16Linear(nn.Module):
                                "use cpu_kernels='stock'")
         #: per-output power of two that undoes the row scaling (None: no row was scaled)
         self.inverse_scale = None if row_scale is None else (1.0 / row_scale)
+        #: float16 numbers summed per weight (2: the input goes in twice, ``[x | x]``)
+        self.terms = terms
         original = self.original.weight
         self._packed_version = (original.data_ptr(), original._version)
 
@@ -143,7 +167,7 @@ class Fp16Linear(nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes of the packed float16 copy (what this layer adds to the model's memory)."""
-        return self.out_features * self.in_features * 2
+        return self.out_features * self.in_features * 2 * self.terms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.original.weight
@@ -151,6 +175,8 @@ class Fp16Linear(nn.Module):
                 (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
             return self.original(x)
         flat = x.reshape(-1, self.in_features).to(torch.float32)
+        if self.terms == 2:
+            flat = torch.cat([flat, flat], dim=1)
         out = torch.ops.quantized.linear_dynamic_fp16(flat, self.packed)
         if self.inverse_scale is not None:
             out.mul_(self.inverse_scale)

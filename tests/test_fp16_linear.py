@@ -39,25 +39,48 @@ def _bf16_weight(rows: int, cols: int, seed: int) -> torch.Tensor:
     return w
 
 
+#: A float32 value with 24 significant bits, alternating: more than two float16 numbers hold.
+DENSE_BITS = 1.0 + sum(2.0 ** -i for i in range(1, 24, 2))
+
+
 def test_exact_weights_need_no_scaling() -> None:
     w = torch.randn(16, 8).to(torch.float16).to(torch.float32)
-    scaled, row_scale = exact_fp16_weight(w)
-    assert row_scale is None and torch.equal(scaled, w)
+    scaled, row_scale, terms = exact_fp16_weight(w)
+    assert row_scale is None and terms == 1 and torch.equal(scaled, w)
 
 
 def test_awkward_bfloat16_rows_are_scaled_by_powers_of_two_exactly() -> None:
     w = _bf16_weight(12, 40, seed=1)
-    scaled, row_scale = exact_fp16_weight(w)
-    assert row_scale is not None
+    scaled, row_scale, terms = exact_fp16_weight(w)
+    assert row_scale is not None and terms == 1
     mantissa, _ = torch.frexp(row_scale)
     assert torch.all(mantissa == 0.5)  # powers of two
     assert torch.equal(scaled.to(torch.float16).to(torch.float32), scaled)  # float16 holds it
     assert torch.equal(scaled / row_scale[:, None], w.to(torch.float32))  # and it is the weight
 
 
+def _dequantized_weight(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """What an 8-bit GGUF block dequantizes to in float32: an int8 times a float16 scale per block
+    of 32 (up to 18 significant bits: more than float16 holds, less than two of them)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (rows, cols), generator=g).to(torch.float32)
+    scale = (torch.rand(rows, (cols + 31) // 32, generator=g) * 1e-3 + 1e-4).to(torch.float16).to(torch.float32)
+    return q * scale.repeat_interleave(32, dim=1)[:, :cols]
+
+
+def test_float32_with_more_bits_is_split_into_two_float16_terms_exactly() -> None:
+    w = _dequantized_weight(10, 64, seed=3)
+    assert exact_fp16_weight(w, max_terms=1) is None  # float16 alone cannot hold it
+    packed, row_scale, terms = exact_fp16_weight(w)
+    assert terms == 2 and packed.shape == (10, 128)
+    hi, lo = packed[:, :64], packed[:, 64:]
+    assert torch.equal(packed.to(torch.float16).to(torch.float32), packed)
+    assert torch.equal((hi + lo) / row_scale[:, None], w)
+
+
 @pytest.mark.parametrize("weight, why", [
-    (torch.full((2, 3), 1.0 + 2.0 ** -12), "13 significant bits: more than float16's 11"),
-    (torch.tensor([[1.0, 2.0 ** -40]]), "a row spanning 40 binades"),
+    (torch.full((2, 3), DENSE_BITS), "24 significant bits: more than two float16 numbers hold"),
+    (torch.tensor([[1.0, 2.0 ** -50]]), "a row spanning 50 binades"),
     (torch.tensor([[1.0, float("inf")]]), "not finite"),
     (torch.ones(2, 2, dtype=torch.float64), "float64 inputs would be rounded to float32"),
 ])
@@ -65,20 +88,24 @@ def test_weights_float16_cannot_hold_are_refused(weight: torch.Tensor, why: str)
     assert exact_fp16_weight(weight) is None, why
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype, weights", [(torch.bfloat16, "bf16"), (torch.float16, "fp16"),
+                                            (torch.float32, "bf16"), (torch.float32, "dequantized")])
 @settings(FAST, max_examples=20)
 @given(rows=st.integers(1, 40), seed=st.integers(0, 10_000), bias=st.booleans())
-def test_layer_matches_stock_up_to_summation_order(dtype: torch.dtype, rows: int, seed: int, bias: bool) -> None:
+def test_layer_matches_stock_up_to_summation_order(dtype: torch.dtype, weights: str, rows: int, seed: int,
+                                                   bias: bool) -> None:
     torch.manual_seed(seed)
     linear = nn.Linear(40, 12, bias=bias)
     with torch.no_grad():
-        linear.weight.copy_(_bf16_weight(12, 40, seed).to(torch.float32) if dtype != torch.float16
-                            else linear.weight.to(torch.float16).to(torch.float32))
+        linear.weight.copy_({"bf16": lambda: _bf16_weight(12, 40, seed).to(torch.float32),
+                             "fp16": lambda: linear.weight.to(torch.float16).to(torch.float32),
+                             "dequantized": lambda: _dequantized_weight(12, 40, seed)}[weights]())
     linear = linear.to(dtype)
     layer = Fp16Linear.build(linear)
-    assert layer is not None
+    assert layer is not None and layer.terms == (2 if weights == "dequantized" else 1)
     stored, _ = torch.ops.quantized.linear_unpack_fp16(layer.packed)
-    assert torch.equal(stored * (layer.inverse_scale[:, None] if layer.inverse_scale is not None else 1),
+    summed = stored[:, :40] + stored[:, 40:] if layer.terms == 2 else stored
+    assert torch.equal(summed * (layer.inverse_scale[:, None] if layer.inverse_scale is not None else 1),
                        linear.weight.to(torch.float32))
     x = torch.randn(1, rows, 40).to(dtype)
     with torch.inference_mode():
@@ -115,7 +142,7 @@ def test_a_model_float16_cannot_hold_is_refused_by_name() -> None:
 def test_layers_float16_cannot_hold_keep_the_stock_kernel_and_are_named() -> None:
     model = copy.deepcopy(tiny_model("qwen2")).to(torch.bfloat16).to(torch.float32)  # a bf16 checkpoint in fp32
     with torch.no_grad():
-        model.lm_head.weight[0, 0] += 2.0 ** -20  # lm_head (tied) gets a value with too many bits
+        model.lm_head.weight[0, 0] = DENSE_BITS * 2.0 ** -7  # lm_head (tied) gets a value with too many bits
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         packed = packed_model(model, "fbgemm")
@@ -133,7 +160,7 @@ def test_weights_no_longer_exact_after_a_change_are_refused() -> None:
     model = copy.deepcopy(tiny_model("llama")).to(torch.bfloat16).to(torch.float32)
     packed = packed_model(model, "fbgemm")
     with torch.no_grad():
-        model.model.layers[0].mlp.up_proj.weight.add_(1e-7)  # float32 noise: no longer a float16 value
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = DENSE_BITS  # more bits than two float16 numbers hold
     with pytest.raises(CpuKernelError, match="float16 no longer holds them exactly"):
         with packed.swapped():
             pass
