@@ -11,6 +11,7 @@ import pytest
 
 from specdraft import cli
 from specdraft.cli import SOURCES, UsageError, main, parse_source_names
+from specdraft.fp16_linear import fbgemm_problem
 from specdraft.sources.registry import DEFAULT_SOURCES
 
 
@@ -162,6 +163,19 @@ def test_generate_with_packed_cpu_kernels(capsys, tiny_dir: Path) -> None:
     assert json.loads(out.strip())["compare"]["identical"] is True
     code, _, err = run(capsys, "generate", "--model", str(tiny_dir), "--prompt", "a", "--cpu-kernels", "fast")
     assert code == 2 and "'fast'" in err and "packed" in err
+
+
+@pytest.mark.skipif(fbgemm_problem() is not None, reason=f"FBGEMM cannot run here: {fbgemm_problem()}")
+def test_generate_with_fbgemm_cpu_kernels(capsys, tiny_dir: Path) -> None:
+    """bfloat16 weights are float16 numbers: the FBGEMM path runs; the tiny float32 checkpoint's
+    random weights are not, and the refusal says what would work (exit 2, no traceback)."""
+    code, out, err = run(capsys, "generate", "--model", str(tiny_dir), "--prompt", "a b c d a b c d a b",
+                         "--max-new-tokens", "12", "--dtype", "bfloat16", "--cpu-kernels", "fbgemm", "--json", "-q")
+    assert code == 0, err
+    assert 1 <= json.loads(out.strip())["new_tokens"] <= 12
+    code, _, err = run(capsys, "generate", "--model", str(tiny_dir), "--prompt", "a", "--dtype", "float32",
+                       "--cpu-kernels", "fbgemm")
+    assert code == 2 and "float16 holds exactly" in err and "bfloat16" in err and "Traceback" not in err
 
 
 def test_generate_text_chat_and_sampling_on_tiny_model(capsys, tiny_dir: Path) -> None:
