@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import pytest
+import torch
 
 from specdraft.budget import AdaptiveBudget, FixedBudget
 from specdraft import cli
@@ -22,6 +23,8 @@ from specdraft.bench.methods import (BASELINE, DEFAULT, HF_PROMPT_LOOKUP, Method
                                      SpecdraftMethod, build_method, default_method_names, parse_methods)
 from specdraft.bench.report import markdown_report, markdown_table, speed_ratio, summarize
 from specdraft.bench.runner import PromptRun, first_difference, run_benchmark
+
+from conftest import reference_greedy
 
 
 # offline_cache: no test here may reach the hub or write to the real user cache (see conftest.py)
@@ -231,6 +234,22 @@ def test_injected_mismatch_is_reported_with_position_and_margin(tiny, prompt_fil
     report = markdown_report([summary], {"model": "tiny", "repeats": 1})
     assert "`wrong` on prompt 'q0': position 3" in report and "margin" in report
     assert "| `wrong` |" in markdown_table(summary) and "0/3" in markdown_table(summary)
+
+
+def test_margins_of_several_positions_come_from_one_forward_and_match_one_each(tiny, prompt_file: Path) -> None:
+    """The report computes every method's margin on a prompt from one forward; each row must be
+    what a forward of ``prompt + baseline[:position]`` alone gives (causal attention)."""
+    from specdraft.bench.runner import baseline_rows, logit_margin
+
+    model, _ = tiny
+    prompt = records(tiny, prompt_file)[0]
+    ref = reference_greedy(model, prompt.token_ids, 8)
+    rows = baseline_rows(model, prompt.token_ids, ref, [1, 4, 7])
+    for position in (1, 4, 7):
+        alone = baseline_rows(model, prompt.token_ids, ref, [position])[position]
+        assert torch.allclose(rows[position], alone, rtol=1e-6, atol=1e-6)
+        info = logit_margin(model, prompt.token_ids, ref, position, method_token=0)
+        assert info["top1_token"] == ref[position] == int(rows[position].argmax())
 
 
 def test_speed_ratio_uses_tokens_per_second_when_lengths_differ() -> None:

@@ -46,24 +46,29 @@ def test_greedy_identity_on_default_model(model_and_tokenizer, prompt):
     assert out.stats.steps <= len(reference)
 
 
+@pytest.mark.parametrize("kind", ["packed", "fbgemm"])
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_identity_on_default_model_packed_kernels(model_and_tokenizer, prompt):
-    """``cpu_kernels="packed"``: equal to ``model.generate`` on the same packed kernels token for
-    token, and to stock ``model.generate`` except at a float32 tie (top-2 gap within 1e-5 of the
-    row's scale) at the first differing token."""
+def test_greedy_identity_on_default_model_packed_kernels(model_and_tokenizer, prompt, kind):
+    """``cpu_kernels="packed"`` (oneDNN) and ``"fbgemm"`` (this float32 model's weights, dequantized
+    from an 8-bit GGUF file, as exact sums of two float16 numbers): equal to ``model.generate`` on
+    the same packed kernels token for token, and to stock ``model.generate`` except at a float32
+    tie (top-2 gap within 1e-5 of the row's scale) at the first differing token."""
     from specdraft import Decoder, PromptLookup
     from specdraft.cpu_kernels import packed_kernels_available, packed_model
+    from specdraft.fp16_linear import fbgemm_problem
 
-    if not packed_kernels_available():
+    if kind == "packed" and not packed_kernels_available():
         pytest.skip("torch built without oneDNN")
+    if kind == "fbgemm" and fbgemm_problem() is not None:
+        pytest.skip(f"FBGEMM cannot run here: {fbgemm_problem()}")
     model, tokenizer = model_and_tokenizer
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
     ids = tokenizer(text, return_tensors="pt").input_ids
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False)
-    with packed_model(model).swapped():
+    with packed_model(model, kind).swapped():
         same_kernels = model.generate(ids, **kwargs)[0, ids.shape[1]:].tolist()
     stock = model.generate(ids, **kwargs)[0, ids.shape[1]:].tolist()
-    dec = Decoder(model, tokenizer, sources=[PromptLookup()], max_tree_nodes=32, cpu_kernels="packed")
+    dec = Decoder(model, tokenizer, sources=[PromptLookup()], max_tree_nodes=32, cpu_kernels=kind)
     out = dec.generate(ids[0], max_new_tokens=64)
     dec.close()
     assert out.token_ids == same_kernels

@@ -37,7 +37,7 @@ from .compare import first_difference
 from .datasets import PromptRecord
 from .methods import BASELINE, Method, MethodResult
 
-__all__ = ["DatasetRun", "Mismatch", "PromptRun", "first_difference", "logit_margin", "run_benchmark"]
+__all__ = ["DatasetRun", "Mismatch", "PromptRun", "baseline_rows", "first_difference", "logit_margin", "run_benchmark"]
 
 
 @dataclass
@@ -89,18 +89,35 @@ class DatasetRun:
         return [m.name for m in self.methods]
 
 
-@torch.inference_mode()
 def logit_margin(model: Any, prompt_ids: Sequence[int], baseline_ids: Sequence[int], position: int,
                  method_token: int | None = None) -> dict[str, Any]:
     """The baseline model's logits for output ``position`` given ``prompt + baseline[:position]``
     (one forward, no cache): the top token, ``margin = top1 - top2`` and, if given, how far the
     method's token was below the top (``method_token_gap``). Raw logits, before any processor."""
-    ids = torch.tensor([list(prompt_ids) + list(baseline_ids[:position])], dtype=torch.long, device=model.device)
-    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0, -1].float()
-    top = torch.topk(logits, 2)
+    return _margin_info(baseline_rows(model, prompt_ids, baseline_ids, [position])[position], method_token)
+
+
+@torch.inference_mode()
+def baseline_rows(model: Any, prompt_ids: Sequence[int], baseline_ids: Sequence[int],
+                  positions: Sequence[int]) -> dict[int, torch.Tensor]:
+    """The baseline model's float logits for each output position in ``positions``, from **one**
+    no-cache forward of ``prompt + baseline[:last position]`` (a causal model's row for position
+    ``p`` sees only ``prompt + baseline[:p]``). The bench asks for every method's first difference
+    on a prompt, often at the same or nearby positions, and such a forward of a few hundred tokens
+    is the slow part of the report: tens of seconds with stock bfloat16 kernels on a CPU without
+    AVX512, once per prompt instead of once per method and prompt."""
+    end = max(positions)
+    ids = torch.tensor([list(prompt_ids) + list(baseline_ids[:end])], dtype=torch.long, device=model.device)
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0]
+    return {p: logits[len(prompt_ids) + p - 1].float() for p in positions}
+
+
+def _margin_info(row: torch.Tensor, method_token: int | None) -> dict[str, Any]:
+    """Top token, ``top1 - top2`` and the method token's gap below the top, of one logits row."""
+    top = torch.topk(row, 2)
     out: dict[str, Any] = {"top1_token": int(top.indices[0]), "margin": float(top.values[0] - top.values[1])}
-    if method_token is not None and 0 <= method_token < logits.shape[-1]:
-        out["method_token_gap"] = float(top.values[0] - logits[method_token])
+    if method_token is not None and 0 <= method_token < row.shape[-1]:
+        out["method_token_gap"] = float(top.values[0] - row[method_token])
     return out
 
 
@@ -167,15 +184,7 @@ def run_benchmark(model: Any, prompts: Sequence[PromptRecord], methods: Sequence
     finally:
         bar.close()
 
-    baseline = run.runs[BASELINE]
-    for name in names:
-        if name == BASELINE:
-            continue
-        for prompt, ours, ref in zip(usable, run.runs[name], baseline):
-            position = first_difference(ours.result.token_ids, ref.result.token_ids)
-            if position is not None:
-                run.mismatches.append(_mismatch(model, name, prompt, ref.result.token_ids, ours.result.token_ids,
-                                                position))
+    run.mismatches = _mismatches(model, usable, names, run.runs)
     return run
 
 
@@ -207,15 +216,33 @@ def _run_without_gc(method: Method, prompt_ids: Sequence[int], max_new_tokens: i
             gc.enable()
 
 
-def _mismatch(model: Any, name: str, prompt: PromptRecord, ref: Sequence[int], ours: Sequence[int],
-              position: int) -> Mismatch:
-    baseline_token = ref[position] if position < len(ref) else None
-    method_token = ours[position] if position < len(ours) else None
-    item = Mismatch(method=name, prompt_id=prompt.id, position=position, baseline_token=baseline_token,
-                    method_token=method_token)
-    if baseline_token is not None:  # the baseline has a token there, so the model chose it: how firmly?
-        info = logit_margin(model, prompt.token_ids, ref, position, method_token)
-        item.top1_token = info["top1_token"]
-        item.margin = info["margin"] if math.isfinite(info["margin"]) else None
-        item.method_token_gap = info.get("method_token_gap")
-    return item
+def _mismatches(model: Any, prompts: Sequence[PromptRecord], names: Sequence[str],
+                runs: dict[str, list[PromptRun]]) -> list[Mismatch]:
+    """Every method's first difference from the baseline, method by method and prompt by prompt,
+    with the baseline model's margin there (one forward per prompt, for all its methods)."""
+    baseline = runs[BASELINE]
+    found: list[tuple[int, Mismatch]] = []
+    for name in names:
+        if name == BASELINE:
+            continue
+        for index, (ours, ref) in enumerate(zip(runs[name], baseline)):
+            ref_ids, our_ids = ref.result.token_ids, ours.result.token_ids
+            position = first_difference(our_ids, ref_ids)
+            if position is not None:
+                found.append((index, Mismatch(
+                    method=name, prompt_id=prompts[index].id, position=position,
+                    baseline_token=ref_ids[position] if position < len(ref_ids) else None,
+                    method_token=our_ids[position] if position < len(our_ids) else None)))
+    for index, prompt in enumerate(prompts):
+        # where the baseline has a token, the model chose it: how firmly?
+        here = [m for i, m in found if i == index and m.baseline_token is not None]
+        if not here:
+            continue
+        rows = baseline_rows(model, prompt.token_ids, baseline[index].result.token_ids,
+                             sorted({m.position for m in here}))
+        for item in here:
+            info = _margin_info(rows[item.position], item.method_token)
+            item.top1_token = info["top1_token"]
+            item.margin = info["margin"] if math.isfinite(info["margin"]) else None
+            item.method_token_gap = info.get("method_token_gap")
+    return [m for _, m in found]
