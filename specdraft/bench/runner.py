@@ -221,7 +221,8 @@ def _mismatches(model: Any, prompts: Sequence[PromptRecord], names: Sequence[str
     """Every method's first difference from the baseline, method by method and prompt by prompt,
     with the baseline model's margin there (one forward per prompt, for all its methods)."""
     baseline = runs[BASELINE]
-    found: list[tuple[int, Mismatch]] = []
+    found: list[Mismatch] = []
+    scored: dict[int, list[Mismatch]] = {}  # prompt index -> its mismatches where the baseline has a token
     for name in names:
         if name == BASELINE:
             continue
@@ -229,20 +230,18 @@ def _mismatches(model: Any, prompts: Sequence[PromptRecord], names: Sequence[str
             ref_ids, our_ids = ref.result.token_ids, ours.result.token_ids
             position = first_difference(our_ids, ref_ids)
             if position is not None:
-                found.append((index, Mismatch(
-                    method=name, prompt_id=prompts[index].id, position=position,
-                    baseline_token=ref_ids[position] if position < len(ref_ids) else None,
-                    method_token=our_ids[position] if position < len(our_ids) else None)))
-    for index, prompt in enumerate(prompts):
-        # where the baseline has a token, the model chose it: how firmly?
-        here = [m for i, m in found if i == index and m.baseline_token is not None]
-        if not here:
-            continue
-        rows = baseline_rows(model, prompt.token_ids, baseline[index].result.token_ids,
+                item = Mismatch(method=name, prompt_id=prompts[index].id, position=position,
+                                baseline_token=ref_ids[position] if position < len(ref_ids) else None,
+                                method_token=our_ids[position] if position < len(our_ids) else None)
+                found.append(item)
+                if item.baseline_token is not None:  # the model chose that token: how firmly?
+                    scored.setdefault(index, []).append(item)
+    for index, here in scored.items():
+        rows = baseline_rows(model, prompts[index].token_ids, baseline[index].result.token_ids,
                              sorted({m.position for m in here}))
         for item in here:
             info = _margin_info(rows[item.position], item.method_token)
             item.top1_token = info["top1_token"]
             item.margin = info["margin"] if math.isfinite(info["margin"]) else None
             item.method_token_gap = info.get("method_token_gap")
-    return [m for _, m in found]
+    return found
