@@ -2,7 +2,7 @@
 
 Everything here goes through public transformers APIs on a stock, unpatched model: a 4D
 attention mask ``[1, 1, q, cache_len + q]``, explicit ``position_ids`` and a ``DynamicCache``
-whose per-layer keys/values we trim with ``index_select``. That is what keeps specdraft working
+subclass (:class:`SlotCache`) whose layers are written and compacted in place. That is what keeps specdraft working
 across transformers releases where peers patch modeling files.
 
 Facts this module relies on (checked on transformers 5.23, see DESIGN.md):
@@ -24,8 +24,10 @@ from typing import Sequence
 import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from .compat import cache_keyword
+from .transfer import upload
 
 #: Attention implementations that take our 4D tree mask correctly, with the mask kind they need
 #: ("specdraft_split" is our own split + merge backend, see attention.py).
@@ -88,9 +90,13 @@ class ModelRunner:
             self._takes_logits_to_keep = False
         #: ``cache`` from transformers 5.24, ``past_key_values`` before (see :mod:`specdraft.compat`)
         self._cache_keyword = cache_keyword(model)
-        self.cache: DynamicCache = DynamicCache()
+        self.cache: SlotCache = SlotCache()
         self.cache_len = 0
         self._last_q = 0
+        #: the prompt's ids on the device, from the last prefill (a repetition penalty starts from them)
+        self.prefill_ids: torch.Tensor | None = None
+        #: the riders of the last :meth:`forward`, on the device
+        self.rider_tensors: list[torch.Tensor] = []
 
     # -- model facts -----------------------------------------------------------------------
 
@@ -119,67 +125,83 @@ class ModelRunner:
 
     # -- cache lifecycle ----------------------------------------------------------------------
 
-    def reset(self) -> None:
-        """Start a new request with an empty cache."""
-        self.cache = DynamicCache()
+    def reset(self, capacity: int = 0) -> None:
+        """Start a new request with an empty cache. The buffers of the last request are kept and
+        reused (grown if ``capacity``, the most positions the request will need, exceeds them)."""
+        self.cache.start_request(capacity)
         self.cache_len = 0
         self._last_q = 0
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's inputs go (its first parameter's device)."""
+        return self.model.device
+
     @torch.inference_mode()
-    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor | None:
-        """Put ``token_ids`` into a fresh cache and return the float32 logits ``[vocab]`` of the
-        last one (``None`` for no tokens).
+    def prefill(self, token_ids: Sequence[int], capacity: int = 0) -> torch.Tensor | None:
+        """Put ``token_ids`` into a fresh cache and return the logits ``[vocab]`` of the last one
+        (``None`` for no tokens). ``capacity`` is the most positions the request will need, so the
+        cache is allocated once (see :class:`SlotCache`).
 
         The decoder prefills the whole prompt and takes the first new token from these logits, as
         ``model.generate`` does: the same forward shape as its prefill, and no extra one-token
         forward for the prompt's last token (which costs a whole step, 7% of a 14-token answer).
         """
-        self.reset()
+        self.reset(max(capacity, len(token_ids)))
         if not token_ids:
             return None
-        device = self.model.device
-        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=device).unsqueeze(0)
-        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0)
+        n = len(token_ids)
+        ids, positions = upload([np.asarray(token_ids, dtype=np.int64).reshape(1, n),
+                                 np.arange(n, dtype=np.int64).reshape(1, n)], self.device)
+        self.prefill_ids = ids[0]
         kwargs = {"logits_to_keep": 1} if self._takes_logits_to_keep else {}
         kwargs[self._cache_keyword] = self.cache
         out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **kwargs)
-        self.cache_len = ids.shape[1]
+        self.cache_len = n
         # the prompt's last token is the root of the first step, and its row is the one returned:
         # ``compact([0])`` after a prefill keeps the whole prompt, like after any other forward
         self._last_q = 1
-        return out.logits[0, -1].to(torch.float32)
+        return _logits_for_decoding(out.logits[0, -1])
 
     # -- the step -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, tokens: Sequence[int], offsets: np.ndarray, block_mask: np.ndarray) -> torch.Tensor:
-        """Run ``tokens`` over the cache and return their float32 logits ``[q, vocab]``.
+    def forward(self, tokens: Sequence[int], offsets: np.ndarray, block_mask: np.ndarray,
+                riders: Sequence[np.ndarray] = ()) -> torch.Tensor:
+        """Run ``tokens`` over the cache and return their logits ``[q, vocab]`` (float32, or the
+        model's own bfloat16/float16, which float32 holds exactly: no full-width cast per step).
 
         ``offsets[i]`` is token ``i``'s position relative to ``cache_len`` (the root is 0);
         ``block_mask[i, j]`` says whether new token ``i`` attends to new token ``j``. Every new
         token sees the whole cache (inside the sliding window, where the model has one). The new
         tokens' keys/values are appended to the cache; call :meth:`compact` next.
+
+        ``riders`` are host arrays the caller needs on the device this step; they travel in the
+        same single upload as the step's ids, positions and mask and come back, on the device,
+        in :attr:`rider_tensors`.
         """
         q = len(tokens)
-        device = self.model.device
         offsets = np.asarray(offsets, dtype=np.int64)
         if self.max_positions is not None and self.cache_len + int(offsets.max()) >= self.max_positions:
             raise ValueError(
                 f"position {self.cache_len + int(offsets.max())} exceeds the model's context of {self.max_positions} tokens")
-        ids = torch.as_tensor(list(tokens), dtype=torch.long, device=device).unsqueeze(0)
-        positions = torch.as_tensor(offsets + self.cache_len, device=device).unsqueeze(0)
+        parts = upload([np.asarray(tokens, dtype=np.int64).reshape(1, q), (offsets + self.cache_len).reshape(1, q),
+                        np.asarray(block_mask, dtype=bool), *riders], self.device)
+        ids, positions, block = parts[0], parts[1], parts[2]
+        self.rider_tensors = parts[3:]
         if q == 1 and not self.has_sliding_window:
             mask = None  # a lone root attends to everything: the model's fast, maskless path
         else:
-            mask = self._build_masks(positions[0], torch.as_tensor(np.asarray(block_mask, dtype=bool), device=device))
+            mask = self._build_masks(positions[0], block)
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
                          **{self._cache_keyword: self.cache})
         self.cache_len += q
         self._last_q = q
-        return out.logits[0].to(torch.float32)
+        return _logits_for_decoding(out.logits[0])
 
     def _build_masks(self, q_pos: torch.Tensor, block: torch.Tensor):
-        """The 4D mask(s) for one forward: cache part, then the new tokens' own block."""
+        """The 4D mask(s) for one forward: cache part, then the new tokens' own block (all made on
+        the device from the uploaded block: nothing here copies from the host)."""
         P = self.cache_len
         q = q_pos.shape[0]
         allowed = torch.cat([torch.ones(q, P, dtype=torch.bool, device=block.device), block], dim=1)
@@ -204,39 +226,157 @@ class ModelRunner:
     @torch.inference_mode()
     def compact(self, keep: Sequence[int]) -> None:
         """Keep the committed cache plus the new entries ``keep`` (indices into the last forward's
-        tokens, in path order); drop the rest (rejected drafts, side blocks)."""
+        tokens, in increasing order, as a tree path is); drop the rest (rejected drafts, side
+        blocks). The kept entries move down in place, a run of consecutive nodes at a time: the
+        work is O(accepted tokens), whatever the context, and nothing is copied whole."""
         keep = [int(k) for k in keep]
         base = self.cache_len - self._last_q
-        if self._last_q == 0 or any(not 0 <= k < self._last_q for k in keep):
-            raise ValueError(f"keep {keep} must index the {self._last_q} tokens of the last forward")
-        layers = _cache_layers(self.cache)
-        if layers and layers[0][0].shape[-2] != self.cache_len:
-            raise RuntimeError(f"KV cache holds {layers[0][0].shape[-2]} positions but {self.cache_len} were written; "
+        if self._last_q == 0 or any(not 0 <= k < self._last_q for k in keep) or \
+                any(b <= a for a, b in zip(keep, keep[1:])):
+            raise ValueError(f"keep {keep} must index the {self._last_q} tokens of the last forward, increasing")
+        held = self.cache.get_seq_length()
+        if held != self.cache_len:
+            raise RuntimeError(f"KV cache holds {held} positions but {self.cache_len} were written; "
                                "this model's cache does not behave like a DynamicCache")
-        new_len = base + len(keep)
-        contiguous = keep == list(range(len(keep)))
-        if not contiguous:
-            idx = torch.as_tensor(list(range(base)) + [base + k for k in keep], device=layers[0][0].device)
-        for i, (keys, values) in enumerate(layers):
-            if contiguous:  # the accepted entries already follow the prefix: cut the tail
-                _set_layer(self.cache, i, keys[..., :new_len, :], values[..., :new_len, :])
-            else:
-                _set_layer(self.cache, i, keys.index_select(-2, idx), values.index_select(-2, idx))
-        self.cache_len = new_len
+        self.cache.keep_rows(base, keep)
+        self.cache_len = base + len(keep)
         self._last_q = 0
 
 
-def _cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer (keys, values) across cache API versions (``layers`` from 4.56, lists before)."""
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers if getattr(layer, "keys", None) is not None]
-    return list(zip(cache.key_cache, cache.value_cache))
+def _logits_for_decoding(logits: torch.Tensor) -> torch.Tensor:
+    """Logits as decoding compares them: float32, as ``model.generate`` takes them. A float32,
+    bfloat16 or float16 model's logits are returned as they are (float32 holds them exactly, so an
+    argmax or top-k gives the same ids without a full-width cast every step); a float64 model's
+    are rounded to float32, as ``model.generate`` rounds them (its greedy ties are float32 ties)."""
+    if logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return logits
+    return logits.to(torch.float32)
 
 
-def _set_layer(cache: DynamicCache, i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-    if hasattr(cache, "layers"):
-        cache.layers[i].keys = keys
-        cache.layers[i].values = values
-    else:
-        cache.key_cache[i] = keys
-        cache.value_cache[i] = values
+class _SlotLayer(DynamicLayer):
+    """One layer's keys and values in a buffer allocated once per request (or kept from the last
+    one), written in place.
+
+    transformers' ``DynamicLayer`` concatenates every forward's new entries onto a new tensor: a
+    copy of the whole layer per step, and a second copy's memory while it runs. Here
+    :meth:`update` writes the new entries into the free slots and hands the attention a view of
+    the filled part, and :meth:`keep_rows` moves a step's accepted entries down in place. The
+    buffer doubles when a request outgrows it (the decoder sizes it from the prompt and
+    ``max_new_tokens``, so that is rare). Everything else (``get_seq_length``, masks) reads the
+    view, as it reads a ``DynamicLayer``'s tensors.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+        self._length = 0
+        self.capacity_hint = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = key_states.shape[-2]
+        end = self._length + n
+        if self._key_buffer is None or end > self._key_buffer.shape[-2] \
+                or self._key_buffer.shape[:-2] != key_states.shape[:-2] or self._key_buffer.dtype != key_states.dtype:
+            self._grow(key_states, value_states, end)
+        self._key_buffer[..., self._length : end, :].copy_(key_states)
+        self._value_buffer[..., self._length : end, :].copy_(value_states)
+        self._set_length(end)
+        return self.keys, self.values
+
+    def _grow(self, keys: torch.Tensor, values: torch.Tensor, needed: int) -> None:
+        old_k, old_v = self._key_buffer, self._value_buffer
+        same_kind = old_k is not None and old_k.shape[:-2] == keys.shape[:-2] and old_k.dtype == keys.dtype \
+            and old_k.device == keys.device
+        keep = self._length if same_kind else 0
+        capacity = max(needed, self.capacity_hint, 2 * old_k.shape[-2] if same_kind else 0, 16)
+        self._key_buffer = keys.new_empty((*keys.shape[:-2], capacity, keys.shape[-1]))
+        self._value_buffer = values.new_empty((*values.shape[:-2], capacity, values.shape[-1]))
+        if keep:
+            self._key_buffer[..., :keep, :].copy_(old_k[..., :keep, :])
+            self._value_buffer[..., :keep, :].copy_(old_v[..., :keep, :])
+        self._length = keep
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+
+    def _set_length(self, length: int) -> None:
+        self._length = length
+        self.keys = self._key_buffer[..., :length, :]
+        self.values = self._value_buffer[..., :length, :]
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self._length
+
+    def start_request(self, capacity: int) -> None:
+        """Empty the layer for a new request; its buffer stays (and grows at the next write if
+        ``capacity`` exceeds it)."""
+        self.capacity_hint = capacity
+        if self._key_buffer is not None:
+            if capacity > self._key_buffer.shape[-2]:
+                self._key_buffer = self._value_buffer = None  # the next update allocates the new size
+                self._length = 0
+                self.keys = self.values = None
+                self.is_initialized = False
+            else:
+                self._set_length(0)
+
+    def keep_rows(self, base: int, keep: list[int]) -> None:
+        """Keep rows ``[0, base)`` plus ``base + k`` for ``k`` in ``keep`` (increasing), moved to
+        ``base, base + 1, ...``."""
+        if self._key_buffer is None:
+            return
+        for dst, src, length in _runs(base, keep):
+            for buf in (self._key_buffer, self._value_buffer):
+                moved = buf[..., src : src + length, :]
+                if src - dst < length:  # the two ranges overlap: copy out first
+                    moved = moved.clone()
+                buf[..., dst : dst + length, :].copy_(moved)
+        self._set_length(base + len(keep))
+
+
+def _runs(base: int, keep: list[int]) -> list[tuple[int, int, int]]:
+    """The moves that bring rows ``base + keep[i]`` to ``base + i``, as (destination, source,
+    length) runs of consecutive rows; rows already in place need none."""
+    runs: list[tuple[int, int, int]] = []
+    for i, k in enumerate(keep):
+        if k == i:
+            continue
+        dst, src = base + i, base + k
+        if runs and runs[-1][0] + runs[-1][2] == dst and runs[-1][1] + runs[-1][2] == src:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((dst, src, 1))
+    return runs
+
+
+class SlotCache(DynamicCache):
+    """A ``DynamicCache`` whose layers are :class:`_SlotLayer`: written in place, compacted in
+    place, reused across requests. It is a transformers cache object like any other (public
+    ``Cache`` API: ``update``, ``get_seq_length``, ``layers``), so the model stays unpatched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer_class_to_replicate = _SlotLayer
+        self._capacity = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            layer = _SlotLayer()
+            layer.capacity_hint = self._capacity
+            self.layers.append(layer)
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self, layer_idx: int | None = 0, *args, **kwargs) -> int:
+        if not self.layers:
+            return 0
+        return self.layers[layer_idx or 0].get_seq_length()
+
+    def start_request(self, capacity: int) -> None:
+        self._capacity = capacity
+        for layer in self.layers:
+            layer.start_request(capacity)
+
+    def keep_rows(self, base: int, keep: list[int]) -> None:
+        for layer in self.layers:
+            layer.keep_rows(base, keep)

@@ -1,0 +1,272 @@
+"""Host work per decoding step: what is left of a step when the forward costs almost nothing.
+
+On a GPU a batch-1 forward of a 0.5-7B model takes about 5-25 ms eager and 2-5 ms compiled, and it
+runs asynchronously: everything the decoder does on the host (drafting, merging the tree, laying
+out the step's input, verifying, compacting the cache, feeding the sources back) is time the GPU
+may sit idle, and every host sync makes it wait. This script measures that part on the CPU with a
+model whose forward is nearly free (one layer, hidden size 64, a 32k vocabulary), so what remains
+is the decoder's own work:
+
+* **host ms / step**: wall time of the decode minus the time inside ``model.forward``, per step,
+  with a fixed tree of 8, 32 or 64 nodes (``adaptive_budget=False``), greedy, default sources;
+* **added before the first token**: time from the call to the first committed token, minus the
+  prefill forward;
+* **syncs / uploads per step**: the same decode on :class:`~specdraft.simulated_device.SimulatedDevice`
+  (the model reports a CUDA device; host reads and host-to-device copies outside the forward are
+  counted), for several scenarios (greedy, sampling, each source).
+
+Contexts are 1k, 4k and 16k tokens of repeated, lightly mutated segments, so the sources find
+matches and fill the tree as they would on a RAG or code-edit prompt. The model's output is random;
+what is measured does not depend on it. Times are the best of ``--repeats`` runs on one thread.
+
+    python benchmarks/host_overhead.py                      # the full table (a few minutes)
+    python benchmarks/host_overhead.py --contexts 1024 --nodes 32 --repeats 1   # quick look
+    python benchmarks/host_overhead.py --out benchmarks/results/host-overhead   # write JSON + markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from specdraft import Decoder
+from specdraft.simulated_device import SimulatedDevice
+from specdraft.sources.registry import SOURCES, make_sources
+
+VOCAB = 32000
+#: Tokens the context and the model's output are drawn from: with 512 of them, every root has
+#: earlier occurrences, so the sources fill the tree every step as on a long repetitive prompt.
+ACTIVE = 512
+
+
+def near_free_model(max_positions: int = 32768) -> torch.nn.Module:
+    """A 1-layer Llama with hidden size 64 and a 32k vocabulary: its forward costs about a
+    millisecond at a 32-node tree, so a step's time is mostly the decoder's own."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         bos_token_id=1, eos_token_id=2, initializer_range=0.5)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # decode the full length every time
+    with torch.no_grad():  # only the first ACTIVE ids can win the argmax (the other rows score 0)
+        model.lm_head.weight[ACTIVE:] = 0.0
+    return model.eval()
+
+
+def repetitive_context(length: int, seed: int = 0) -> list[int]:
+    """``length`` tokens made of 64-token segments drawn from a pool of 48, each copy with a few
+    tokens changed: text that repeats the way retrieved documents and code under edit do."""
+    rng = np.random.default_rng(seed)
+    pool = rng.integers(3, ACTIVE, size=(48, 64))
+    out: list[int] = []
+    while len(out) < length:
+        segment = pool[rng.integers(len(pool))].copy()
+        flips = rng.integers(0, 64, size=3)
+        segment[flips] = rng.integers(3, ACTIVE, size=3)
+        out.extend(int(t) for t in segment)
+    return out[:length]
+
+
+class ForwardTimer:
+    """Time spent inside ``model.forward`` (forward pre/post hooks), and the first forward's time."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.total = 0.0
+        self.first: float | None = None
+        self._started = 0.0
+        model.register_forward_pre_hook(self._pre)
+        model.register_forward_hook(self._post)
+
+    def _pre(self, *_: Any) -> None:
+        self._started = time.perf_counter()
+
+    def _post(self, *_: Any) -> None:
+        spent = time.perf_counter() - self._started
+        self.total += spent
+        if self.first is None:
+            self.first = spent
+
+    def reset(self) -> None:
+        self.total, self.first = 0.0, None
+
+
+@dataclass
+class HostRow:
+    nodes: int
+    context: int
+    host_ms_per_step: float
+    first_token_added_ms: float
+    forward_ms_per_step: float
+    steps: int
+    mean_tree_nodes: float
+
+
+def time_decode(model, timer: ForwardTimer, prompt: list[int], nodes: int, new_tokens: int,
+                sources: list[str]) -> tuple[float, float, float, int, float]:
+    """One decode: (host s per step, s added before the first token, forward s per step, steps,
+    mean draft nodes per tree)."""
+    dec = Decoder(model, None, sources=make_sources(sources), max_tree_nodes=nodes, adaptive_budget=False,
+                  cpu_kernels="stock")
+    from specdraft.stats import GenerationStats
+
+    stats = GenerationStats()
+    timer.reset()
+    started = time.perf_counter()
+    stream = dec.stream(prompt, max_new_tokens=new_tokens, stats=stats)
+    next(stream)
+    first_at = time.perf_counter() - started
+    prefill = timer.first or 0.0
+    after_first_forward = timer.total
+    t1 = time.perf_counter()
+    for _ in stream:
+        pass
+    rest = time.perf_counter() - t1
+    steps = max(1, stats.steps - 1)
+    forward = timer.total - after_first_forward
+    drafted = statistics.mean(stats.tree_sizes[1:]) - 1 if len(stats.tree_sizes) > 1 else 0.0
+    return (rest - forward) / steps, first_at - prefill, forward / steps, steps, drafted
+
+
+def host_table(model, contexts: list[int], nodes_list: list[int], new_tokens: int, repeats: int,
+               sources: list[str]) -> list[HostRow]:
+    timer = ForwardTimer(model)
+    rows = []
+    for context in contexts:
+        prompt = repetitive_context(context)
+        for nodes in nodes_list:
+            runs = [time_decode(model, timer, prompt, nodes, new_tokens, sources) for _ in range(repeats)]
+            host = min(r[0] for r in runs)
+            first = min(r[1] for r in runs)
+            fwd = statistics.median(r[2] for r in runs)
+            rows.append(HostRow(nodes, context, host * 1e3, first * 1e3, fwd * 1e3, runs[0][3], runs[0][4]))
+            print(f"  context {context:>6}  nodes {nodes:>3}  host {host * 1e3:6.2f} ms/step  "
+                  f"before first token +{first * 1e3:7.1f} ms  forward {fwd * 1e3:6.2f} ms/step  "
+                  f"tree {runs[0][4]:.1f} nodes", flush=True)
+    return rows
+
+
+#: Sync-count scenarios: name -> (sources, generate options).
+SCENARIOS: dict[str, tuple[list[str], dict[str, Any]]] = {
+    "greedy, default sources": (["prompt", "trie", "ngram"], {}),
+    "greedy, repetition penalty": (["prompt", "trie", "ngram"], {"repetition_penalty": 1.1}),
+    "sampling (seed, T, top-k, top-p, min-p, penalty)": (
+        ["prompt", "trie", "ngram"],
+        {"do_sample": True, "seed": 0, "temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.02,
+         "repetition_penalty": 1.1}),
+    **{f"greedy, {name} alone": ([name], {}) for name in SOURCES},
+}
+
+
+def sync_counts(base_model, context: int, nodes: int, new_tokens: int) -> dict[str, dict[str, float]]:
+    """Syncs and uploads per tree step outside the forward, per scenario, on the simulated device."""
+    prompt = repetitive_context(context)
+    out = {}
+    for name, (sources, options) in SCENARIOS.items():
+        model = copy.deepcopy(base_model)
+        sim = SimulatedDevice()
+        sim.adopt(model)
+        try:
+            with sim, sim.patched_generator():
+                dec = Decoder(model, None, sources=make_sources(sources), max_tree_nodes=nodes,
+                              adaptive_budget=False, cpu_kernels="stock")
+                dec.generate(prompt, max_new_tokens=4, **options)  # warm: sources begin, caches fill
+                sim.reset_counts()
+                result = dec.generate(prompt, max_new_tokens=new_tokens, **options)
+        except Exception as exc:  # noqa: BLE001 - a device bug is a result of this benchmark too
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+            print(f"  {name:<52} FAILS: {out[name]['error']}", flush=True)
+            continue
+        steps = result.stats.steps
+        out[name] = {"syncs_per_step": sim.counts.syncs / steps, "uploads_per_step": sim.counts.uploads / steps,
+                     "steps": steps}
+        print(f"  {name:<52} syncs/step {out[name]['syncs_per_step']:.2f}  "
+              f"uploads/step {out[name]['uploads_per_step']:.2f}", flush=True)
+    return out
+
+
+def machine() -> dict[str, str]:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"cpu": cpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "commit": commit,
+            "threads": str(torch.get_num_threads())}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", default="1024,4096,16384", help="context lengths, comma-separated")
+    parser.add_argument("--nodes", default="8,32,64", help="fixed tree sizes, comma-separated")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per cell; the best is reported")
+    parser.add_argument("--sync-context", type=int, default=1024, help="context of the sync-count scenarios")
+    parser.add_argument("--no-syncs", action="store_true", help="skip the simulated-device sync counts")
+    parser.add_argument("--out", default=None, help="folder for results.json and results.md")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    nodes_list = [int(n) for n in args.nodes.split(",")]
+    model = near_free_model(max(contexts) * 2 + 1024)
+    info = machine()
+    print(f"host work per step, near-free forward ({info['cpu']}, 1 thread, torch {info['torch']}, "
+          f"commit {info['commit']})")
+    rows = host_table(model, contexts, nodes_list, args.new_tokens, args.repeats, ["prompt", "trie", "ngram"])
+    syncs = {}
+    if not args.no_syncs:
+        print(f"syncs and uploads per step outside the forward (simulated CUDA device, context "
+              f"{args.sync_context}, 32 nodes)")
+        syncs = sync_counts(model, args.sync_context, 32, 24)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as fh:
+            json.dump({"machine": info, "rows": [asdict(r) for r in rows], "syncs": syncs}, fh, indent=2)
+        with open(os.path.join(args.out, "results.md"), "w") as fh:
+            fh.write(render_markdown(info, rows, syncs))
+        print(f"wrote {args.out}/results.json and results.md")
+
+
+def render_markdown(info: dict[str, str], rows: list[HostRow], syncs: dict[str, dict[str, float]]) -> str:
+    lines = [f"Host work per step with a near-free forward: {info['cpu']}, {info['threads']} thread, "
+             f"torch {info['torch']}, {info['date']}, commit {info['commit']}.", "",
+             "| tree nodes (mean used) | context | host ms / step | added before first token (ms) |",
+             "|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.nodes} ({r.mean_tree_nodes:.1f}) | {r.context} | {r.host_ms_per_step:.2f} | "
+                     f"{r.first_token_added_ms:.1f} |")
+    if syncs:
+        lines += ["", "| scenario | syncs / step | uploads / step |", "|---|---:|---:|"]
+        for name, c in syncs.items():
+            if "error" in c:
+                lines.append(f"| {name} | fails: {c['error'][:60]} | |")
+                continue
+            lines.append(f"| {name} | {c['syncs_per_step']:.2f} | {c['uploads_per_step']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
