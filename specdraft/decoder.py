@@ -36,16 +36,20 @@ from .attention import ATTENTION_CHOICES, select_attention
 from .budget import AdaptiveBudget, Budget, BudgetDecision, FixedBudget, StepOutcome
 from .cpu_kernels import check_cpu_kernels, packed_model
 from .runner import ModelRunner
-from .sampling import NodeScorer, SamplingSettings, resolve_settings
-from .sources.base import Context, Draft, DraftSource, Feedback, SideBlock, source_option
+from .sampling import NodeScorer, PenaltyPrefix, SamplingSettings, resolve_settings
+from .sources.base import Context, Draft, DraftSource, Feedback, SideBlock, TokenView, source_option
 from .sources.registry import default_sources
 from .stats import GenerationStats, SourceStats
 from .stopping import StopRule
 from .topk import top_k_ids
 from .tree import TokenTree
-from .verify import Verdict, multinomial_draw, verify_greedy, verify_sampling
+from .verify import Verdict, multinomial_draw, verify_greedy, verify_sampling, walk_choices
 
 _request_ids = itertools.count(1)
+
+#: Cache slots reserved per request beyond prompt + new tokens + tree: room for side blocks (a
+#: request that needs more grows its cache once, by doubling).
+_CACHE_SLACK = 64
 
 #: The largest tree a decoder accepts: far past what pays on any hardware (trees of 16-80 nodes
 #: are the useful range), and small enough that a typo cannot make every step a huge forward.
@@ -129,6 +133,9 @@ class Decoder:
         #: The timer behind the statistics and the adaptive budget's step costs. A replay of recorded
         #: outputs on a simulated clock (``benchmarks/budget_replay.py``) swaps it, with the runner.
         self.clock: Callable[[], float] = time.perf_counter
+        #: how each step chooses every tree row's token: "auto" (all rows at once on an
+        #: accelerator, node by node on a CPU), "batched" or "walk"; see :meth:`_batched_rows`
+        self.row_choices: str = "auto"
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, sources: Sequence[DraftSource] | None = None,
@@ -229,55 +236,85 @@ class Decoder:
         stats.per_source = {name: SourceStats() for name in self._source_names}
         if max_new_tokens == 0:
             return
-        generator = torch.Generator().manual_seed(int(seed)) if seed is not None else None
-        yield from self._decode(prompt_ids, settings, rule, stats, generator)
+        yield from self._decode(prompt_ids, settings, rule, stats, seed)
 
     def _decode(self, prompt_ids: list[int], settings: SamplingSettings, rule: StopRule, stats: GenerationStats,
-                generator: torch.Generator | None) -> Iterator[list[int]]:
+                seed: int | None) -> Iterator[list[int]]:
         """The loop of the module docstring. The prefill is step 0: its last row is verified on a
-        root-only tree, so the first token takes the same commit path as every later one."""
+        root-only tree, so the first token takes the same commit path as every later one.
+
+        The sources index the prompt (``begin``) on a worker thread while the prefill runs, and the
+        first token is yielded without waiting for them: they are joined before the first draft.
+        Each step reads the device once (:meth:`_verdict`) and uploads once (``runner.forward``)."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("this Decoder is busy with another request (a stream() not yet exhausted or closed, "
                                "or another thread); finish or close() it first, or use one Decoder per thread")
         started = self.clock()
-        scorer, draw = NodeScorer(settings), multinomial_draw(generator)
+        scorer = NodeScorer(settings)
         request = _Request(list(prompt_ids), len(prompt_ids), next(_request_ids))
         begun: list[DraftSource] = []
+        starter: _SourceStarter | None = None
         failed = False
         try:
+            starter = _SourceStarter(self.sources, request.context(), begun)
+            capacity = len(prompt_ids) + rule.max_new_tokens + self.max_tree_nodes + _CACHE_SLACK
             with self._kernels():
-                logits = self.runner.prefill(request.committed)[None]
+                logits = self.runner.prefill(request.committed, capacity)[None]
             stats.prefill_time = self.clock() - started
-            for source in self.sources:
-                source.begin(request.context())
-                begun.append(source)
-            self.budget.start_request()
+            device = logits.device
+            # the sampling stream lives where the logits do (CUDA refuses a CPU generator)
+            generator = torch.Generator(device=device).manual_seed(int(seed)) if seed is not None else None
+            draw = multinomial_draw(generator)
+            batched = self._batched_rows(device)
+            penalty = PenaltyPrefix(logits.shape[-1], device, request.committed) if settings.needs_prefix else None
+            if penalty is not None:
+                penalty.add(self.runner.prefill_ids)
             step = _Step(TokenTree(request.root), [], [None] * len(self.sources), None, self._decision0, started)
-            pending_top = None
+            pending_top: tuple[np.ndarray, np.ndarray] | None = None
+            unmarked: list[int] = []  # committed tokens the device's penalty mask does not hold yet
             while True:
                 # 4. verify; 5. stop rules, compaction, commit, feedback
-                verdict = self._verify(step.tree, logits[: len(step.tree)], settings, scorer, request.committed, draw)
+                verdict, side_argmax, top = self._verdict(step, logits, settings, scorer, penalty, draw, generator,
+                                                          batched)
                 tokens, done = rule.cut(request.output, verdict.tokens)
                 self._record(stats, step.tree, verdict, len(tokens))
                 if not done:
                     self.runner.compact([0] + verdict.path)
                 start = request.commit(tokens)
-                pending_top = self._top_rows(step.tree, logits, pending_top)
+                if penalty is not None:
+                    if batched:
+                        unmarked = list(tokens)  # they ride the next step's upload
+                    else:
+                        penalty.add(tokens)
+                if top is not None and pending_top is not None:
+                    top = (np.concatenate([pending_top[0], top[0]]), np.concatenate([pending_top[1], top[1]]))
                 if step.forward_input is not None:  # the prefill's token answers no proposal: nobody observes it
-                    self._feed_back(step, tokens, request.context(), logits, pending_top)
+                    self._feed_back(step, tokens, request.context(), logits, side_argmax, top)
                     pending_top = None
                     self.budget.observe(StepOutcome(step.decision, step.tree, [d.branches for d in step.drafts],
                                                     request.committed, start, step.width, self.clock() - step.started))
+                else:
+                    pending_top = top
                 stats.new_tokens += len(tokens)
                 stats.wall_time = self.clock() - started
                 if tokens:
                     yield tokens
                 if done:
                     return
+                if starter is not None:
+                    starter.join()  # the sources must have read the prompt before they draft
+                    starter = None
+                    self.budget.start_request()
                 # 1. draft; 2. merge under the budget; 3. one forward
                 step = self._draft(request, rule)
+                riders = []
+                if penalty is not None and batched:
+                    riders = [np.asarray(unmarked, dtype=np.int64), _path_tokens(step.tree)]
                 with self._kernels():
-                    logits = self.runner.forward(*step.forward_input)
+                    logits = self.runner.forward(*step.forward_input, riders=riders)
+                if riders:
+                    penalty.add(self.runner.rider_tensors[0])
+                    step.path_tokens = self.runner.rider_tensors[1]
         except GeneratorExit:  # the caller closed the stream: a normal early stop, not a failure
             raise
         except BaseException:
@@ -285,10 +322,83 @@ class Decoder:
             raise
         finally:
             try:
-                _finish_sources(begun, request.context(), failed)
+                if starter is not None:
+                    starter.join(raise_error=not failed)
             finally:
-                stats.wall_time = self.clock() - started
-                self._busy.release()
+                try:
+                    _finish_sources(begun, request.context(), failed)
+                finally:
+                    stats.wall_time = self.clock() - started
+                    self._busy.release()
+
+    def _batched_rows(self, device: torch.device) -> bool:
+        """Whether each step scores every tree row on the device at once (one read per step) rather
+        than walking node by node (a read per node visited). On a CPU a read costs nothing and the
+        walk touches only the rows it visits, so it stays the cheaper; elsewhere one read per step
+        is what keeps the device busy. ``row_choices`` ("auto", "batched", "walk") overrides it."""
+        if self.row_choices == "auto":
+            return device.type != "cpu"
+        return self.row_choices == "batched"
+
+    def _verdict(self, step: "_Step", logits: torch.Tensor, settings: SamplingSettings, scorer: NodeScorer,
+                 penalty: PenaltyPrefix | None, draw, generator: torch.Generator | None, batched: bool
+                 ) -> tuple[Verdict, list[list[int] | None], tuple[np.ndarray, np.ndarray] | None]:
+        """Verify the step's tree and read what the sources asked for, with one read of the device:
+        each row's choice (greedy argmax or one draw, on the device), each side block's argmax and
+        the top-k of every tree row, concatenated and fetched together. Returns the verdict, each
+        source's side-block argmax (``None`` where it had no block) and the (top-k ids, row tokens)."""
+        tree = step.tree
+        n = len(tree)
+        rows = logits[:n]
+        parts: list[torch.Tensor] = []
+        walk = False
+        if settings.do_sample:
+            if batched:
+                scores = scorer.process_rows(rows.to(torch.float32), self._node_masks(step, penalty, n))
+                parts.append(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).reshape(-1))
+            else:
+                walk = True
+        elif scorer.is_identity:
+            parts.append(rows.argmax(dim=-1))
+        elif batched:
+            parts.append(scorer.process_rows(rows.to(torch.float32), self._node_masks(step, penalty, n)).argmax(dim=-1))
+        else:
+            walk = True
+        sides = [side for side in step.side_slices if side is not None]
+        parts.extend(logits[side].argmax(dim=-1) for side in sides)
+        k = min(self._top_k, logits.shape[-1]) if self._top_k else 0
+        if k:
+            parts.append(top_k_ids(rows, k).reshape(-1))
+        fetched = torch.cat([p.to(torch.int64) for p in parts]).tolist() if parts else []  # the step's one read
+        at = 0
+        if walk:
+            verdict = self._verify(tree, rows, settings, scorer, penalty if penalty is not None else [], draw)
+        else:
+            verdict, at = walk_choices(tree, fetched[:n]), n
+        side_argmax: list[list[int] | None] = []
+        for side in step.side_slices:
+            if side is None:
+                side_argmax.append(None)
+            else:
+                width = side.stop - side.start
+                side_argmax.append(fetched[at : at + width])
+                at += width
+        top = None
+        if k:
+            top = (np.asarray(fetched[at : at + n * k], dtype=np.int64).reshape(n, k),
+                   np.asarray(tree.tokens, dtype=np.int64))
+        return verdict, side_argmax, top
+
+    @staticmethod
+    def _node_masks(step: "_Step", penalty: PenaltyPrefix | None, n: int) -> torch.Tensor | None:
+        """Each tree row's seen-token mask for a repetition penalty: the committed tokens plus the
+        tokens on the node's own path (uploaded with the step's input)."""
+        if penalty is None:
+            return None
+        masks = penalty.seen.expand(n, -1)
+        if step.path_tokens is None:
+            return masks
+        return masks.clone().scatter_(1, step.path_tokens, True)
 
     def _draft(self, request: "_Request", rule: StopRule) -> "_Step":
         """Steps 1-2: every source drafts (branches cut so a step never commits past the token
@@ -306,27 +416,14 @@ class Decoder:
         return _Step(tree, drafts, side_slices, (tokens, offsets, block), decision, started)
 
     def _feed_back(self, step: "_Step", tokens: list[int], after: Context, logits: torch.Tensor,
-                   top: tuple[np.ndarray, np.ndarray] | None) -> None:
-        """Tell every source what its step committed, with its side block's logits and, for
-        sources that asked (``top_k``), the top-k of every tree row."""
-        for source, side, wants_top in zip(self.sources, step.side_slices, self._wants_top):
-            side_logits = logits[side] if side is not None else None
+                   side_argmax: list[list[int] | None], top: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """Tell every source what its step committed, with its side block's logits and argmax and,
+        for sources that asked (``top_k``), the top-k of every tree row."""
+        for source, side, argmax, wants_top in zip(self.sources, step.side_slices, side_argmax, self._wants_top):
+            side_logits = logits[side].to(torch.float32) if side is not None else None
             top_ids, row_tokens = top if (wants_top and top is not None) else (None, None)
             source.observe(Feedback(committed=list(tokens), context=after, side_logits=side_logits,
-                                    top_ids=top_ids, row_tokens=row_tokens))
-
-    def _top_rows(self, tree: TokenTree, logits: torch.Tensor,
-                  pending: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray] | None:
-        """One top-k (:func:`~specdraft.topk.top_k_ids`) over the tree's rows for the largest ``top_k`` any source asked for
-        (nothing when none did), appended to rows not yet delivered (the prefill's)."""
-        if not self._top_k:
-            return None
-        k = min(self._top_k, logits.shape[-1])
-        ids = top_k_ids(logits[: len(tree)], k).cpu().numpy()
-        rows = np.asarray(tree.tokens, dtype=np.int64)
-        if pending is not None:
-            ids, rows = np.concatenate([pending[0], ids]), np.concatenate([pending[1], rows])
-        return ids, rows
+                                    top_ids=top_ids, row_tokens=row_tokens, side_argmax=argmax))
 
     def _propose(self, source: DraftSource, context: Context, depth_limit: int) -> Draft:
         """Ask one source for a draft of up to ``max_tree_nodes`` nodes (the full tree: the adaptive
@@ -360,7 +457,9 @@ class Decoder:
 
     @staticmethod
     def _verify(tree: TokenTree, logits: torch.Tensor, settings: SamplingSettings, scorer: NodeScorer,
-                committed: list[int], draw) -> Verdict:
+                committed: Sequence[int] | PenaltyPrefix, draw) -> Verdict:
+        """The node-by-node walk (on a CPU, where a read per node costs nothing): ``committed`` is
+        the prefix a prefix-dependent processor sees (the penalty's token set, or nothing)."""
         if settings.do_sample:
             return verify_sampling(tree, logits, scorer, committed, draw)
         return verify_greedy(tree, logits, None if scorer.is_identity else scorer, committed)
@@ -456,7 +555,8 @@ class _Request:
         return self.committed[self.prompt_length :]
 
     def context(self) -> Context:
-        return Context(tuple(self.committed), self.prompt_length, self.request_id)
+        """The sequence as the sources see it: a read-only view, not a copy (O(1) per step)."""
+        return Context(TokenView(self.committed), self.prompt_length, self.request_id)
 
     def commit(self, tokens: Sequence[int]) -> int:
         """Append ``tokens``; returns the index of the first of them."""
@@ -476,10 +576,57 @@ class _Step:
     forward_input: tuple[list[int], np.ndarray, np.ndarray] | None  # tokens, position offsets, mask
     decision: BudgetDecision
     started: float
+    #: each node's path tokens on the device, ``[nodes, depth]`` (repetition penalty, batched rows)
+    path_tokens: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
         return len(self.forward_input[0]) if self.forward_input is not None else 1
+
+
+def _path_tokens(tree: TokenTree) -> np.ndarray:
+    """``[nodes, depth]``: row ``i`` holds the tokens on node ``i``'s path below the root, padded
+    with the root's token (which the committed prefix holds already, so padding changes no mask)."""
+    n, depth = len(tree), max(1, max(tree.depth))
+    out = np.full((n, depth), tree.tokens[0], dtype=np.int64)
+    for i in range(1, n):
+        d = tree.depth[i]
+        out[i, : d - 1] = out[tree.parents[i], : d - 1]
+        out[i, d - 1] = tree.tokens[i]
+    return out
+
+
+class _SourceStarter:
+    """Runs every source's ``begin`` (indexing the prompt) on a worker thread, so it overlaps the
+    prefill forward (and, on an accelerator, whatever the host does while the device works).
+
+    Sources are begun in order and appended to ``begun`` as each returns, so a request that fails
+    finishes exactly the sources that began. :meth:`join` waits and re-raises a source's error.
+    """
+
+    def __init__(self, sources: Sequence[DraftSource], context: Context, begun: list[DraftSource]) -> None:
+        self._sources, self._context, self._begun = list(sources), context, begun
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if self._sources:
+            self._thread = threading.Thread(target=self._run, name="specdraft-begin", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for source in self._sources:
+                source.begin(self._context)
+                self._begun.append(source)
+        except BaseException as exc:  # noqa: BLE001 - handed to the decoding thread by join()
+            self._error = exc
+
+    def join(self, raise_error: bool = True) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None and raise_error:
+            error, self._error = self._error, None
+            raise error
 
 
 def _eos_ids(model: Any) -> list[int]:

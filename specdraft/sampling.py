@@ -185,24 +185,108 @@ def _check_type(name: str, value: Any) -> None:
         raise UnsupportedOptionError(f"{name} must be a finite number or None, got {value!r}")
 
 
+class PenaltyPrefix:
+    """The committed sequence as a repetition penalty sees it: the set of tokens it holds, as a
+    bool mask ``[vocab]`` on the logits' device, grown in place as tokens commit.
+
+    A penalty depends on which tokens a position's prefix holds, not on their order or count, so a
+    node's prefix is this mask plus the tokens on its own path: the work per node is
+    O(vocabulary), whatever the context (a token-id list of the whole prefix per node grows with
+    it). ``prefix + walked`` (what the verifiers write for a node's input ids) gives that node's
+    :class:`NodeIds`.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device, tokens: Sequence[int] = ()) -> None:
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        #: the committed tokens themselves (the caller's live sequence), for code that wants the
+        #: list (``list(prefix)``); the decoding path reads only :attr:`seen`
+        self.tokens = tokens
+
+    def __iter__(self):
+        return iter(list(self.tokens))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, ids: torch.Tensor | Sequence[int]) -> None:
+        """Mark ``ids`` (a tensor on the mask's device, or host ints on a CPU) as seen."""
+        if not isinstance(ids, torch.Tensor):
+            ids = torch.as_tensor(list(ids), dtype=torch.long, device=self.seen.device)
+        if ids.numel():
+            self.seen.index_fill_(0, ids.reshape(-1), True)
+
+    def __add__(self, walked: Sequence[int]) -> "NodeIds":
+        return NodeIds(self, tuple(int(t) for t in walked))
+
+
+@dataclass(frozen=True)
+class NodeIds:
+    """A tree node's input ids for a prefix-dependent processor: the committed prefix's token set
+    plus the tokens walked from the root to the node."""
+
+    prefix: PenaltyPrefix
+    walked: tuple[int, ...]
+
+    def mask(self) -> torch.Tensor:
+        seen = self.prefix.seen
+        if not self.walked:
+            return seen
+        mask = seen.clone()
+        mask[list(self.walked)] = True
+        return mask
+
+
 class NodeScorer:
     """Turns a tree node's raw logits into processed scores, using the node's own prefix.
 
     ``prefix`` is the committed sequence (the root included); a node's input ids are that prefix
     followed by the tokens on the path from the root to the node, exactly what plain decoding
-    would have as ``input_ids`` at that position.
+    would have as ``input_ids`` at that position. They come as a list of ids or, from the
+    decoder, as :class:`NodeIds` (the prefix's token set on the device plus the walked tokens).
+
+    The repetition penalty is applied through a mask of the tokens the prefix holds, with the
+    arithmetic of transformers' ``RepetitionPenaltyLogitsProcessor`` (``score * penalty`` where
+    negative, ``score / penalty`` elsewhere, on the masked tokens; transformers' own batched path
+    is the same ``torch.where`` over a token mask); the warpers (temperature, top-k, top-p, min-p)
+    are transformers' own classes, which do not read the ids. :meth:`process_rows` does it for
+    many rows at once, each with its own mask: on an accelerator the decoder scores every tree
+    node in one pass instead of one node per host round trip.
     """
 
     def __init__(self, settings: SamplingSettings) -> None:
         self.settings = settings
         self._processors = settings.processors()
+        self._warpers = [p for p in self._processors if not isinstance(p, RepetitionPenaltyLogitsProcessor)]
 
-    def __call__(self, logits_row: torch.Tensor, input_ids: Sequence[int]) -> torch.Tensor:
+    def __call__(self, logits_row: torch.Tensor, input_ids: Sequence[int] | NodeIds) -> torch.Tensor:
         scores = logits_row.to(torch.float32).reshape(1, -1).clone()
         if not self._processors:
             return scores[0]
-        ids = torch.as_tensor(list(input_ids), dtype=torch.long).reshape(1, -1)
-        return self._processors(ids, scores)[0]
+        if not self.settings.needs_prefix:
+            return self.process_rows(scores, None)[0]
+        if isinstance(input_ids, NodeIds):
+            mask = input_ids.mask()
+        else:
+            mask = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
+            ids = [int(t) for t in input_ids if 0 <= int(t) < scores.shape[-1]]
+            if ids:
+                mask[torch.as_tensor(ids, dtype=torch.long, device=scores.device)] = True
+        return self.process_rows(scores, mask[None])[0]
+
+    def process_rows(self, scores: torch.Tensor, seen: torch.Tensor | None) -> torch.Tensor:
+        """Processed scores of ``scores`` ``[rows, vocab]`` (float32), row ``i`` penalised on the
+        tokens ``seen[i]`` marks (``seen`` ``[rows, vocab]`` bool; ``None`` without a penalty)."""
+        penalty = self.settings.repetition_penalty
+        if penalty != 1.0:
+            if seen is None:
+                raise ValueError("a repetition penalty needs each row's seen-token mask")
+            penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
+            scores = torch.where(seen, penalised, scores)
+        if self._warpers:
+            no_ids = torch.empty((scores.shape[0], 0), dtype=torch.long, device=scores.device)
+            for warper in self._warpers:
+                scores = warper(no_ids, scores)
+        return scores
 
     @property
     def is_identity(self) -> bool:

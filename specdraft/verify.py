@@ -59,6 +59,28 @@ def _walk(tree: TokenTree, choose: Callable[[int, list[int]], int]) -> Verdict:
         node = child
 
 
+def walk_choices(tree: TokenTree, choices: Sequence[int]) -> Verdict:
+    """The verdict of a walk whose choice at every node is already known: ``choices[i]`` is the
+    token node ``i``'s row yields (its greedy argmax, or its one draw from the node's processed
+    distribution). The decoder computes them for every row on the device and fetches them in one
+    read, so the walk itself needs no device round trip per node.
+
+    Under sampling this is exact for the same reason the node-by-node walk is: the draws of
+    different nodes are independent, each from its own node's distribution, and the walk reads the
+    draw of every node it visits exactly once (the draws of nodes it does not visit are never
+    used), so each committed token is still one draw from the conditional of its own prefix.
+    """
+    if len(choices) < len(tree):
+        raise ValueError(f"expected a choice for each of the {len(tree)} nodes, got {len(choices)}")
+    return _walk(tree, lambda node, _: int(choices[node]))
+
+
+def _node_prefix(prefix: Sequence[int]):
+    """A prefix the verifiers can extend per node with ``prefix + walked``: the decoder's
+    :class:`~specdraft.sampling.PenaltyPrefix` as it is (O(1) per node), anything else as a list."""
+    return prefix if hasattr(prefix, "seen") else list(prefix)
+
+
 def verify_greedy(tree: TokenTree, logits: torch.Tensor, scorer: Scorer | None = None,
                   prefix: Sequence[int] = ()) -> Verdict:
     """Greedy verification of ``tree`` given ``logits[len(tree), vocab]`` (row i = node i).
@@ -70,7 +92,7 @@ def verify_greedy(tree: TokenTree, logits: torch.Tensor, scorer: Scorer | None =
     if scorer is None:
         best = logits.argmax(dim=-1).tolist()
         return _walk(tree, lambda node, _: best[node])
-    prefix = list(prefix)
+    prefix = _node_prefix(prefix)
     return _walk(tree, lambda node, walked: int(torch.argmax(scorer(logits[node], prefix + walked))))
 
 
@@ -82,7 +104,7 @@ def verify_sampling(tree: TokenTree, logits: torch.Tensor, scorer: Scorer, prefi
     returns a token id (``torch.multinomial`` in production, a scripted choice in the exact tests).
     """
     _check_shapes(tree, logits)
-    prefix = list(prefix)
+    prefix = _node_prefix(prefix)
 
     def choose(node: int, walked: list[int]) -> int:
         scores = scorer(logits[node], prefix + walked)

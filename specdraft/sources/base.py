@@ -13,12 +13,59 @@ lookahead decoding uses it to run its iteration window for free in the spare wid
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, Sequence, TypeVar, runtime_checkable
 
 import numpy as np
 import torch
+
+
+class TokenView(Sequence[int]):
+    """A read-only view of the first ``length`` tokens of a list that only grows (the decoder's
+    committed sequence): what :attr:`Context.tokens` holds during decoding.
+
+    Handing sources a view instead of a fresh tuple makes a context O(1) to build, whatever the
+    sequence's length. Indexing and ``len`` are O(1); a slice is a new list of just the sliced
+    tokens. It compares equal to any sequence with the same tokens.
+    """
+
+    __slots__ = ("_tokens", "_length")
+
+    def __init__(self, tokens: list[int], length: int | None = None) -> None:
+        self._tokens = tokens
+        self._length = len(tokens) if length is None else length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._length)
+            return self._tokens[start:stop:step]
+        if index < 0:
+            index += self._length
+        if not 0 <= index < self._length:
+            raise IndexError(f"token index out of range for a sequence of {self._length} tokens")
+        return self._tokens[index]
+
+    def __iter__(self):
+        return itertools.islice(self._tokens, self._length)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (TokenView, list, tuple)):
+            return len(other) == self._length and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.asarray(self._tokens[: self._length], dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"TokenView({self._length} tokens)"
 
 
 @dataclass(frozen=True)
@@ -98,6 +145,8 @@ class Feedback:
     side block; ``None`` when it proposed none, or when the block was dropped because one of its
     positions fell outside the model's context.
 
+    ``side_argmax`` is the argmax of each row of ``side_logits`` (host ints, read with the step's one
+    device read, so a source needs no read of its own); ``None`` when ``side_logits`` is.
     ``top_ids`` / ``row_tokens`` are filled only for sources whose ``top_k`` is > 0 (``None`` for
     the rest): ``top_ids[i]`` are the ``k`` most likely next tokens (int64, best first, ``k`` = the
     largest ``top_k`` any of the decoder's sources asked for, at most the vocabulary) of forward
@@ -112,6 +161,7 @@ class Feedback:
     side_logits: torch.Tensor | None = None
     top_ids: np.ndarray | None = None
     row_tokens: np.ndarray | None = None
+    side_argmax: list[int] | None = None
 
 
 @runtime_checkable

@@ -335,10 +335,11 @@ class JacobiLookahead(SourceBase[LookaheadWindow]):
             self._learn(st.pool, tokens, len(tokens) - len(feedback.committed) - self.ngram + 1)
         if pending is None or feedback.side_logits is None:
             return  # no window this step (budget 0): it stays as it was
-        logits = feedback.side_logits
         s, f = pending["level0"], pending["filled"]
-        last = logits[: s] if f == 0 else logits[s + (f - 1) * (s + 1):]
-        new = [int(t) for t in torch.argmax(last, dim=-1).tolist()]
+        best = feedback.side_argmax  # read with the step's one device read (None: a caller made its own Feedback)
+        if best is None:
+            best = torch.argmax(feedback.side_logits, dim=-1).tolist()
+        new = [int(t) for t in (best[: s] if f == 0 else best[s + (f - 1) * (s + 1):])]
         st.steps += 1
         self._update(st, pending["root"], new, len(feedback.committed), list(tokens))
 
