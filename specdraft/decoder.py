@@ -358,10 +358,10 @@ class Decoder:
                 parts.append(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).reshape(-1))
             else:
                 walk = True
-        elif scorer.is_identity:
-            parts.append(rows.argmax(dim=-1))
         elif batched:
-            parts.append(scorer.process_rows(rows.to(torch.float32), self._node_masks(step, penalty, n)).argmax(dim=-1))
+            scores = rows if scorer.is_identity else scorer.process_rows(rows.to(torch.float32),
+                                                                         self._node_masks(step, penalty, n))
+            parts.append(scores.argmax(dim=-1))
         else:
             walk = True
         sides = [side for side in step.side_slices if side is not None]

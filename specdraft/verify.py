@@ -86,12 +86,14 @@ def verify_greedy(tree: TokenTree, logits: torch.Tensor, scorer: Scorer | None =
     """Greedy verification of ``tree`` given ``logits[len(tree), vocab]`` (row i = node i).
 
     ``scorer`` (with the committed ``prefix``, root included) applies logits processors such as a
-    repetition penalty per node; without one, all argmaxes are taken in one vectorised call.
+    repetition penalty per node. Each visited row is read as the walk reaches it: right on a CPU;
+    on an accelerator, compute every row's choice on the device and use :func:`walk_choices`.
     """
     _check_shapes(tree, logits)
     if scorer is None:
-        best = logits.argmax(dim=-1).tolist()
-        return _walk(tree, lambda node, _: best[node])
+        # only the rows the walk visits (a full argmax over every row costs as much as a small
+        # forward on a CPU); on an accelerator the decoder uses :func:`walk_choices` instead
+        return _walk(tree, lambda node, _: int(logits[node].argmax()))
     prefix = _node_prefix(prefix)
     return _walk(tree, lambda node, walked: int(torch.argmax(scorer(logits[node], prefix + walked))))
 
