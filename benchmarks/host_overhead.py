@@ -7,8 +7,11 @@ may sit idle, and every host sync makes it wait. This script measures that part 
 model whose forward is nearly free (one layer, hidden size 64, a 32k vocabulary), so what remains
 is the decoder's own work:
 
-* **host ms / step**: wall time of the decode minus the time inside ``model.forward``, per step,
+* **host ms / step**: the time between one forward's end and the next one's start (verify,
+  compact, commit, feed the sources back, draft, lay out the next input), median over the steps,
   with a fixed tree of 8, 32 or 64 nodes (``adaptive_budget=False``), greedy, default sources;
+* **first draft**: the first of those gaps, which also waits for whatever of the sources' prompt
+  indexing (``begin``, run on a worker thread while the prefill runs) is not done yet;
 * **added before the first token**: time from the call to the first committed token, minus the
   prefill forward;
 * **syncs / uploads per step**: the same decode on :class:`~specdraft.simulated_device.SimulatedDevice`
@@ -84,33 +87,29 @@ def repetitive_context(length: int, seed: int = 0) -> list[int]:
 
 
 class ForwardTimer:
-    """Time spent inside ``model.forward`` (forward pre/post hooks), and the first forward's time."""
+    """When each ``model.forward`` started and ended (forward pre/post hooks)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.total = 0.0
-        self.first: float | None = None
-        self._started = 0.0
-        model.register_forward_pre_hook(self._pre)
-        model.register_forward_hook(self._post)
-
-    def _pre(self, *_: Any) -> None:
-        self._started = time.perf_counter()
-
-    def _post(self, *_: Any) -> None:
-        spent = time.perf_counter() - self._started
-        self.total += spent
-        if self.first is None:
-            self.first = spent
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        model.register_forward_pre_hook(lambda *_: self.starts.append(time.perf_counter()))
+        model.register_forward_hook(lambda *_: self.ends.append(time.perf_counter()))
 
     def reset(self) -> None:
-        self.total, self.first = 0.0, None
+        self.starts, self.ends = [], []
+
+    def gaps(self) -> list[float]:
+        """Host time between forwards: from the end of forward ``k`` to the start of ``k + 1``
+        (verify, compact, commit, feed back, draft, lay out the next input)."""
+        return [b - a for a, b in zip(self.ends, self.starts[1:])]
 
 
 @dataclass
 class HostRow:
     nodes: int
     context: int
-    host_ms_per_step: float
+    host_ms_per_step: float  # median gap between forwards, from the second tree step on
+    first_draft_ms: float  # the first gap: what is left of the sources' prompt indexing, plus a step
     first_token_added_ms: float
     forward_ms_per_step: float
     steps: int
@@ -118,46 +117,44 @@ class HostRow:
 
 
 def time_decode(model, timer: ForwardTimer, prompt: list[int], nodes: int, new_tokens: int,
-                sources: list[str]) -> tuple[float, float, float, int, float]:
-    """One decode: (host s per step, s added before the first token, forward s per step, steps,
-    mean draft nodes per tree)."""
-    dec = Decoder(model, None, sources=make_sources(sources), max_tree_nodes=nodes, adaptive_budget=False,
-                  cpu_kernels="stock")
+                sources: list[str]) -> HostRow:
+    """One decode, timed (see :class:`HostRow`)."""
     from specdraft.stats import GenerationStats
 
+    dec = Decoder(model, None, sources=make_sources(sources), max_tree_nodes=nodes, adaptive_budget=False,
+                  cpu_kernels="stock")
     stats = GenerationStats()
     timer.reset()
     started = time.perf_counter()
     stream = dec.stream(prompt, max_new_tokens=new_tokens, stats=stats)
     next(stream)
     first_at = time.perf_counter() - started
-    prefill = timer.first or 0.0
-    after_first_forward = timer.total
-    t1 = time.perf_counter()
     for _ in stream:
         pass
-    rest = time.perf_counter() - t1
-    steps = max(1, stats.steps - 1)
-    forward = timer.total - after_first_forward
+    prefill = timer.ends[0] - timer.starts[0]
+    gaps = timer.gaps()
+    forwards = [b - a for a, b in zip(timer.starts[1:], timer.ends[1:])]
     drafted = statistics.mean(stats.tree_sizes[1:]) - 1 if len(stats.tree_sizes) > 1 else 0.0
-    return (rest - forward) / steps, first_at - prefill, forward / steps, steps, drafted
+    return HostRow(nodes, len(prompt), statistics.median(gaps[1:]) * 1e3, gaps[0] * 1e3, (first_at - prefill) * 1e3,
+                   statistics.median(forwards) * 1e3, stats.steps, drafted)
 
 
 def host_table(model, contexts: list[int], nodes_list: list[int], new_tokens: int, repeats: int,
                sources: list[str]) -> list[HostRow]:
+    """Each cell's best run (the least disturbed by other work on the machine)."""
     timer = ForwardTimer(model)
     rows = []
     for context in contexts:
         prompt = repetitive_context(context)
         for nodes in nodes_list:
             runs = [time_decode(model, timer, prompt, nodes, new_tokens, sources) for _ in range(repeats)]
-            host = min(r[0] for r in runs)
-            first = min(r[1] for r in runs)
-            fwd = statistics.median(r[2] for r in runs)
-            rows.append(HostRow(nodes, context, host * 1e3, first * 1e3, fwd * 1e3, runs[0][3], runs[0][4]))
-            print(f"  context {context:>6}  nodes {nodes:>3}  host {host * 1e3:6.2f} ms/step  "
-                  f"before first token +{first * 1e3:7.1f} ms  forward {fwd * 1e3:6.2f} ms/step  "
-                  f"tree {runs[0][4]:.1f} nodes", flush=True)
+            best = min(runs, key=lambda r: r.host_ms_per_step)
+            best.first_token_added_ms = min(r.first_token_added_ms for r in runs)
+            best.first_draft_ms = min(r.first_draft_ms for r in runs)
+            rows.append(best)
+            print(f"  context {context:>6}  nodes {nodes:>3}  host {best.host_ms_per_step:6.2f} ms/step  "
+                  f"first draft {best.first_draft_ms:7.1f} ms  before first token +{best.first_token_added_ms:6.1f} ms  "
+                  f"forward {best.forward_ms_per_step:6.2f} ms  tree {best.mean_tree_nodes:.1f} nodes", flush=True)
     return rows
 
 
@@ -253,11 +250,11 @@ def main(argv: list[str] | None = None) -> None:
 def render_markdown(info: dict[str, str], rows: list[HostRow], syncs: dict[str, dict[str, float]]) -> str:
     lines = [f"Host work per step with a near-free forward: {info['cpu']}, {info['threads']} thread, "
              f"torch {info['torch']}, {info['date']}, commit {info['commit']}.", "",
-             "| tree nodes (mean used) | context | host ms / step | added before first token (ms) |",
-             "|---:|---:|---:|---:|"]
+             "| tree nodes (mean used) | context | host ms / step | first draft (ms) | added before first token (ms) |",
+             "|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r.nodes} ({r.mean_tree_nodes:.1f}) | {r.context} | {r.host_ms_per_step:.2f} | "
-                     f"{r.first_token_added_ms:.1f} |")
+                     f"{r.first_draft_ms:.1f} | {r.first_token_added_ms:.1f} |")
     if syncs:
         lines += ["", "| scenario | syncs / step | uploads / step |", "|---|---:|---:|"]
         for name, c in syncs.items():

@@ -243,8 +243,10 @@ class Decoder:
         """The loop of the module docstring. The prefill is step 0: its last row is verified on a
         root-only tree, so the first token takes the same commit path as every later one.
 
-        The sources index the prompt (``begin``) on a worker thread while the prefill runs, and the
-        first token is yielded without waiting for them: they are joined before the first draft.
+        The sources index the prompt (``begin``) after the first token is out, just before the
+        first draft: a request's first token never waits for them. (Indexing on a worker thread
+        during the prefill was measured and rejected: on a CPU the thread holds the interpreter lock
+        between the forward's ops, which stretched a 42 ms prefill of 4k tokens to 350 ms.)
         Each step reads the device once (:meth:`_verdict`) and uploads once (``runner.forward``)."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("this Decoder is busy with another request (a stream() not yet exhausted or closed, "
@@ -253,10 +255,8 @@ class Decoder:
         scorer = NodeScorer(settings)
         request = _Request(list(prompt_ids), len(prompt_ids), next(_request_ids))
         begun: list[DraftSource] = []
-        starter: _SourceStarter | None = None
         failed = False
         try:
-            starter = _SourceStarter(self.sources, request.context(), begun)
             capacity = len(prompt_ids) + rule.max_new_tokens + self.max_tree_nodes + _CACHE_SLACK
             with self._kernels():
                 logits = self.runner.prefill(request.committed, capacity)[None]
@@ -301,9 +301,11 @@ class Decoder:
                     yield tokens
                 if done:
                     return
-                if starter is not None:
-                    starter.join()  # the sources must have read the prompt before they draft
-                    starter = None
+                if step.forward_input is None:  # the first draft: the sources read the prompt now
+                    prompt = request.prompt_context()
+                    for source in self.sources:
+                        source.begin(prompt)
+                        begun.append(source)
                     self.budget.start_request()
                 # 1. draft; 2. merge under the budget; 3. one forward
                 step = self._draft(request, rule)
@@ -322,14 +324,10 @@ class Decoder:
             raise
         finally:
             try:
-                if starter is not None:
-                    starter.join(raise_error=not failed)
+                _finish_sources(begun, request.context(), failed)
             finally:
-                try:
-                    _finish_sources(begun, request.context(), failed)
-                finally:
-                    stats.wall_time = self.clock() - started
-                    self._busy.release()
+                stats.wall_time = self.clock() - started
+                self._busy.release()
 
     def _batched_rows(self, device: torch.device) -> bool:
         """Whether each step scores every tree row on the device at once (one read per step) rather
@@ -558,6 +556,10 @@ class _Request:
         """The sequence as the sources see it: a read-only view, not a copy (O(1) per step)."""
         return Context(TokenView(self.committed), self.prompt_length, self.request_id)
 
+    def prompt_context(self) -> Context:
+        """The prompt alone (what ``begin`` sees), as a view even after tokens were committed."""
+        return Context(TokenView(self.committed, self.prompt_length), self.prompt_length, self.request_id)
+
     def commit(self, tokens: Sequence[int]) -> int:
         """Append ``tokens``; returns the index of the first of them."""
         start = len(self.committed)
@@ -594,39 +596,6 @@ def _path_tokens(tree: TokenTree) -> np.ndarray:
         out[i, : d - 1] = out[tree.parents[i], : d - 1]
         out[i, d - 1] = tree.tokens[i]
     return out
-
-
-class _SourceStarter:
-    """Runs every source's ``begin`` (indexing the prompt) on a worker thread, so it overlaps the
-    prefill forward (and, on an accelerator, whatever the host does while the device works).
-
-    Sources are begun in order and appended to ``begun`` as each returns, so a request that fails
-    finishes exactly the sources that began. :meth:`join` waits and re-raises a source's error.
-    """
-
-    def __init__(self, sources: Sequence[DraftSource], context: Context, begun: list[DraftSource]) -> None:
-        self._sources, self._context, self._begun = list(sources), context, begun
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        if self._sources:
-            self._thread = threading.Thread(target=self._run, name="specdraft-begin", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for source in self._sources:
-                source.begin(self._context)
-                self._begun.append(source)
-        except BaseException as exc:  # noqa: BLE001 - handed to the decoding thread by join()
-            self._error = exc
-
-    def join(self, raise_error: bool = True) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None and raise_error:
-            error, self._error = self._error, None
-            raise error
 
 
 def _eos_ids(model: Any) -> list[int]:
