@@ -374,3 +374,34 @@ def test_seed_reproducibility_and_isolation(model, law_a: ExactLaw) -> None:
     # a fresh decoder (fresh cache, sources) gives the same thing for the same seed
     assert make_decoder(model, law_a).generate(PROMPT, max_new_tokens=12, do_sample=True, seed=3,
                                                **SETTING_A).token_ids == first[3]
+
+
+# ---------------------------------------------------------------------------------------------
+# Every row's choice at once (the accelerator path): the same law
+# ---------------------------------------------------------------------------------------------
+
+
+def test_batched_row_choices_keep_the_plain_sampling_law(model, law_a: ExactLaw) -> None:
+    """On an accelerator each step draws one token for *every* tree row on the device (one read per
+    step) and then walks the tree over those draws. Forced here on the CPU: setting A (with its
+    repetition penalty, applied per row through each node's own path mask) keeps the exact law."""
+    decoder = make_decoder(model, law_a)
+    decoder.row_choices = "batched"
+    counts, mean_accepted = sample(decoder, N_CORRECT, SETTING_A, seed0=60_000)
+    pvalue, dof, impossible = chi_square(counts, law_a)
+    print(f"\n[batched rows] N={N_CORRECT} p={pvalue:.4g} dof={dof} mean_accepted={mean_accepted:.2f}")
+    assert mean_accepted > 1.3
+    assert impossible == 0 and pvalue > P_THRESHOLD
+
+
+def test_chi_square_rejects_batched_rows_that_ignore_each_nodes_path(model, law_a: ExactLaw, monkeypatch) -> None:
+    """Teeth for the batched path: penalising every row with the committed tokens only (not the
+    tokens on the node's own path) must fail, as the node-by-node mutant does."""
+    monkeypatch.setattr(Decoder, "_node_masks", staticmethod(
+        lambda step, penalty, n: None if penalty is None else penalty.seen.expand(n, -1)))
+    decoder = make_decoder(model, law_a)
+    decoder.row_choices = "batched"
+    counts, _ = sample(decoder, N_MUTANT, SETTING_A, seed0=70_000)
+    pvalue, dof, impossible = chi_square(counts, law_a)
+    print(f"\n[batched rows, committed-only penalty] N={N_MUTANT} p={pvalue:.4g} impossible={impossible}")
+    assert pvalue < P_THRESHOLD
