@@ -91,6 +91,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="float32/float64 give token-exact greedy output; bfloat16 is faster (default: %(default)s)")
     parser.add_argument("--threads", type=_int_at_least(1), default=1, metavar="N",
                         help="torch CPU threads; 1 is fastest for small models on small VMs (default: %(default)s)")
+    parser.add_argument("--device", default="auto", metavar="DEVICE",
+                        help="where the model runs: cpu, cuda, cuda:N or auto (a CUDA GPU if there is one; "
+                             "default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -282,7 +285,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     sources = make_sources(source_names)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, progress=not args.quiet)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, progress=not args.quiet, device=args.device)
     from specdraft.decoder import Decoder  # imported late: it is the newest module
 
     prompt_ids = _encode_prompt(tokenizer, prompt_text, args.chat)
@@ -380,7 +383,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from specdraft.sources import PromptLookup
 
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, progress=not args.quiet)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, progress=not args.quiet, device=args.device)
     prompt_ids = _encode_prompt(tokenizer, DEMO_PROMPT, chat=bool(getattr(tokenizer, "chat_template", None)))
     decoder = Decoder(model, tokenizer, sources=[PromptLookup()], max_tree_nodes=args.max_tree_nodes,
                       adaptive_budget=not args.fixed_budget)

@@ -470,3 +470,36 @@ def test_bench_only_peer_is_never_a_default_method_and_says_how_to_get_it() -> N
             parse_methods("arctic-suffix")
     else:
         assert parse_methods("arctic-suffix") == [BASELINE, "specdraft:arctic-suffix"]
+
+
+def run_bench_on_device(tmp_path: Path, device: str) -> dict:
+    """``specdraft bench`` on a saved tiny checkpoint moved to ``device`` (the CUDA suite runs it on
+    a GPU); returns the summary it wrote."""
+    from _tiny_checkpoint import save_tiny_checkpoint
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "tiny")
+    prompts = write_jsonl(tmp_path / "two.jsonl", [{"id": "q0", "prompt": "a b c a b c a b"},
+                                                   {"id": "q1", "prompt": "w1 w2 w3 w1 w2"}])
+    out = tmp_path / "out"
+    code = cli.main(["bench", "--model", str(checkpoint), "--device", device, "--dataset", str(prompts),
+                     "--methods", "baseline,specdraft:prompt", "--max-new-tokens", "12", "--out", str(out),
+                     "--no-plot", "-q"])
+    assert code == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_bench_takes_a_device(tmp_path: Path) -> None:
+    summary = run_bench_on_device(tmp_path, "cpu")
+    assert summary["config"]["methods"] == ["baseline", "specdraft:prompt"]
+
+
+def test_a_device_this_machine_lacks_is_named_in_the_error(capsys, tmp_path: Path) -> None:
+    from specdraft.models.loader import resolve_device
+
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="'tpu'"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            resolve_device("cuda")

@@ -73,6 +73,11 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def model():
+    return law_model()
+
+
+def law_model(device: str = "cpu"):
+    """The tiny peaked float64 Llama the laws are enumerated on (also the CUDA suite's)."""
     torch.manual_seed(20240607)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
@@ -82,7 +87,7 @@ def model():
         m.lm_head.weight.mul_(LM_HEAD_SCALE)
     m.generation_config.pad_token_id = None
     m.generation_config.eos_token_id = None
-    return m
+    return m.to(device)
 
 
 class ExactLaw:

@@ -112,7 +112,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from specdraft.models import load_model
 
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, progress=not args.quiet)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, progress=not args.quiet, device=args.device)
     # Move everything alive now (modules, weights) out of the collector's sight: the runner
     # collects garbage before every timed run, and that is then milliseconds, not ~0.5 s.
     gc.collect()

@@ -150,7 +150,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load_model(name_or_path: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str | None = None,
                cache_dir: Path | None = None, progress: bool = True, trust_remote_code: bool = False,
-               ) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
+               device: str | torch.device = "cpu") -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
     """Resolve ``name_or_path`` and load a stock ``AutoModelForCausalLM`` plus its tokenizer.
 
     Safety: weights load from safetensors only (a pickled ``.bin`` checkpoint can run code when
@@ -160,8 +160,12 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype = "float32", attn_
     The model is in eval mode (no dropout: greedy identity with plain decoding depends on it). A
     ``.gguf`` file is dequantized to dense float32 and then cast, so every block type is exact.
     Raises :class:`CorruptCheckpointError` when loading fails because a file is damaged.
+
+    ``device`` is where the model runs: ``"cpu"``, ``"cuda"``, ``"cuda:1"``..., or ``"auto"`` (the
+    first CUDA GPU when there is one, else the CPU).
     """
     torch_dtype = resolve_dtype(dtype)  # validate before any download
+    target = resolve_device(device)
     resolved = resolve_model(name_or_path, cache_dir=cache_dir, progress=progress)
     kwargs: dict[str, Any] = {"trust_remote_code": bool(trust_remote_code)}
     if attn_implementation is not None:
@@ -175,7 +179,29 @@ def load_model(name_or_path: str, *, dtype: str | torch.dtype = "float32", attn_
             raise
         raise CorruptCheckpointError(damage) from exc
     model.eval()
+    if target.type != "cpu":
+        model = model.to(target)
     return model, tokenizer
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The device for a name (``"auto"``: CUDA when available, else the CPU); a clear error for a
+    device this machine does not have."""
+    if isinstance(device, str) and device.strip().lower() == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda', 'cuda:N' or 'auto'") from exc
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but this torch sees no CUDA GPU "
+                             f"(torch {torch.__version__}); use --device cpu")
+        if target.index is not None and target.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA GPU(s) exist")
+    elif target.type != "cpu":
+        raise ValueError(f"device {device!r} is not supported; use 'cpu', 'cuda', 'cuda:N' or 'auto'")
+    return target
 
 
 def load_tokenizer(name_or_path: str, *, cache_dir: Path | None = None,
