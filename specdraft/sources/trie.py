@@ -54,17 +54,18 @@ of distinct tokens (up to vocabulary x capacity), ``max_nodes`` bounds the whole
 dropping the globally least frequent nodes first; its default, 131072 nodes, is about
 54 MB (51 MiB) at the measured ~410 bytes per node.
 
-Data layout. Keys are token tuples in a :class:`pygtrie.Trie`; every node (every distinct prefix
-of an inserted window) holds a :class:`TrieNode` with two counts: ``out``, the number of output
+Data layout. Every node (every distinct prefix of an inserted window) is a :class:`TrieNode`
+linked to its parent and holding a dict of its children, with two counts: ``out``, the number of output
 windows through it (persistent), and ``prompt``, the number of prompt windows of *active* requests
 through it (removed when the request ends). Its frequency is ``out + prompt_weight * prompt``.
 Because a window through a node passes through all its ancestors, a parent's counts are never
 below the sum of its children's: frequencies shrink going down, so "the most frequent nodes" is
 always a prefix-closed set, and so is "the least frequent nodes" once ties go deepest-first.
-Next to the pygtrie each node keeps a dict of its children, so a retrieval touches only the
-nodes it returns and their siblings, never the whole trie (pygtrie's public API exposes
-children only through ``traverse``, which builds a key tuple per visited node; the benchmark
-``benchmarks/trie_overhead.py`` measures both).
+A retrieval touches only the nodes it returns and their siblings, never the whole trie. The
+:attr:`FrequencyTrie.trie` property shows the same nodes as a :class:`pygtrie.Trie` (token tuple
+-> node), built on demand for reading: keeping a pygtrie up to date on every insertion cost
+most of the time of indexing a prompt (about 90 us per prompt token at ``branch_length=12``,
+1.5 s for a 16k-token prompt), for a structure retrieval never reads.
 
 Windows. A window is ``branch_length + 1`` tokens: the token a branch follows plus the branch,
 as in the authors' implementation (``token_ids[i + 1 : i + branch_length + 1]`` filed under
@@ -91,7 +92,8 @@ O(N log N), but runs only once per ~13000 new nodes at the default ``max_nodes``
 while the trie stays below it.
 
 Cost: well under 1% of a small model's CPU step per decoding step, all included; about 410 bytes
-per node (the node, its child dict, and the pygtrie node with its child map). The measurements
+per node were measured with the pygtrie kept alongside (the node, its child dict, and the pygtrie
+node with its child map); without it a node takes less. The measurements
 (``benchmarks/trie_overhead.py``) are in the documentation's "How the defaults were chosen".
 """
 
@@ -117,12 +119,12 @@ DEFAULT_MAX_NODES = 131_072
 
 
 class TrieNode:
-    """The value stored under each key of the pygtrie: one node's counts and links.
+    """One node of the trie: its counts and links.
 
     ``out`` counts output windows through the node, ``prompt`` the prompt windows of requests
     still running. ``stamp`` is the insertion clock of the last window that touched the node (the
     tie-break of pruning: among equally frequent nodes the stalest goes first). ``children`` maps
-    token -> child node (the child index kept next to the pygtrie for fast retrieval).
+    token -> child node (the child index retrieval walks).
     """
 
     __slots__ = ("token", "parent", "depth", "children", "out", "prompt", "stamp", "alive")
@@ -258,7 +260,8 @@ class FrequencyTrie:
         self.eliminate = eliminate
         self.name = name
         self._lock = threading.RLock()
-        self._trie: pygtrie.Trie = pygtrie.Trie()
+        self._view: pygtrie.Trie | None = None  # the pygtrie view of :attr:`trie`, made on demand
+        self._version = 0  # structural changes (nodes made or removed): when the view is stale
         self._root = TrieNode(-1, None, 0)  # the empty key; never stored, never counted
         self._size = 0
         self._tree_size: dict[int, int] = {}  # first token -> nodes of its tree (its own node included)
@@ -482,10 +485,10 @@ class FrequencyTrie:
     def clear(self) -> None:
         """Forget everything (counts and running requests)."""
         with self._lock:
-            for node in self._trie.itervalues():
+            for _, node in self._iter_nodes():
                 node.alive = False
-            self._trie = pygtrie.Trie()
             self._root = TrieNode(-1, None, 0)
+            self._version += 1
             self._size = 0
             self._tree_size.clear()
             self._grown.clear()
@@ -494,9 +497,26 @@ class FrequencyTrie:
 
     @property
     def trie(self) -> pygtrie.Trie:
-        """The underlying :class:`pygtrie.Trie` (token tuple -> :class:`TrieNode`), for reading only;
-        hold :attr:`lock` while reading it if other threads may be writing."""
-        return self._trie
+        """Every node as a :class:`pygtrie.Trie` (token tuple -> :class:`TrieNode`), for reading only.
+        Built from the nodes when first asked for after a change (O(trie size)); hold :attr:`lock`
+        while reading it if other threads may be writing."""
+        with self._lock:
+            if self._view is None or self._view_version != self._version:
+                view = pygtrie.Trie()
+                for key, node in self._iter_nodes():
+                    view[key] = node
+                self._view, self._view_version = view, self._version
+            return self._view
+
+    def _iter_nodes(self):
+        """``(key, node)`` for every node, parents before children (callers hold the lock)."""
+        stack = [((), self._root)]
+        while stack:
+            key, node = stack.pop()
+            for token, child in node.children.items():
+                child_key = key + (token,)
+                yield child_key, child
+                stack.append((child_key, child))
 
     @property
     def lock(self) -> threading.RLock:
@@ -520,23 +540,27 @@ class FrequencyTrie:
     def counts(self, key: Sequence[int]) -> tuple[int, int] | None:
         """``(out, prompt)`` counts of the node for ``key``, or ``None`` if there is none."""
         with self._lock:
-            node = self._trie.get(tuple(int(t) for t in key))
-            return None if node is None else (node.out, node.prompt)
+            node = self._root
+            for token in key:
+                node = node.children.get(int(token))
+                if node is None:
+                    return None
+            return None if node is self._root else (node.out, node.prompt)
 
     def snapshot(self) -> dict[tuple[int, ...], tuple[int, int]]:
         """Every node as ``key -> (out, prompt)`` (for tests and inspection; O(trie size))."""
         with self._lock:
-            return {tuple(key): (node.out, node.prompt) for key, node in self._trie.iteritems()}
+            return {key: (node.out, node.prompt) for key, node in self._iter_nodes()}
 
     def check_invariants(self) -> None:
-        """Assert the structural invariants (O(trie size); for tests): the pygtrie and the child
-        index hold the same nodes, the key set is prefix-closed, counts are >= 0 and every node
+        """Assert the structural invariants (O(trie size); for tests): the pygtrie view and the
+        child index hold the same nodes, the key set is prefix-closed, counts are >= 0 and every node
         has a positive frequency, a parent's counts are at least the sum of its children's, the
         per-tree node counts are right and within ``capacity``, and the total is within
         ``max_nodes``."""
         with self._lock:
             keys = {}
-            for key, node in self._trie.iteritems():
+            for key, node in self.trie.iteritems():
                 key = tuple(key)
                 assert node.alive, f"dead node stored under {key}"
                 assert node.depth == len(key) and node.token == key[-1], f"node {node} stored under {key}"
@@ -629,13 +653,7 @@ class FrequencyTrie:
 
     def _create(self, parent: TrieNode, tokens: Sequence[int], start: int, first: int, stop: int) -> list[TrieNode]:
         """Make the nodes for ``tokens[first:stop]`` below ``parent`` (the node of
-        ``tokens[start:first]``), in the child index and in the pygtrie; returns them, top-down,
-        with zero counts.
-
-        Below a missing node everything is missing, so the whole tail is made at once: one
-        ``__setitem__`` for the deepest key makes pygtrie's path, one ``walk_towards`` sets the values
-        on the way (linear in the window, where a ``__setitem__`` per node would be quadratic).
-        """
+        ``tokens[start:first]``) in the child index; returns them, top-down, with zero counts."""
         made = []
         node = parent
         for j in range(first, stop):
@@ -643,14 +661,9 @@ class FrequencyTrie:
             node.children[tokens[j]] = child
             made.append(child)
             node = child
-        key = tuple(tokens[start:stop])
-        self._trie[key] = made[-1]
-        if len(made) > 1:
-            steps = itertools.islice(self._trie.walk_towards(key[:-1]), made[0].depth, None)
-            for step, child in zip(steps, made):
-                step.setdefault(child)
         self._size += len(made)
-        tree = key[0]
+        self._version += 1
+        tree = tokens[start]
         self._tree_size[tree] = self._tree_size.get(tree, 0) + len(made)
         self._grown.add(tree)
         return made
@@ -682,7 +695,7 @@ class FrequencyTrie:
         """Remove ``node`` and its subtree from both structures; returns the number of nodes."""
         key = self._key(node)
         del node.parent.children[node.token]
-        del self._trie[key:]
+        self._version += 1
         removed = 0
         stack = [node]
         while stack:
@@ -731,7 +744,7 @@ class FrequencyTrie:
         """Put back a subtree a prune removed (for an exact :meth:`abort`): the same node objects,
         with the counts, stamps and children they had, under the same parent (alive again by then),
         in the child index (last among its siblings: no result depends on the order, see
-        :meth:`abort`) and in the pygtrie."""
+        :meth:`abort`)."""
         top.parent.children[top.token] = top
         key = self._key(top)
         revived = 0
@@ -739,10 +752,10 @@ class FrequencyTrie:
         while stack:
             key_n, node = stack.pop()
             node.alive = True
-            self._trie[key_n] = node
             revived += 1
             stack.extend((key_n + (token,), child) for token, child in node.children.items())
         self._size += revived
+        self._version += 1
         self._tree_size[key[0]] = self._tree_size.get(key[0], 0) + revived
         self._edits += 1
 
