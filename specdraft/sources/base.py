@@ -21,6 +21,8 @@ from typing import Any, Generic, Protocol, Sequence, TypeVar, runtime_checkable
 import numpy as np
 import torch
 
+from .bulk import collector_paused
+
 
 class TokenView(Sequence[int]):
     """A read-only view of the first ``length`` tokens of a list that only grows (the decoder's
@@ -272,7 +274,8 @@ class SourceBase(Generic[State]):
             return self._states.get(request_id)
 
     def begin(self, context: Context) -> None:
-        made = self.new_state(context)
+        with collector_paused():  # a state indexes the whole prompt: many objects, none garbage
+            made = self.new_state(context)
         if made is not None:
             with self._states_lock:
                 self._states[context.request_id] = made

@@ -85,6 +85,7 @@ import threading
 from collections import OrderedDict
 from typing import Iterator, Sequence
 
+from .bulk import collector_paused
 from .base import Context, Draft, Feedback
 
 __all__ = ["MultiLevelNGram", "NGramModel"]
@@ -454,7 +455,7 @@ class MultiLevelNGram:
     # -- the DraftSource protocol --------------------------------------------------------------
 
     def begin(self, context: Context) -> None:
-        with self._lock:
+        with self._lock, collector_paused():
             self._requests.pop(context.request_id, None)
             self._state(context, begin=True)
 

@@ -109,6 +109,7 @@ from typing import Sequence
 
 import pygtrie
 
+from .bulk import collector_paused
 from .base import Context, Draft, Feedback
 
 __all__ = ["FrequencyTrie", "TrieNode"]
@@ -281,7 +282,7 @@ class FrequencyTrie:
         """Branch inserting, prompt part (Sec. 4.3.1; Algorithm 1, lines 5-10): every window of the
         prompt, counted as prompt (amplified, and removed again by :meth:`end`)."""
         prompt = tuple(int(t) for t in context.tokens[: context.prompt_length])
-        with self._lock:
+        with self._lock, collector_paused():
             old = self._requests.pop(context.request_id, None)
             if old is not None:  # a reused id: the old request ends here, its prompt taken back first
                 self._edits += 1
