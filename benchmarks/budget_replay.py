@@ -99,8 +99,7 @@ def measure_costs(model_path: str, dtype: str, max_width: int, repeats: int, cac
             runner.forward(list(range(500, 500 + q)), np.arange(q), block)
             times[q].append(time.perf_counter() - started)
             runner.compact([0])  # keep the root only, then drop it too: the cache stays cache_len long
-            for layer in runner.cache.layers:
-                layer.keys, layer.values = layer.keys[..., :cache_len, :], layer.values[..., :cache_len, :]
+            runner.cache.truncate(cache_len)
             runner.cache_len = cache_len
     return [statistics.median(times[q]) for q in sorted(times)]
 
@@ -140,8 +139,11 @@ class ReplayRunner:
         self.cache_len = 0
         self._last_q = 0
         self.widths: list[int] = []
+        self.prefill_ids: torch.Tensor | None = None
+        self.rider_tensors: list[torch.Tensor] = []
 
-    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def prefill(self, token_ids: Sequence[int], capacity: int = 0) -> torch.Tensor:
+        self.prefill_ids = torch.as_tensor(list(token_ids), dtype=torch.long)
         self.cache_len = len(token_ids)
         self._last_q = 1  # as ModelRunner: the prompt's last token is the first step's root
         self.clock.advance(self.costs(len(token_ids)))
@@ -149,8 +151,10 @@ class ReplayRunner:
         logits[self.sequence[len(token_ids)]] = 1.0
         return logits
 
-    def forward(self, tokens: Sequence[int], offsets: np.ndarray, block_mask: np.ndarray) -> torch.Tensor:
+    def forward(self, tokens: Sequence[int], offsets: np.ndarray, block_mask: np.ndarray,
+                riders: Sequence[np.ndarray] = ()) -> torch.Tensor:
         q = len(tokens)
+        self.rider_tensors = [torch.from_numpy(np.asarray(r)) for r in riders]
         self.clock.advance(self.costs(q))
         self.widths.append(q)
         root_at = self.cache_len  # the root is committed token number cache_len (0-based)

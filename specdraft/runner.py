@@ -380,3 +380,8 @@ class SlotCache(DynamicCache):
     def keep_rows(self, base: int, keep: list[int]) -> None:
         for layer in self.layers:
             layer.keep_rows(base, keep)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` positions of every layer (for measurements that rerun a step)."""
+        for layer in self.layers:
+            layer.keep_rows(length, [])

@@ -324,8 +324,13 @@ def test_abandoned_stream_ends_request(model) -> None:
     boom = Exploding(at=-1)
     dec = Decoder(model, sources=[boom], max_tree_nodes=2)
     stream = dec.stream([4, 5, 6], max_new_tokens=10)
+    next(stream)  # the prefill's token: the sources begin only before the first draft
     next(stream)
     stream.close()
+    assert boom.ended == 1
+    stream = dec.stream([4, 5, 6], max_new_tokens=10)
+    next(stream)
+    stream.close()  # closed after the first token: the sources never began, so nothing to end
     assert boom.ended == 1
     assert dec.generate([4, 5, 6], max_new_tokens=5).token_ids == reference_greedy(model, [4, 5, 6], 5)
 
