@@ -200,43 +200,15 @@ class JacobiLookahead(SourceBase[LookaheadWindow]):
     seed:
         seed of the random initial fill and refills (per request, mixed with the prompt).
 
-    Defaults: ``W=5, N=3, G=2`` -- measured here, not copied from the paper's A100 table (W=15,
-    N=5, G=15: about (W + G)(N - 1) = 120 tokens per forward, width a CPU does not have to spare).
-    ``benchmarks/jacobi_grid.py``: Qwen2.5-Coder-0.5B-Instruct, one thread on the shared 2-vCPU
-    VM, greedy, 64 new tokens, chat prompts (chat template) alternating with code completions,
-    fixed tree budget (32) so the window runs and its n-grams are checked every step;
-    ``model.generate`` timed right before and after each prompt's grid in the same process.
-    S = new tokens / forward passes over all prompts; ratio = plain time / our time, median over
-    prompts. Other work loaded the VM (plain decoding of one prompt varied up to 3x between its
-    two timings), so ratios are +-30% rough; S is exact.
-
-    ==========  =================  ========================  ========================
-    W,N,G       side + tree tokens  bf16, 8 prompts: S, ratio  fp32, 6 prompts: S, ratio
-    ==========  =================  ========================  ========================
-    3,3,2       5 + <= 4           1.30  0.96                1.31  0.57
-    3,4,2       8 + <= 6           1.29  1.00
-    **5,3,2**   9 + <= 4           **1.41  1.04**            **1.43  0.58**
-    5,4,2       14 + <= 6          1.44  1.00                1.43  0.47
-    5,4,4       14 + <= 12         1.44  0.97
-    5,3,2 (a)   9 + <= 4           1.13  1.04                1.15  0.83
-    ==========  =================  ========================  ========================
-
-    (a) with the Decoder's adaptive budget (its default), which switches drafting off when it
-    does not pay; the window then stops too (a budget of 0 gets no side block).
-
-    (5, 3, 2) has the S of the widest windows tried (chat 1.34, code 1.47 in bf16) at two thirds
-    of their side tokens, and the best or equal-best ratio in both dtypes. In float32 a forward of
-    more than one token costs about twice a plain step on this CPU (``../shared/models/README.md``)
-    so lookahead alone is a slowdown in float32 here whatever the configuration; in bfloat16,
-    where up to ~16 tokens cost about one step, it is about break-even. It pays where the spare
-    width is real (GPUs) and mixes with the other sources in one tree. Every fp32 output was
-    identical to plain decoding; in bf16 near-ties round differently with the forward's width
-    (about half the prompts differ somewhere, as for transformers' own assisted decoding).
-
-    A later rerun through ``specdraft bench`` (128 new tokens, 10 HumanEval prompts in bf16, 4-prompt
-    runs for MT-Bench and fp32; ``benchmarks/README.md``, "Jacobi lookahead grid") agrees: (5, 3, 2)
-    accepts the most tokens per step, narrower windows are within noise in bf16 and lose less in
-    fp32, and adding the window to prompt + trie slows the mix on this CPU.
+    Defaults: ``W=5, N=3, G=2``, chosen by measurement on a CPU rather than copied from the
+    paper's A100 table (W=15, N=5, G=15: about (W + G)(N - 1) = 120 tokens per forward, width a
+    CPU does not have to spare). On Qwen2.5-Coder-0.5B-Instruct (``benchmarks/jacobi_grid.py`` and
+    a ``specdraft bench`` grid; ``benchmarks/README.md``, "Jacobi lookahead grid"), (5, 3, 2)
+    accepted the most tokens per step of the windows tried at two thirds of the widest windows'
+    side tokens. Where a forward of many tokens costs more than a one-token one (stock float32
+    kernels on a CPU), lookahead alone is a slowdown whatever the window; it pays where spare
+    width is real (GPUs, or the packed CPU kernels of :mod:`specdraft.cpu_kernels`) and mixes
+    with the other sources in one tree. Every float32 output was identical to plain decoding.
     """
 
     def __init__(self, window: int = 5, ngram: int = 3, max_candidates: int = 2, pool_size: int = 4096,
