@@ -103,16 +103,27 @@ def machine(run: str) -> dict:
     return machines()[cfg["platform"]]
 
 
-def run_note(run: str, page: str) -> str:
-    """``[run](link)``: CPU, threads, started DATE, results added in COMMIT."""
+def run_ref(run: str, page: str) -> str:
+    """``[run](link)`` (started DATE, results committed in COMMIT)."""
     cfg = run_config(run)
-    m = machine(run)
-    started = cfg.get("started", "")[:10]
     commit, added = added_in().get(run, ("?", "?"))
-    when = f"run {started}" if started else f"added {added}"
-    threads = cfg.get("threads", 1)
-    return (f"[`{run}`]({link(run, page)}): {m['cpu']}, {m['isa']}, {threads} thread"
-            f"{'s' if threads != 1 else ''}; {when}, results committed in `{commit}`")
+    started = cfg.get("started", "")[:10] or added
+    return f"[`{run}`]({link(run, page)}) ({started}, results committed in `{commit}`)"
+
+
+def runs_note(runs: list[str], page: str) -> str:
+    """The runs of a table, grouped by machine: CPU, instruction set, threads."""
+    groups: dict[tuple, list[str]] = {}
+    for run in runs:
+        m = machine(run)
+        threads = run_config(run).get("threads", 1)
+        key = (m["cpu"], m["isa"], f"{threads} thread{'s' if threads != 1 else ''}")
+        groups.setdefault(key, []).append(run)
+    lines = []
+    for (cpu, isa, threads), rs in groups.items():
+        lines.append(f"{'Run' if len(rs) == 1 else 'Runs'} on {cpu}, {isa}, {threads}: "
+                     + ", ".join(run_ref(r, page) for r in rs) + ".")
+    return "  \n".join(lines)
 
 
 def link(run: str, page: str) -> str:
@@ -193,11 +204,10 @@ def compare_table(rows: list[Row], page: str, *, workload: str = "workload",
         cells.append(f"{m['mean_accepted']:.2f}")
         cells.append(f"{m['identical']}/{m['compared']}")
         lines.append("| " + " | ".join(cells) + " |")
-    notes = ["Speed-up: median of the per-prompt ratios, worst prompt in parentheses. "
-             "Greedy, 128 new tokens, Qwen2.5-Coder-0.5B-Instruct."]
-    notes += [f"Run {run_note(run, page)}." for run in runs]
-    return "\n".join(lines) + "\n\n" + "\n".join(f"{n}  " if i < len(notes) - 1 else n
-                                                  for i, n in enumerate(notes)) + "\n"
+    note = ("Qwen2.5-Coder-0.5B-Instruct, greedy, 128 new tokens. Speed-up: median of the "
+            "per-prompt ratios, worst prompt in parentheses. Kernels: stock = PyTorch's own; "
+            "FBGEMM = `cpu_kernels=\"fbgemm\"`.  \n" + runs_note(runs, page))
+    return "\n".join(lines) + "\n\n" + note + "\n"
 
 
 def methods_table(run: str, datasets: list[str], methods: list[tuple[str, str]], page: str) -> str:
@@ -216,7 +226,7 @@ def methods_table(run: str, datasets: list[str], methods: list[tuple[str, str]],
         lines.append("| " + " | ".join(cells) + " |")
     dtype = summary(run)["config"]["dtype"]
     note = (f"{dtype}, greedy, 128 new tokens. Speed-up against `model.generate`: median of the "
-            f"per-prompt ratios, worst prompt in parentheses.  \nRun {run_note(run, page)}.")
+            f"per-prompt ratios, worst prompt in parentheses.  \n{runs_note([run], page)}")
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
@@ -236,7 +246,7 @@ def cost_table(run: str, paths: list[str], page: str, ks: tuple[int, ...] = (1, 
         lines.append("| " + " | ".join(cells) + " |")
     cfg = data["config"]
     note = (f"{cfg['dtype']}, {cfg['cache_len']}-token cache, median of {cfg['repeats']} "
-            f"interleaved repeats.  \nRun {run_note(run, page)}.")
+            f"interleaved repeats.  \n{runs_note([run], page)}")
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
@@ -254,6 +264,7 @@ EXPECT = [
     Row("Chat (MT-Bench, 40)", FP32_MT, "mtbench"),
     Row("Code completion (HumanEval, 40)", FB_HE, "humaneval", "default@fbgemm", "FBGEMM"),
     Row("Chat (MT-Bench, 40)", FB_MT, "mtbench", "default@fbgemm", "FBGEMM"),
+    Row("Chat (MT-Bench, 40)", FB_MT, "mtbench"),
 ]
 
 FULL = {"fp32": "qwen0.5b-fp32-full", "bf16": "qwen0.5b-bf16-full"}
