@@ -281,7 +281,16 @@ BFCL_METHODS = [("specdraft:suffix", "`suffix`"), ("specdraft:arctic-suffix", "`
 TR40_METHODS = [("default", "default"), ("specdraft:recycle", "`recycle` alone"),
                 ("specdraft:prompt+trie+ngram+recycle", "default + `recycle`")]
 
+JACOBI_METHODS = [("specdraft:jacobi", "`jacobi`, adaptive budget"),
+                  ("specdraft:jacobi@fixed", "`jacobi`, fixed 32 nodes"),
+                  ("specdraft:jacobi[window=2]@fixed", "`jacobi[window=2]`, fixed"),
+                  ("specdraft:jacobi[window=3]@fixed", "`jacobi[window=3]`, fixed"),
+                  ("specdraft:prompt+trie", "`prompt+trie`"),
+                  ("specdraft:prompt+trie+jacobi", "`prompt+trie+jacobi`")]
+
 TABLES: dict[str, Callable[[str], str]] = {
+    "jacobi-grid": lambda page: methods_table(
+        "qwen0.5b-bf16-jacobi-grid", ["humaneval"], JACOBI_METHODS, page),
     "expect": lambda page: compare_table(EXPECT, page),
     "results-stock": lambda page: compare_table([
         Row("HumanEval: default", FP32_HE, "humaneval"),
