@@ -306,6 +306,9 @@ TABLES: dict[str, Callable[[str], str]] = {
     + methods_table(FB_HE, ["humaneval"], FBGEMM_METHODS, page),
     "sources-alone-fp32": lambda page: methods_table(FULL["fp32"], ["humaneval", "mtbench"], ALONE, page),
     "sources-alone-bf16": lambda page: methods_table(FULL["bf16"], ["humaneval", "mtbench"], ALONE, page),
+    "suffix-mt-he": lambda page: methods_table(
+        "suffix-qwen0.5b-bf16-mt-he", ["humaneval", "mtbench"],
+        [("specdraft:suffix", "`suffix`"), ("specdraft:trie", "`trie`")], page),
     "bfcl-bf16": lambda page: methods_table(BFCL_BF16, ["bfcl"], BFCL_METHODS, page),
     "bfcl-fp32": lambda page: methods_table(BFCL_FP32, ["bfcl"], BFCL_METHODS, page),
     "tr40-fp32-humaneval": lambda page: methods_table(

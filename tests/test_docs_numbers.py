@@ -35,10 +35,9 @@ SPEEDUP = re.compile(r"(?<![\w.])(\d+\.\d+)x\b")
 ALLOWED_SPEEDUPS: set[tuple[str, str]] = {
     ("docs/concepts/adaptive-budget.md", "0.95x"),  # the floor the budget aims to keep
     ("docs/results.md", "0.95x"),
-    ("docs/lab-notes.md", "0.95x"),
     ("README.md", "0.95x"),
     ("docs/index.md", "0.95x"),
-    ("docs/sources/token-recycling.md", "1.5x"),  # a target, stated as one
+    ("docs/sources/suffix-tree.md", "5.3x"),  # the paper's own figure, cited as such
 }
 
 #: Words about how the work was done, not about the product.
