@@ -202,7 +202,8 @@ def compare_table(rows: list[Row], page: str, *, workload: str = "workload",
         cells.append(f"{m['identical']}/{m['compared']}")
         lines.append("| " + " | ".join(cells) + " |")
     note = ("Qwen2.5-Coder-0.5B-Instruct, greedy, 128 new tokens. Speed-up against "
-            "`model.generate` and against transformers' prompt lookup (HF): median of the "
+            + ("`model.generate` and against transformers' prompt lookup (HF)" if show_pld
+               else "`model.generate`") + ": median of the "
             "per-prompt ratios, worst prompt in parentheses. Kernels: stock = PyTorch's own; "
             "FBGEMM = `cpu_kernels=\"fbgemm\"`.  \n" + runs_note(runs, page))
     return "\n".join(lines) + "\n\n" + note + "\n"
