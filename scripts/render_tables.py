@@ -212,7 +212,8 @@ def compare_table(rows: list[Row], page: str, *, workload: str = "workload",
 def methods_table(run: str, datasets: list[str], methods: list[tuple[str, str]], page: str) -> str:
     """Methods down, datasets across: median (worst) against ``model.generate``, tokens per step,
     identical outputs."""
-    head = ["method"] + [f"{DATASETS[d]}, {summary(run)['datasets'][d]['prompts']} prompts"
+    dtype = DTYPES[summary(run)["config"]["dtype"]]
+    head = ["method"] + [f"{DATASETS[d]}, {summary(run)['datasets'][d]['prompts']} prompts, {dtype}"
                          for d in datasets]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---|" * len(datasets)]
     for method, label in methods:

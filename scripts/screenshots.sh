@@ -9,7 +9,7 @@
 # OUT_DIR defaults to a new temporary directory. PAGEs are site paths (`results/`,
 # `tutorials/first-generation/`, `` for the home page); without any, every page of the built
 # site is shot. Each shot is $SCREENSHOT_WIDTH (1280) pixels wide and the page's full length:
-# taken $SCREENSHOT_HEIGHT (20000) pixels tall, then its blank bands collapsed.
+# taken $SCREENSHOT_HEIGHT (40000) pixels tall, then its blank bands collapsed.
 # Screenshots are for looking at, not for committing.
 set -euo pipefail
 
@@ -48,7 +48,7 @@ done
 
 mkdir -p "$out"
 width="${SCREENSHOT_WIDTH:-1280}"
-height="${SCREENSHOT_HEIGHT:-20000}"
+height="${SCREENSHOT_HEIGHT:-40000}"
 for page in "${pages[@]}"; do
     name="$(echo "${page:-home}" | tr '/' '_' | sed 's/_$//')"
     # --virtual-time-budget lets the page's scripts (MathJax) finish before the shot is taken
