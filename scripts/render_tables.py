@@ -99,8 +99,20 @@ def run_config(run: str) -> dict:
 
 
 def machine(run: str) -> dict:
+    """``short``, ``cpu`` and ``isa`` of a run's machine: from ``machines.json`` (by the platform
+    string the run recorded) or else from the ``cpu`` field newer runs record."""
     cfg = run_config(run)
-    return machines()[cfg["platform"]]
+    if cfg["platform"] in machines():
+        return machines()[cfg["platform"]]
+    if "cpu" not in cfg:
+        raise KeyError(f"{run}: no CPU recorded for platform {cfg['platform']!r}; "
+                       "add it to benchmarks/results/machines.json")
+    cpu = cfg["cpu"]
+    flags = cpu.get("flags", [])
+    isa = ("AVX-512" if "avx512f" in flags else "AVX2, no AVX-512" if "avx2" in flags
+           else "no AVX2") + (" with AVX512-BF16" if "avx512_bf16" in flags else "")
+    return {"short": f"{cpu['model']}, {isa.split(',')[0]}", "isa": isa,
+            "cpu": f"{cpu['model']}, {cpu.get('cpus', '?')} logical CPUs"}
 
 
 def run_ref(run: str, page: str) -> str:
