@@ -347,9 +347,26 @@ def render_page(page: str, text: str) -> str:
     return MARKER.sub(sub, text)
 
 
-def stale_pages() -> list[str]:
+_COMMIT = re.compile(r"results committed in `[^`]*`")
+
+
+def history_known() -> bool:
+    """Whether git can tell which commit added each run (a full clone, not a shallow one)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    return out == "false"
+
+
+def stale_pages(ignore_commits: bool = False) -> list[str]:
+    """Pages whose tables differ from a fresh rendering (``ignore_commits``: apart from the
+    commits that added the runs, which a shallow clone cannot know)."""
+    def norm(text: str) -> str:
+        return _COMMIT.sub("results committed in `?`", text) if ignore_commits else text
     return [page for page in PAGES
-            if render_page(page, (ROOT / page).read_text()) != (ROOT / page).read_text()]
+            if norm(render_page(page, (ROOT / page).read_text())) != norm((ROOT / page).read_text())]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,7 +65,8 @@ def _rel(path: Path) -> str:
 
 
 def test_rendered_tables_are_fresh():
-    stale = render_tables.stale_pages()
+    # a shallow clone cannot tell which commit added a run: then compare all but those commits
+    stale = render_tables.stale_pages(ignore_commits=not render_tables.history_known())
     assert not stale, f"stale tables in {stale}: run python scripts/render_tables.py"
 
 
