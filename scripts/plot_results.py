@@ -121,7 +121,11 @@ def plot_speedups(out: Path) -> None:
     ticks = [0.5, 0.7, 1.0, 1.5, 2, 3, 4]
     axes[0, 0].set_yticks(ticks, [f"{t:g}x" for t in ticks])
     axes[0, 0].minorticks_off()
-    fig.suptitle("Qwen2.5-Coder-0.5B-Instruct, 1 CPU thread, greedy, 128 new tokens,\n"
+    machines = json.loads((RESULTS / "machines.json").read_text())["machines"]
+    cpus = {machines[json.loads((RESULTS / run / "summary.json").read_text())["config"]["platform"]]["short"]
+            for _, run, _ in PUBLISHED}
+    fig.suptitle(f"Qwen2.5-Coder-0.5B-Instruct on {' / '.join(sorted(cpus))}, 1 thread, greedy, "
+                 "128 new tokens,\n"
                  "40 prompts each; specdraft default = prompt + trie + ngram,\n"
                  "transformers PL = transformers' prompt lookup (dashed: 0.95x)")
     fig.tight_layout()
