@@ -186,12 +186,12 @@ def main() -> None:
     t2 = time.perf_counter()
     assert out.token_ids == expected
     s = out.stats
-    print(f"identical to model.generate: yes ({len(prompts)} prompts x {len(setups)} source mixes x 2 budgets"
-          " x with/without repetition penalty, plus this run)")
+    print(f"identical to model.generate: yes ({len(prompts)} prompts x {len(setups)} source mixes\n"
+          "  x 2 budgets x with/without repetition penalty, plus this run)")
     print(s.summary())
     for name, per in s.per_source.items():
         print(f"  {name:15s} proposed {per.proposed:5d}  accepted {per.accepted:4d}")
-    print(f"  accept lengths (first 20 steps): {s.accept_lengths[:20]}")
+    print(f"  accept lengths (first 16 steps): {s.accept_lengths[:16]}")
     print(f"  time: specdraft {t1 - t0:.2f} s, model.generate {t2 - t1:.2f} s")
 
 

@@ -1,7 +1,7 @@
 """Adaptive tree budget: size each step's tree to maximise accepted tokens per second.
 
 Speculation pays only when the extra width of a forward pass buys enough accepted tokens. On a
-small CPU a multi-token forward can cost twice a one-token step (see ``shared/models/README.md``),
+small CPU a multi-token forward can cost several one-token steps (``docs/cpu-fast-path.md``),
 and on novel text drafts rarely hit, so a fixed tree can make decoding *slower* than plain
 decoding. The Ant paper calls the best width the "critical decoding length" and picks it offline;
 we measure both sides online and re-pick it every step.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import sys
 import time
@@ -89,6 +90,28 @@ def _versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
+#: The instruction-set extensions a CPU's speed depends on here, as /proc/cpuinfo names them.
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "avx_ne_convert")
+
+
+def _cpu() -> dict[str, Any]:
+    """The CPU the run measured: model name, logical CPUs, the extensions in ``_CPU_FLAGS`` it has
+    (Linux; elsewhere only what :mod:`platform` says)."""
+    info: dict[str, Any] = {"model": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    fields = dict(line.split(":", 1) for line in text.splitlines()[:40] if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    info["model"] = fields.get("model name", info["model"])
+    if "cpu family" in fields:
+        info["family"] = fields["cpu family"]
+    flags = set(fields.get("flags", "").split())
+    info["flags"] = [f for f in _CPU_FLAGS if f in flags]
+    return info
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark described by the parsed arguments; print the markdown table on stdout."""
     try:
@@ -131,7 +154,7 @@ def _run(args: argparse.Namespace, model: Any, tokenizer: Any, method_names: lis
         "max_new_tokens": args.max_new_tokens, "max_tree_nodes": args.max_tree_nodes,
         "limit": args.limit or None, "repeats": args.repeats, "chat": args.chat, "greedy": True,
         "datasets": {s.key: _portable(str(s.path)) for s in specs}, "methods": method_names,
-        "versions": _versions(), "platform": platform.platform(), "argv": [_portable(a) for a in sys.argv[1:]],
+        "versions": _versions(), "platform": platform.platform(), "cpu": _cpu(), "argv": [_portable(a) for a in sys.argv[1:]],
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     # what a checkpoint must share with this run to be resumed (the runner adds prompts and methods)

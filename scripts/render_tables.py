@@ -1,0 +1,389 @@
+"""Render every table of benchmark results in the docs and the README from the results files.
+
+    python scripts/render_tables.py            # rewrite the tables in place
+    python scripts/render_tables.py --check    # exit 1 when a page's table is stale
+
+A table lives between two marker comments in a page (invisible on the site and on GitHub)::
+
+    <!-- table:NAME -->
+    ...rendered here, never edited by hand...
+    <!-- /table -->
+
+``NAME`` is a key of :data:`TABLES`. Each table is drawn from ``summary.json`` (``specdraft
+bench``) or ``curve.json`` (``benchmarks/cost_curve.py``) under ``benchmarks/results/`` and
+names its run: the machine (from ``benchmarks/results/machines.json``, keyed by the platform
+string the run recorded), the date the run started and the commit that added its results.
+
+One statistic throughout: the **median of the per-prompt speed ratios**, with the **worst
+prompt** beside it. The median is what a typical request sees and one outlier prompt cannot
+move it; the worst prompt shows the downside that a mean hides. (The results files also hold
+geomeans; the pages do not quote them.)
+
+``tests/test_docs_numbers.py`` re-renders every table in memory and fails when a page differs,
+and fails when a page states a speed-up (``1.23x``) that neither a table nor a results file of a
+run the page names backs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+REPO_URL = "https://github.com/specdraft/specdraft"
+
+#: The pages whose tables are rendered (relative to the repository root).
+PAGES = ["README.md", "benchmarks/README.md", *sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
+
+MARKER = re.compile(r"<!-- table:([\w-]+) -->\n(.*?)<!-- /table -->", re.S)
+
+DATASETS = {"humaneval": "HumanEval", "mtbench": "MT-Bench", "bfcl": "BFCL"}
+DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
+PLD = "hf-prompt-lookup"
+
+
+# -- reading runs --------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def summary(run: str) -> dict:
+    return json.loads((RESULTS / run / "summary.json").read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def curve(run: str) -> dict:
+    return json.loads((RESULTS / run / "curve.json").read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def machines() -> dict:
+    return json.loads((RESULTS / "machines.json").read_text())["machines"]
+
+
+@functools.lru_cache(maxsize=None)
+def added_in() -> dict[str, tuple[str, str]]:
+    """Run directory -> (short hash, date) of the commit that first added a file of it."""
+    try:
+        out = subprocess.run(
+            ["git", "log", "--diff-filter=A", "--name-only", "--format=@%h %cs", "--",
+             "benchmarks/results"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    found: dict[str, tuple[str, str]] = {}
+    commit = ("?", "?")
+    for line in out.splitlines():  # newest first: the last hit for a run is its first commit
+        if line.startswith("@"):
+            h, date = line[1:].split()
+            commit = (h, date)
+        elif line.startswith("benchmarks/results/"):
+            parts = line.split("/")
+            if len(parts) > 3:
+                found[parts[2]] = commit
+    return found
+
+
+def run_config(run: str) -> dict:
+    if (RESULTS / run / "summary.json").exists():
+        return summary(run)["config"]
+    return curve(run)["config"]
+
+
+def machine(run: str) -> dict:
+    """``short``, ``cpu`` and ``isa`` of a run's machine: from ``machines.json`` (by the platform
+    string the run recorded) or else from the ``cpu`` field newer runs record."""
+    cfg = run_config(run)
+    if cfg["platform"] in machines():
+        return machines()[cfg["platform"]]
+    if "cpu" not in cfg:
+        raise KeyError(f"{run}: no CPU recorded for platform {cfg['platform']!r}; "
+                       "add it to benchmarks/results/machines.json")
+    cpu = cfg["cpu"]
+    flags = cpu.get("flags", [])
+    isa = ("AVX-512" if "avx512f" in flags else "AVX2, no AVX-512" if "avx2" in flags
+           else "no AVX2") + (" with AVX512-BF16" if "avx512_bf16" in flags else "")
+    return {"short": f"{cpu['model']}, {isa.split(',')[0]}", "isa": isa,
+            "cpu": f"{cpu['model']}, {cpu.get('cpus', '?')} logical CPUs"}
+
+
+def run_ref(run: str, page: str) -> str:
+    """``[run](link)`` (started DATE, results committed in COMMIT)."""
+    cfg = run_config(run)
+    commit, added = added_in().get(run, ("?", "?"))
+    started = cfg.get("started", "")[:10] or added
+    return f"[`{run}`]({link(run, page)}) ({started}, results committed in `{commit}`)"
+
+
+def runs_note(runs: list[str], page: str) -> str:
+    """The runs of a table, grouped by machine: CPU, instruction set, threads."""
+    groups: dict[tuple, list[str]] = {}
+    for run in runs:
+        m = machine(run)
+        threads = run_config(run).get("threads", 1)
+        key = (m["cpu"], m["isa"], f"{threads} thread{'s' if threads != 1 else ''}")
+        groups.setdefault(key, []).append(run)
+    lines = []
+    for (cpu, isa, threads), rs in groups.items():
+        lines.append(f"{'Run' if len(rs) == 1 else 'Runs'} on {cpu}, {isa}, {threads}: "
+                     + ", ".join(run_ref(r, page) for r in rs) + ".")
+    return "  \n".join(lines)
+
+
+def link(run: str, page: str) -> str:
+    if page.startswith("docs/"):
+        return f"{REPO_URL}/tree/main/benchmarks/results/{run}"
+    if page.startswith("benchmarks/"):
+        return f"results/{run}"
+    return f"benchmarks/results/{run}"
+
+
+def ratios(run: str, dataset: str, method: str, against: str = "baseline") -> list[float]:
+    """Per-prompt speed ratios of ``method`` to ``against`` (the bench's own per-prompt ratio
+    to ``model.generate``, divided by ``against``'s)."""
+    out = []
+    for row in summary(run)["datasets"][dataset]["per_prompt"]:
+        ms = row["methods"]
+        if method in ms and against in ms:
+            out.append(ms[method]["speedup"] / ms[against]["speedup"])
+    return out
+
+
+def x(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def med_worst(values: list[float]) -> str:
+    return f"{x(statistics.median(values))} ({x(min(values))})"
+
+
+# -- table layouts -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Row:
+    label: str
+    run: str
+    dataset: str
+    method: str = "default"
+    kernels: str = "stock"
+
+
+def compare_table(rows: list[Row], page: str, *, workload: str = "workload",
+                  show_pld: bool = True, show_below: bool = False) -> str:
+    """One row per (run, method): speed-up against ``model.generate`` and transformers' prompt
+    lookup, tokens per step, identical outputs; the runs named below."""
+    runs: list[str] = []
+    for r in rows:
+        if r.run not in runs:
+            runs.append(r.run)
+    keys: dict[str, str] = {}
+    for run in runs:
+        cpu = machine(run)["short"]
+        keys.setdefault(cpu, cpu)
+    many = len({machine(run)["short"] for run in runs}) > 1
+    head = [workload, "dtype, kernels, CPU" if many else "dtype, kernels", "vs `generate`"]
+    if show_pld:
+        head.append("vs HF prompt lookup")
+    if show_below:
+        head.append("prompts below 0.95x")
+    head += ["tokens / step", "identical"]
+    lines = ["| " + " | ".join(head) + " |",
+             "|" + "|".join("---" if i < 2 else "---:" for i in range(len(head))) + "|"]
+    for r in rows:
+        data = summary(r.run)["datasets"][r.dataset]
+        m = data["methods"][r.method]
+        dtype = DTYPES[summary(r.run)["config"]["dtype"]]
+        cells = [r.label, f"{dtype}, {r.kernels}" + (f", {machine(r.run)['short']}" if many else "")]
+        vs_base = ratios(r.run, r.dataset, r.method)
+        cells.append(med_worst(vs_base))
+        if show_pld:
+            cells.append(med_worst(ratios(r.run, r.dataset, r.method, PLD))
+                         if PLD in data["methods"] and r.method != PLD else "not run")
+        if show_below:
+            cells.append(f"{sum(v < 0.95 for v in vs_base)} of {len(vs_base)}")
+        cells.append(f"{m['mean_accepted']:.2f}")
+        cells.append(f"{m['identical']}/{m['compared']}")
+        lines.append("| " + " | ".join(cells) + " |")
+    note = ("Qwen2.5-Coder-0.5B-Instruct, greedy, 128 new tokens. Speed-up against "
+            + ("`model.generate` and against transformers' prompt lookup (HF)" if show_pld
+               else "`model.generate`") + ": median of the "
+            "per-prompt ratios, worst prompt in parentheses. Kernels: stock = PyTorch's own; "
+            "FBGEMM = `cpu_kernels=\"fbgemm\"`.  \n" + runs_note(runs, page))
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def methods_table(run: str, datasets: list[str], methods: list[tuple[str, str]], page: str) -> str:
+    """Methods down, datasets across: median (worst) against ``model.generate``, tokens per step,
+    identical outputs."""
+    dtype = DTYPES[summary(run)["config"]["dtype"]]
+    head = ["method"] + [f"{DATASETS[d]}, {summary(run)['datasets'][d]['prompts']} prompts, {dtype}"
+                         for d in datasets]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---|" * len(datasets)]
+    for method, label in methods:
+        cells = [label]
+        for d in datasets:
+            data = summary(run)["datasets"][d]
+            m = data["methods"][method]
+            cells.append(f"{med_worst(ratios(run, d, method))}; {m['mean_accepted']:.2f} per step;"
+                         f" {m['identical']}/{m['compared']} identical")
+        lines.append("| " + " | ".join(cells) + " |")
+    dtype = summary(run)["config"]["dtype"]
+    note = (f"{dtype}, greedy, 128 new tokens. Speed-up against `model.generate`: median of the "
+            f"per-prompt ratios, worst prompt in parentheses.  \n{runs_note([run], page)}")
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def cost_table(run: str, paths: list[str], page: str, ks: tuple[int, ...] = (1, 2, 3, 4, 8, 16, 32)) -> str:
+    """Rows: tree width k; columns: ms per forward of each kernel path (and its ratio to its own
+    one-token forward)."""
+    data = curve(run)
+    by = {(r["path"], r["k"]): r for r in data["rows"]}
+    ks = tuple(k for k in ks if any((p, k) in by for p in paths))
+    head = ["new tokens k"] + [f"{p}, ms (vs k=1)" for p in paths]
+    lines = ["| " + " | ".join(head) + " |", "|---:|" + "---:|" * len(paths)]
+    for k in ks:
+        cells = [str(k)]
+        for p in paths:
+            r = by.get((p, k))
+            cells.append("-" if r is None else f"{r['median_ms']:.0f} ({r['vs_own_k1']:.2f}x)")
+        lines.append("| " + " | ".join(cells) + " |")
+    cfg = data["config"]
+    note = (f"{cfg['dtype']}, {cfg['cache_len']}-token cache, median of {cfg['repeats']} "
+            f"interleaved repeats.  \n{runs_note([run], page)}")
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+# -- the tables ----------------------------------------------------------------------------------
+
+BF16_HE, BF16_MT = "qwen0.5b-bf16-356a2f7", "qwen0.5b-bf16-5f467ae"
+FP32_HE, FP32_MT = "qwen0.5b-fp32-356a2f7", "qwen0.5b-fp32-14301f2"
+FB_HE, FB_MT = "tr40-fbgemm-qwen0.5b-bf16-humaneval", "tr40-fbgemm-qwen0.5b-bf16-mtbench"
+BFCL_BF16, BFCL_FP32 = "suffix-qwen0.5b-bf16-bfcl", "suffix-qwen0.5b-fp32-bfcl"
+
+EXPECT = [
+    Row("code, HumanEval 40", BF16_HE, "humaneval"),
+    Row("chat, MT-Bench 40", BF16_MT, "mtbench"),
+    Row("code, HumanEval 40", FP32_HE, "humaneval"),
+    Row("chat, MT-Bench 40", FP32_MT, "mtbench"),
+    Row("code, HumanEval 40", FB_HE, "humaneval", "default@fbgemm", "FBGEMM"),
+    Row("chat, MT-Bench 40", FB_MT, "mtbench", "default@fbgemm", "FBGEMM"),
+    Row("chat, MT-Bench 40", FB_MT, "mtbench"),
+]
+
+FULL = {"fp32": "qwen0.5b-fp32-full", "bf16": "qwen0.5b-bf16-full"}
+ALONE = [("specdraft:prompt", "`prompt` alone"), ("specdraft:trie", "`trie` alone"),
+         ("specdraft:ngram", "`ngram` alone"), ("specdraft:jacobi", "`jacobi` alone"),
+         ("default", "default (prompt + trie + ngram)"), (PLD, "transformers' prompt lookup")]
+FBGEMM_METHODS = [("plain@fbgemm", "plain loop, FBGEMM"), ("default", "default, stock kernels"),
+                  ("default@fbgemm", "default, FBGEMM"),
+                  ("specdraft:recycle@fbgemm", "Token Recycling alone, FBGEMM"),
+                  ("specdraft:prompt+trie+ngram+recycle@fbgemm", "default + Token Recycling, FBGEMM")]
+BFCL_METHODS = [("specdraft:suffix", "`suffix`"), ("specdraft:arctic-suffix", "`arctic-suffix`"),
+                ("specdraft:trie", "`trie`"), ("default", "default"),
+                ("specdraft:prompt+trie+ngram+suffix", "default + `suffix`")]
+TR40_METHODS = [("default", "default"), ("specdraft:recycle", "`recycle` alone"),
+                ("specdraft:prompt+trie+ngram+recycle", "default + `recycle`")]
+
+JACOBI_METHODS = [("specdraft:jacobi", "`jacobi`, adaptive budget"),
+                  ("specdraft:jacobi@fixed", "`jacobi`, fixed 32 nodes"),
+                  ("specdraft:jacobi[window=2]@fixed", "`jacobi[window=2]`, fixed"),
+                  ("specdraft:jacobi[window=3]@fixed", "`jacobi[window=3]`, fixed"),
+                  ("specdraft:prompt+trie", "`prompt+trie`"),
+                  ("specdraft:prompt+trie+jacobi", "`prompt+trie+jacobi`")]
+
+TABLES: dict[str, Callable[[str], str]] = {
+    "jacobi-grid": lambda page: methods_table(
+        "qwen0.5b-bf16-jacobi-grid", ["humaneval"], JACOBI_METHODS, page),
+    "expect": lambda page: compare_table(EXPECT, page),
+    "results-stock": lambda page: compare_table([
+        Row("HumanEval: default", FP32_HE, "humaneval"),
+        Row("HumanEval: default", BF16_HE, "humaneval"),
+        Row("MT-Bench: default", FP32_MT, "mtbench"),
+        Row("MT-Bench: default", BF16_MT, "mtbench"),
+        Row("HumanEval: transformers' prompt lookup", FP32_HE, "humaneval", PLD),
+        Row("HumanEval: transformers' prompt lookup", BF16_HE, "humaneval", PLD),
+        Row("MT-Bench: transformers' prompt lookup", FP32_MT, "mtbench", PLD),
+        Row("MT-Bench: transformers' prompt lookup", BF16_MT, "mtbench", PLD)],
+        page, workload="prompt set: method", show_pld=False, show_below=True),
+    "fbgemm": lambda page: methods_table(FB_MT, ["mtbench"], FBGEMM_METHODS, page) + "\n"
+    + methods_table(FB_HE, ["humaneval"], FBGEMM_METHODS, page),
+    "sources-alone-fp32": lambda page: methods_table(FULL["fp32"], ["humaneval", "mtbench"], ALONE, page),
+    "sources-alone-bf16": lambda page: methods_table(FULL["bf16"], ["humaneval", "mtbench"], ALONE, page),
+    "suffix-mt-he": lambda page: methods_table(
+        "suffix-qwen0.5b-bf16-mt-he", ["humaneval", "mtbench"],
+        [("specdraft:suffix", "`suffix`"), ("specdraft:trie", "`trie`")], page),
+    "bfcl-bf16": lambda page: methods_table(BFCL_BF16, ["bfcl"], BFCL_METHODS, page),
+    "bfcl-fp32": lambda page: methods_table(BFCL_FP32, ["bfcl"], BFCL_METHODS, page),
+    "tr40-fp32-humaneval": lambda page: methods_table(
+        "tr40-qwen0.5b-fp32-humaneval", ["humaneval"], TR40_METHODS, page),
+    "cost-fp32-avx512": lambda page: cost_table("cost-curve-qwen0.5b-fp32", ["stock", "packed"], page),
+    "cost-bf16-avx512": lambda page: cost_table("cost-curve-qwen0.5b-bf16", ["stock", "packed"], page),
+    "cost-bf16-avx2": lambda page: cost_table(
+        "cost-curve-qwen0.5b-bf16-fbgemm", ["stock", "fbgemm"], page),
+    "cost-fp32-avx2": lambda page: cost_table(
+        "cost-curve-qwen0.5b-fp32-fbgemm", ["stock", "packed", "fbgemm"], page),
+}
+
+
+# -- rendering pages -----------------------------------------------------------------------------
+
+
+def render_page(page: str, text: str) -> str:
+    """``text`` with every marked table re-rendered (an unknown table name raises)."""
+    def sub(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in TABLES:
+            raise KeyError(f"{page}: unknown table {name!r}; known: {', '.join(TABLES)}")
+        return f"<!-- table:{name} -->\n{TABLES[name](page)}<!-- /table -->"
+    return MARKER.sub(sub, text)
+
+
+_COMMIT = re.compile(r"results committed in `[^`]*`")
+
+
+def history_known() -> bool:
+    """Whether git can tell which commit added each run (a full clone, not a shallow one)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    return out == "false"
+
+
+def stale_pages(ignore_commits: bool = False) -> list[str]:
+    """Pages whose tables differ from a fresh rendering (``ignore_commits``: apart from the
+    commits that added the runs, which a shallow clone cannot know)."""
+    def norm(text: str) -> str:
+        return _COMMIT.sub("results committed in `?`", text) if ignore_commits else text
+    return [page for page in PAGES
+            if norm(render_page(page, (ROOT / page).read_text())) != norm((ROOT / page).read_text())]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only report stale pages")
+    args = parser.parse_args(argv)
+    stale = stale_pages()
+    if args.check:
+        for page in stale:
+            print(f"stale: {page} (run python scripts/render_tables.py)")
+        return 1 if stale else 0
+    for page in stale:
+        path = ROOT / page
+        path.write_text(render_page(page, path.read_text()))
+        print(f"rendered {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
