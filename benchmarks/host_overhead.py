@@ -24,7 +24,12 @@ what is measured does not depend on it. Times are the best of ``--repeats`` runs
 
     python benchmarks/host_overhead.py                      # the full table (a few minutes)
     python benchmarks/host_overhead.py --contexts 1024 --nodes 32 --repeats 1   # quick look
-    python benchmarks/host_overhead.py --out benchmarks/results/host-overhead   # write JSON + markdown
+    python benchmarks/host_overhead.py --out DIR              # write results.json + results.md
+    python benchmarks/host_overhead.py --merge OLD1,OLD2 NEW1,NEW2 --out DIR   # before/after table
+
+The before/after table of the docs comes from runs of two commits made alternately, context by
+context, on one machine (each commit's checkout running its own copy of this script), joined with
+``--merge`` into ``host.json``; ``scripts/render_tables.py`` renders it.
 """
 
 from __future__ import annotations
@@ -197,13 +202,16 @@ def sync_counts(base_model, context: int, nodes: int, new_tokens: int) -> dict[s
     return out
 
 
-def machine() -> dict[str, str]:
-    cpu = platform.processor() or "unknown CPU"
+def machine() -> dict[str, Any]:
+    """The run's configuration as ``specdraft bench`` records it (platform, CPU, threads, date,
+    commit), so ``scripts/render_tables.py`` names the machine the same way."""
+    cpu, flags = platform.processor() or "unknown CPU", []
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = [f for f in line.split(":", 1)[1].split() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")]
     except OSError:
         pass
     try:
@@ -211,8 +219,36 @@ def machine() -> dict[str, str]:
                                 check=False).stdout.strip()
     except OSError:
         commit = ""
-    return {"cpu": cpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "commit": commit,
-            "threads": str(torch.get_num_threads())}
+    return {"platform": platform.platform(), "cpu": {"model": cpu, "cpus": os.cpu_count(), "flags": flags},
+            "torch": torch.__version__, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": commit,
+            "threads": torch.get_num_threads()}
+
+
+def merge_runs(before: list[str], after: list[str], out: str) -> None:
+    """Join runs of two commits (each folder a ``--out`` of this script, run alternately on the
+    same machine) into one ``host.json``: every (context, tree size) cell before and after, and
+    the sync counts of both."""
+
+    def load(folders: list[str]) -> tuple[dict, dict, dict]:
+        rows, syncs, config = {}, {}, {}
+        for folder in folders:
+            data = json.load(open(os.path.join(folder, "results.json")))
+            config = data.get("config", data.get("machine", {}))
+            syncs = data.get("syncs") or syncs
+            for row in data["rows"]:
+                rows[(row["context"], row["nodes"])] = row
+        return rows, syncs, config
+
+    rows_b, syncs_b, config_b = load(before)
+    rows_a, syncs_a, config_a = load(after)
+    cells = [{"context": c, "nodes": n, "before": rows_b[(c, n)], "after": rows_a[(c, n)]}
+             for (c, n) in sorted(set(rows_b) & set(rows_a))]
+    config = dict(config_a)
+    config["commit_before"] = config_b.get("commit", "")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "host.json"), "w") as fh:
+        json.dump({"config": config, "cells": cells, "syncs": {"before": syncs_b, "after": syncs_a}}, fh, indent=2)
+    print(f"wrote {out}/host.json ({len(cells)} cells)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -224,13 +260,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sync-context", type=int, default=1024, help="context of the sync-count scenarios")
     parser.add_argument("--no-syncs", action="store_true", help="skip the simulated-device sync counts")
     parser.add_argument("--out", default=None, help="folder for results.json and results.md")
+    parser.add_argument("--merge", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
+                        help="instead of measuring: join runs of two commits (comma-separated --out folders "
+                             "each) into --out/host.json")
     args = parser.parse_args(argv)
+    if args.merge:
+        merge_runs(args.merge[0].split(","), args.merge[1].split(","), args.out or ".")
+        return
     torch.set_num_threads(1)
     contexts = [int(c) for c in args.contexts.split(",")]
     nodes_list = [int(n) for n in args.nodes.split(",")]
     model = near_free_model(max(contexts) * 2 + 1024)
     info = machine()
-    print(f"host work per step, near-free forward ({info['cpu']}, 1 thread, torch {info['torch']}, "
+    print(f"host work per step, near-free forward ({info['cpu']['model']}, 1 thread, torch {info['torch']}, "
           f"commit {info['commit']})")
     rows = host_table(model, contexts, nodes_list, args.new_tokens, args.repeats, ["prompt", "trie", "ngram"])
     syncs = {}
@@ -241,15 +283,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "results.json"), "w") as fh:
-            json.dump({"machine": info, "rows": [asdict(r) for r in rows], "syncs": syncs}, fh, indent=2)
+            json.dump({"config": info, "rows": [asdict(r) for r in rows], "syncs": syncs}, fh, indent=2)
         with open(os.path.join(args.out, "results.md"), "w") as fh:
             fh.write(render_markdown(info, rows, syncs))
         print(f"wrote {args.out}/results.json and results.md")
 
 
-def render_markdown(info: dict[str, str], rows: list[HostRow], syncs: dict[str, dict[str, float]]) -> str:
-    lines = [f"Host work per step with a near-free forward: {info['cpu']}, {info['threads']} thread, "
-             f"torch {info['torch']}, {info['date']}, commit {info['commit']}.", "",
+def render_markdown(info: dict[str, Any], rows: list[HostRow], syncs: dict[str, dict[str, float]]) -> str:
+    lines = [f"Host work per step with a near-free forward: {info['cpu']['model']}, {info['threads']} thread, "
+             f"torch {info['torch']}, {info['started'][:10]}, commit {info['commit']}.", "",
              "| tree nodes (mean used) | context | host ms / step | first draft (ms) | added before first token (ms) |",
              "|---:|---:|---:|---:|---:|"]
     for r in rows:

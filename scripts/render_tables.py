@@ -95,7 +95,14 @@ def added_in() -> dict[str, tuple[str, str]]:
 def run_config(run: str) -> dict:
     if (RESULTS / run / "summary.json").exists():
         return summary(run)["config"]
+    if (RESULTS / run / "host.json").exists():
+        return host(run)["config"]
     return curve(run)["config"]
+
+
+@functools.lru_cache(maxsize=None)
+def host(run: str) -> dict:
+    return json.loads((RESULTS / run / "host.json").read_text())
 
 
 def machine(run: str) -> dict:
@@ -300,7 +307,34 @@ JACOBI_METHODS = [("specdraft:jacobi", "`jacobi`, adaptive budget"),
                   ("specdraft:prompt+trie", "`prompt+trie`"),
                   ("specdraft:prompt+trie+jacobi", "`prompt+trie+jacobi`")]
 
+def host_table(run: str, page: str) -> str:
+    """Host work per step with a near-free forward (``benchmarks/host_overhead.py``), before and
+    after, by context and tree size; then syncs and uploads per step by scenario."""
+    data = host(run)
+    lines = ["| context | tree nodes | host ms / step | first token: ms added | first draft (ms) |",
+             "|---:|---:|---:|---:|---:|"]
+    for cell in data["cells"]:
+        b, a = cell["before"], cell["after"]
+        lines.append(f"| {cell['context']:,} | {cell['nodes']} | {b['host_ms_per_step']:.2f} → "
+                     f"**{a['host_ms_per_step']:.2f}** | {b['first_token_added_ms']:.0f} → "
+                     f"**{a['first_token_added_ms']:.1f}** | {a['first_draft_ms']:.0f} |")
+    syncs_b, syncs_a = data["syncs"]["before"], data["syncs"]["after"]
+    if syncs_a:
+        lines += ["", "| scenario (1k context, 32 nodes) | device reads / step | uploads / step |",
+                  "|---|---:|---:|"]
+        for name, after in syncs_a.items():
+            before = syncs_b.get(name, {})
+            was = ("fails" if "error" in before else f"{before['syncs_per_step']:.2f}") if before else "?"
+            was_up = ("" if "error" in before else f"{before['uploads_per_step']:.2f} → ") if before else ""
+            lines.append(f"| {name} | {was} → **{after['syncs_per_step']:.2f}** | "
+                         f"{was_up}**{after['uploads_per_step']:.2f}** |")
+    cfg = data["config"]
+    return ("\n".join(lines) + "\n\n" + runs_note([run], page)
+            + f" Before: commit `{cfg.get('commit_before', '?')}`; after: commit `{cfg.get('commit', '?')}`.\n")
+
+
 TABLES: dict[str, Callable[[str], str]] = {
+    "host-overhead": lambda page: host_table("host-overhead", page),
     "jacobi-grid": lambda page: methods_table(
         "qwen0.5b-bf16-jacobi-grid", ["humaneval"], JACOBI_METHODS, page),
     "expect": lambda page: compare_table(EXPECT, page),

@@ -204,7 +204,8 @@ class ModelRunner:
         the device from the uploaded block: nothing here copies from the host)."""
         P = self.cache_len
         q = q_pos.shape[0]
-        allowed = torch.cat([torch.ones(q, P, dtype=torch.bool, device=block.device), block], dim=1)
+        allowed = torch.ones(q, P + q, dtype=torch.bool, device=block.device)  # the cache part: all seen
+        allowed[:, P:] = block
         masks = {}
         for kind, window in self._layer_windows.items():
             m = allowed
