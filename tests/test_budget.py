@@ -10,13 +10,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdraft.budget import AdaptiveBudget, BudgetDecision, _bucket
+from specdraft.budget import AdaptiveBudget, BudgetDecision
 
 # Step cost in seconds by forward width, shaped like Qwen-0.5B fp32 on this CPU (README of models):
 # any multi-token forward costs about twice a one-token step.
 CPU_FP32 = {1: 0.145, 2: 0.29, 4: 0.25, 8: 0.30, 16: 0.39, 32: 0.57, 64: 0.9}
 # A GPU-like curve: width is nearly free.
 FLAT = {1: 0.10, 2: 0.10, 4: 0.10, 8: 0.101, 16: 0.102, 32: 0.105, 64: 0.11}
+
+
+def _bucket(width: int) -> int:
+    """The curves above are given at powers of two; a width costs what its power-of-two bucket does."""
+    b = 1
+    while b < width:
+        b *= 2
+    return b
 
 
 def simulate(curve: dict[int, float], accept_len, steps: int, max_nodes: int = 32, available: int | None = None,
@@ -121,7 +129,7 @@ def test_a_requests_first_step_is_plain_only_when_width_is_dear(curve, first_is_
     ctl.observe_cost(1 if first.nodes == 0 else 1 + first.nodes, curve[_bucket(1 + first.nodes)])
     assert ctl.choose().nodes >= 7  # from the second step on the averages decide
     never = AdaptiveBudget(32, warmup=0, opening_cost_ratio=math.inf)
-    never.cost, never.long_run_rate = dict(ctl.cost), list(ctl.long_run_rate)
+    never.costs, never.long_run_rate = ctl.costs, list(ctl.long_run_rate)
     never.start_request()
     assert never.choose().nodes >= 7
 
