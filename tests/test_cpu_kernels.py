@@ -206,7 +206,7 @@ def test_threads_share_the_swap(kind) -> None:
 
 
 def test_bad_choices_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"cpu_kernels must be one of \['stock', 'packed', 'fbgemm'\], got 'fast'"):
+    with pytest.raises(ValueError, match=r"cpu_kernels must be one of \['auto', 'stock', 'packed', 'fbgemm'\], got 'fast'"):
         Decoder(tiny32("llama"), cpu_kernels="fast")
 
 
