@@ -92,7 +92,8 @@ class _Shadow:
     tree: TokenTree
     start: int  # index of the first token committed after its root
     age: int = 0  # steps it has waited
-    recorded: set[int] = field(default_factory=set)  # nodes whose outcome is recorded already
+    #: per node, whether its outcome is recorded already (a list, not a set: a copied budget pickles alike)
+    recorded: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -307,14 +308,17 @@ class AdaptiveBudget:
             waiting.append(shadow)
         self._shadows = waiting
 
-    def _record_nodes(self, tree: TokenTree, reached: int, nodes: Sequence[int] | range, recorded: set[int]) -> None:
+    def _record_nodes(self, tree: TokenTree, reached: int, nodes: Sequence[int] | range, recorded: list[bool]) -> None:
         """Record the outcome of ``nodes`` of ``tree`` (accepted: on the path to ``reached``) that
-        are not yet in ``recorded``, and add them there."""
+        ``recorded`` does not mark yet, and mark them."""
+        if not recorded:
+            recorded.extend([False] * len(tree))
         on_path = set(tree.path_to(reached))
-        fresh = [n for n in nodes if n not in recorded and n <= self.max_nodes]
+        fresh = [n for n in nodes if not recorded[n] and n <= self.max_nodes]
         if not fresh:
             return
-        recorded.update(fresh)
+        for n in fresh:
+            recorded[n] = True
         self._observe_ranks([n - 1 for n in fresh], {n - 1 for n in fresh if n in on_path})
 
     # -- learning -------------------------------------------------------------------------

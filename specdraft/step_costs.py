@@ -66,7 +66,7 @@ class StepCosts:
     def __init__(self, curve: Sequence[float] | None = None, smoothing: float = 0.5) -> None:
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
-        self.smoothing = smoothing
+        self.weight = smoothing  # (not named smoothing: copies of a budget holding it must pickle alike)
         self.curve: list[float] | None = None
         self.level: float | None = None  # seconds of a one-token step now
         self.learned: dict[int, float] = {}  # width -> shape, learned (no curve)
@@ -124,15 +124,15 @@ class StepCosts:
             return  # a clock that did not move says nothing about prices
         width = max(1, int(width))
         if self.curve is not None:
-            self.level = _moving_average(self.level, seconds / self.shape(width), self.smoothing)
+            self.level = _moving_average(self.level, seconds / self.shape(width), self.weight)
             return
         if width == 1:
-            self.level = _moving_average(self.level, seconds, self.smoothing)
+            self.level = _moving_average(self.level, seconds, self.weight)
             for w, s in self._unpriced.items():  # the warm-up's wide steps, now that a plain one is known
                 self._learn(w, s / self.level)
             self._unpriced.clear()
         elif self.level is None:
-            self._unpriced[width] = _moving_average(self._unpriced.get(width), seconds, self.smoothing)
+            self._unpriced[width] = _moving_average(self._unpriced.get(width), seconds, self.weight)
         else:
             self._learn(width, seconds / self.level)
 
@@ -141,7 +141,7 @@ class StepCosts:
         if old is not None:
             ratio = min(max(ratio, old / MAX_CHANGE), old * MAX_CHANGE)
         ratio = min(ratio, float(width))  # rows one at a time never cost more than that
-        self.learned[width] = _moving_average(old, ratio, self.smoothing)
+        self.learned[width] = _moving_average(old, ratio, self.weight)
 
 
 def _from_curve(curve: Sequence[float], width: int) -> float:

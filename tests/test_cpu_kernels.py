@@ -236,7 +236,8 @@ def test_bench_methods_plain_and_packed() -> None:
     prompt = [4, 5, 6, 4, 5, 6, 4]
     result = plain.run(prompt, 20)
     assert result.steps == len(result.token_ids) == 20
-    assert build_method("default", model, None, 16).decoder.cpu_kernels == "stock"
+    assert build_method("default", model, None, 16).decoder.cpu_kernels == "auto"
+    assert build_method("default@stock", model, None, 16).decoder.cpu_kernels == "stock"
 
 
 @pytest.mark.parametrize("kind", KINDS)
