@@ -1,6 +1,8 @@
 """CPU kernels for the verification forward: linear layers with weights packed once.
 
-Two packed paths, chosen with ``Decoder(cpu_kernels=...)``:
+Two packed paths, chosen with ``Decoder(cpu_kernels=...)`` (the default, ``"auto"``, measures
+them and uses the cheaper one at the forward widths where it beats stock, through
+:class:`MixedLinear`; see :mod:`specdraft.kernel_costs`):
 
 ``"packed"``
     oneDNN, float32 or bfloat16 weights in oneDNN's blocked layout (described below).
