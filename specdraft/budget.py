@@ -209,9 +209,11 @@ class AdaptiveBudget:
         self.steps = 0
         self.request_steps = 0  # steps of the current request
         self._shadows: list[_Shadow] = []  # full trees awaiting their outcome
+        self._offered: int | None = None  # draft nodes the sources offered last step (the full tree's)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("_shadows", [])  # budgets pickled before shadows lived here
+        state.setdefault("_offered", None)
         if "costs" not in state:  # budgets pickled when costs were kept in power-of-two buckets
             costs = StepCosts(None, state.get("smoothing", 0.5))
             for bucket, seconds in sorted(state.pop("cost", {}).items()):
@@ -254,17 +256,30 @@ class AdaptiveBudget:
         if self.steps < self.warmup or not self.costs.known:
             return BudgetDecision(self.max_nodes, self.expected_tokens(self.max_nodes), 0.0)
         # every tree size is a candidate, priced at its own width: the rate compared is tokens per
-        # one-token step, which does not depend on how fast the machine happens to run just now
-        best, best_rate, tokens = 0, 1.0, 1.0
+        # one-token step, which does not depend on how fast the machine happens to run just now.
+        # A budget of n nodes is a cap: when the sources offered fewer nodes last step (``offered``),
+        # the forward may be narrower, and a narrower forward can cost more (2-3 rows on MKL cost
+        # more than 4), so such an n is priced at the dearest width between the two.
+        shapes = self.costs.shapes(self.width(self.max_nodes, side_tokens))
+        offered = self._offered if self._offered is not None else self.max_nodes
+        narrow = 1 + offered + side_tokens  # the width if the sources offer what they did last step
+        best, best_rate, best_price, tokens = 0, 1.0, 1.0, 1.0
+        dearest: float | None = None
         for n, p in enumerate(self.accept_rate, 1):
             tokens += p or 0.0
-            rate = tokens / self.costs.shape(self.width(n, side_tokens))
+            wide = self.width(n, side_tokens)
+            if n <= offered:
+                price = shapes[wide - 1]
+            else:
+                dearest = max(shapes[narrow - 1 : wide]) if dearest is None else max(dearest, shapes[wide - 1])
+                price = dearest
+            rate = tokens / price
             if rate > best_rate * (1 + 1e-9):
-                best, best_rate = n, rate
-        cost = self.expected_cost(self.width(best, side_tokens)) or 0.0
-        if best and self.request_steps == 0 and self.costs.shape(self.width(best, side_tokens)) > self.opening_cost_ratio:
-            return BudgetDecision(0, 1.0, self.expected_cost(1) or 0.0)  # the request's first step: no gamble yet
-        return BudgetDecision(best, self.expected_tokens(best), cost)
+                best, best_rate, best_price = n, rate, price
+        plain = self.expected_cost(1) or 0.0
+        if best and self.request_steps == 0 and best_price > self.opening_cost_ratio:
+            return BudgetDecision(0, 1.0, plain)  # the request's first step: no gamble yet
+        return BudgetDecision(best, self.expected_tokens(best), plain * best_price)
 
     def start_request(self) -> None:
         """A request starts: the acceptance averages restart from the long-run ones (see "Between
@@ -282,6 +297,7 @@ class AdaptiveBudget:
         tree = outcome.tree
         if outcome.decision.nodes < self.max_nodes:
             tree = TokenTree.from_drafts(tree.tokens[0], outcome.branches, self.max_nodes)
+        self._offered = tree.num_draft_nodes
         self._shadows.append(_Shadow(tree, outcome.start))
         self._resolve_shadows(outcome.committed)
 

@@ -107,6 +107,10 @@ class StepCosts:
         (w0, s0), (w1, s1) = below[-1], above[0]
         return s1 if w1 == width else s0 + (s1 - s0) * (width - w0) / (w1 - w0)
 
+    def shapes(self, upto: int) -> list[float]:
+        """``[shape(1), ..., shape(upto)]`` (the budget prices every width at once)."""
+        return [self.shape(w) for w in range(1, upto + 1)]
+
     def seconds(self, width: int) -> float | None:
         """Estimated seconds of a step of ``width`` rows now; ``None`` before any measurement."""
         if self.level is not None:

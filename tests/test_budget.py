@@ -204,3 +204,26 @@ def test_decoder_with_adaptive_budget_stays_exact():
         sizes.update(out.stats.tree_sizes)
     assert dec.budget is not None and dec.budget.steps > 0
     assert len(sizes) > 1  # the controller really varied the tree
+
+
+def test_a_cap_the_sources_do_not_fill_is_priced_at_the_width_it_runs_at():
+    """When the sources offered only 2 nodes last step, a budget of 7 runs a 3-row forward, which on
+    MKL-like kernels costs more than an 8-row one: it is priced as the dearest of the two, so two
+    sure hits (3 tokens) do not buy a 3.1-step forward."""
+    from specdraft.budget import StepOutcome
+    from specdraft.tree import TokenTree
+
+    curve = [1.0, 2.0, 3.1, 2.1] + [2.2] * 60  # seconds of 1, 2, 3, 4, ... rows (relative)
+    ctl = AdaptiveBudget(8, warmup=0, smoothing=1.0, cost_curve=curve)
+    committed = [1, 2, 3]
+    for step in range(6):  # a two-token draft that is always right
+        branch = [10 + step, 11 + step]
+        decision = ctl.choose()
+        tree = TokenTree.from_drafts(committed[-1], [[branch]], decision.nodes)
+        start = len(committed)
+        committed += branch + [99] if decision.nodes >= 2 else branch[:1]
+        ctl.observe(StepOutcome(decision, tree, [[branch]], committed, start, len(tree), 0.1))
+    assert ctl.accept_rate[:2] == [1.0, 1.0] and ctl._offered == 2
+    assert ctl.choose().nodes == 0  # 3 tokens for 3.1 steps: plain is better
+    ctl.set_cost_curve([1.0, 2.0, 2.9, 2.1] + [2.2] * 60)
+    assert ctl.choose().nodes >= 2  # 3 tokens for 2.9 steps: worth it
