@@ -65,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=len(FUNCTIONS))
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--plain", action="store_true", help="also time plain model.generate")
+    parser.add_argument("--methods", default="hf-prompt-lookup,default@stock,default",
+                        help="comma list of hf-prompt-lookup (always run: the reference), default@stock, default")
     args = parser.parse_args(argv)
 
     from specdraft.baseline import time_plain_generate, warmup_forward
@@ -75,11 +77,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model_name = args.model or DEFAULT_MODEL
     model, tokenizer = load_model(model_name, dtype=args.dtype, progress=False)
-    decoders = {"default@stock": Decoder(model, tokenizer, cpu_kernels="stock"), "default": Decoder(model, tokenizer)}
-    print(f"default: {decoders['default'].kernels.describe()}", file=sys.stderr)
+    wanted = [m.strip() for m in args.methods.split(",") if m.strip() != "hf-prompt-lookup"]
+    unknown = sorted(set(wanted) - {"default@stock", "default"})
+    if unknown:
+        parser.error(f"unknown methods {unknown}; allowed: hf-prompt-lookup, default@stock, default")
+    builders = {"default@stock": lambda: Decoder(model, tokenizer, cpu_kernels="stock"),
+                "default": lambda: Decoder(model, tokenizer)}
+    decoders = {m: builders[m]() for m in wanted}
+    for m, d in decoders.items():
+        print(f"{m}: {d.kernels.describe() if hasattr(d, 'kernels') else 'stock'}", file=sys.stderr)
     requests = [(name, _encode_prompt(tokenizer, text, chat=True)) for name, text in prompts(args.limit)]
     warmup_forward(model, requests[0][1])
-    methods = (["plain"] if args.plain else []) + ["hf-prompt-lookup", "default@stock", "default"]
+    methods = (["plain"] if args.plain else []) + ["hf-prompt-lookup"] + wanted
     rows = []
     for name, ids in requests:
         row: dict[str, dict[str, float]] = {}
@@ -100,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         same = all(outputs[m] == outputs["hf-prompt-lookup"] for m in methods)
         rows.append((name, row, same))
         ref = row["hf-prompt-lookup"]["seconds"]
-        print(f"{name:28s} {row['default']['tokens']:4d} tok  " + "  ".join(
+        print(f"{name:28s} {row['hf-prompt-lookup']['tokens']:4d} tok  " + "  ".join(
             f"{m}: {r['tokens'] / max(1, r['steps']):.2f} tok/step, {100 * r['plain_steps'] / max(1, r['steps']):3.0f}% "
             f"plain, {ref / r['seconds']:.2f}x hf" for m, r in row.items() if m in decoders)
             + f"  identical: {'yes' if same else 'NO'}", flush=True)
