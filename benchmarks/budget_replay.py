@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from specdraft.sources import registry
+from specdraft.budget import AdaptiveBudget
 from specdraft.decoder import Decoder
 
 
@@ -194,12 +195,16 @@ def load_recordings(path: Path) -> tuple[str, list[Recording], dict[str, Any]]:
 
 def replay_dataset(model: Any, records: Sequence[Recording], costs: CostTable, sources: Sequence[str],
                    max_tree_nodes: int, max_new_tokens: int, noise: float, seed: int,
-                   adaptive: bool = True) -> list[dict[str, Any]]:
+                   adaptive: bool = True, priced: bool = True) -> list[dict[str, Any]]:
     """Decode every recording in order with one Decoder (sources and budget carry across prompts,
-    as in ``specdraft bench``); return per-prompt simulated times and ratios."""
+    as in ``specdraft bench``); return per-prompt simulated times and ratios. With ``priced`` the
+    budget prices widths from the cost table from the first step, as it does from the curve
+    ``cpu_kernels="auto"`` measures; without, it learns each width's price from the steps."""
     clock = SimulatedClock(noise, seed)
     decoder = Decoder(model, None, sources=registry.make_sources(list(sources)), max_tree_nodes=max_tree_nodes,
-                      adaptive_budget=adaptive)
+                      adaptive_budget=adaptive, cpu_kernels="stock")
+    if priced and isinstance(decoder.budget, AdaptiveBudget):
+        decoder.budget.set_cost_curve(costs.seconds)
     runner = ReplayRunner(decoder.runner.vocab_size, decoder.runner.max_positions, costs, clock)
     decoder.runner = runner  # type: ignore[assignment]
     decoder.clock = clock
@@ -247,6 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--sources", default=",".join(registry.DEFAULT_SOURCES))
     r.add_argument("--max-tree-nodes", type=int, default=32)
     r.add_argument("--fixed", action="store_true", help="fixed budget instead of the adaptive one")
+    r.add_argument("--learned-prices", action="store_true",
+                   help="the budget learns each width's price from the steps instead of taking the table "
+                        "(what it does on cpu_kernels='stock', where nothing is measured)")
     r.add_argument("--noise", type=float, default=0.03, help="log-normal sigma of each step's simulated cost")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", type=Path, help="write per-prompt rows and summaries here (JSON)")
@@ -274,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if model is None:
             model, _ = load_model(args.model or fingerprint["model"], dtype="float32", progress=False)
         rows = replay_dataset(model, records, costs, sources, args.max_tree_nodes, fingerprint["max_new_tokens"],
-                              args.noise, args.seed, adaptive=not args.fixed)
+                              args.noise, args.seed, adaptive=not args.fixed, priced=not args.learned_prices)
         summary = summarize(rows)
         report["datasets"][dataset] = {"summary": summary, "per_prompt": rows}
         print(f"{dataset:10s} median {summary['median']:.3f}x  geomean {summary['geomean']:.3f}x  "

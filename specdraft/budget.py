@@ -14,12 +14,15 @@ The rule
         E[tokens committed | budget n] = 1 + sum_{r < n} p_r
 
     where ``p_r`` is the probability that the node inserted ``r``-th is on the accepted path. We
-    keep an exponential moving average of every ``p_r`` and of the measured step time
-    ``cost(q)`` per forward width ``q`` (root + tree + side tokens, in power-of-two buckets). Each
-    step picks ``n`` maximising ``(1 + sum_{r<n} p_r) / cost(width(n))`` over ``n = 0`` (plain
-    decoding) and the bucket edges up to ``max_nodes``, where ``width(0) = 1`` and
-    ``width(n) = 1 + n + side``: a plain step leaves the side blocks (Jacobi's window) out too, so
-    a source whose window does not pay stops costing anything until drafts pay again.
+    keep an exponential moving average of every ``p_r``, and price a step of forward width ``q``
+    (root + tree + side tokens) as ``cost(q)`` one-token steps, each width on its own, from a
+    measured cost curve when the decoder has one, else learned from the steps
+    (:mod:`specdraft.step_costs`). Each step picks ``n`` maximising
+    ``(1 + sum_{r<n} p_r) / cost(width(n))`` over every ``n`` from 0 (plain decoding) to
+    ``max_nodes``, where ``width(0) = 1`` and ``width(n) = 1 + n + side``: a plain step leaves the
+    side blocks (Jacobi's window) out too, so a source whose window does not pay stops costing
+    anything until drafts pay again. Prices are relative to the present one-token step, so a busy
+    machine that slows every step alike does not change the choice.
 
 Shadow verification instead of probing
     The decoder always builds the *full* tree, checks only its first ``n`` nodes, and keeps the
@@ -29,9 +32,12 @@ Shadow verification instead of probing
     novel text is noticed at once, without paying for exploratory wide forwards. (Under sampling the
     shadow check is an estimate; it only sizes the tree, never changes what is emitted.)
     Acceptance comes in runs (a copy starts, goes on, ends), so the averages weigh the newest
-    observation heavily (``smoothing=0.5``). Costs of widths never run are guessed optimistically
-    (the nearest narrower measured bucket, or half the narrowest), so the controller tries them
-    when the acceptance says they might pay, and then knows.
+    observation heavily (``smoothing=0.5``). A shadow tree still on course after
+    :data:`SHADOW_PATIENCE` steps records what is known (the walked path accepted, the branches it
+    left rejected); the nodes below the walk are recorded as the committed tokens reach them,
+    never guessed as rejected, so plain steps see a long copy's full worth. Without a cost curve,
+    widths never run are priced optimistically (interpolated between measured ones), so the
+    controller tries them when the acceptance says they might pay, and then knows.
 
 Between requests
     A run of acceptance ends with its request: a new prompt owes nothing to how the last answer
@@ -59,14 +65,18 @@ exactly lossless whatever this controller decides.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
+from .step_costs import StepCosts
 from .tree import TokenTree
 
-#: Steps a shadow tree may wait for its outcome; after that the part walked so far counts as
-#: accepted and the rest as not, so a copy that starts during plain one-token steps is noticed
-#: within a few steps instead of only when its whole draft has been committed.
+#: Steps a shadow tree waits before what is known of it is recorded: after that the part walked
+#: so far counts as accepted and the branches it left as not, so a copy that starts during plain
+#: one-token steps is noticed within a few steps instead of only when its whole draft has been
+#: committed. The nodes below the walk are not known yet and are recorded later, as the walk goes
+#: on: counting them as misses (as this once did) told a controller running plain steps that no
+#: draft deeper than 4 tokens ever pays, so it could never buy its way back to wide trees.
 SHADOW_PATIENCE = 3
 
 
@@ -75,12 +85,15 @@ def _moving_average(old: float | None, new: float, weight: float) -> float:
     return new if old is None else (1 - weight) * old + weight * new
 
 
-def _bucket(width: int) -> int:
-    """Power-of-two bucket of a forward width: 1, 2, 3-4 -> 4, 5-8 -> 8, ..."""
-    b = 1
-    while b < width:
-        b *= 2
-    return b
+@dataclass
+class _Shadow:
+    """A full tree waiting for the committed tokens to say which of its nodes would have been accepted."""
+
+    tree: TokenTree
+    start: int  # index of the first token committed after its root
+    age: int = 0  # steps it has waited
+    #: per node, whether its outcome is recorded already (a list, not a set: a copied budget pickles alike)
+    recorded: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -168,10 +181,15 @@ class AdaptiveBudget:
     opening_cost_ratio:
         A request's first tree step stays plain when the chosen tree would cost more than this
         many plain steps (``math.inf``: never).
+    cost_curve:
+        The measured cost of a forward of 1, 2, ... rows on this machine and model (any unit, see
+        :mod:`specdraft.kernel_costs`): widths are priced from it from the first step, and steps
+        only tell how fast the machine runs now. ``None`` learns each width's price from its steps.
     """
 
     def __init__(self, max_nodes: int, smoothing: float = 0.5, warmup: int = 3,
-                 prior_smoothing: float = 0.02, opening_cost_ratio: float = 1.5) -> None:
+                 prior_smoothing: float = 0.02, opening_cost_ratio: float = 1.5,
+                 cost_curve: Sequence[float] | None = None) -> None:
         if max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
         if not 0.0 < smoothing <= 1.0:
@@ -187,14 +205,27 @@ class AdaptiveBudget:
         self.warmup = warmup
         self.accept_rate: list[float | None] = [None] * max_nodes  # p_r, None until observed
         self.long_run_rate: list[float | None] = [None] * max_nodes  # the slow averages
-        self.cost: dict[int, float] = {}  # bucket -> seconds per step
+        self.costs = StepCosts(cost_curve, smoothing)  # seconds per step, by forward width
         self.steps = 0
         self.request_steps = 0  # steps of the current request
-        self._shadows: list[tuple[TokenTree, int, int]] = []  # (full tree, start, age) awaiting outcome
+        self._shadows: list[_Shadow] = []  # full trees awaiting their outcome
+        self._offered: int | None = None  # draft nodes the sources offered last step (the full tree's)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("_shadows", [])  # budgets pickled before shadows lived here
+        state.setdefault("_offered", None)
+        if "costs" not in state:  # budgets pickled when costs were kept in power-of-two buckets
+            costs = StepCosts(None, state.get("smoothing", 0.5))
+            for bucket, seconds in sorted(state.pop("cost", {}).items()):
+                costs.observe(bucket, seconds)
+            state["costs"] = costs
+        state["_shadows"] = [s for s in state["_shadows"] if isinstance(s, _Shadow)]
         self.__dict__.update(state)
+
+    def set_cost_curve(self, curve: Sequence[float] | None) -> None:
+        """Price widths from ``curve`` (the cost of a forward of 1, 2, ... rows) from now on;
+        ``None`` goes back to learning each width's price from its own steps."""
+        self.costs.set_curve(curve)
 
     # -- estimates ------------------------------------------------------------------------
 
@@ -205,19 +236,10 @@ class AdaptiveBudget:
     def expected_cost(self, width: int) -> float | None:
         """Estimated seconds of a step of forward width ``width``; ``None`` if nothing is known.
 
-        An unmeasured bucket borrows the nearest narrower measured one, or half the narrowest one
-        when it is narrower than all (optimistic guesses that make the controller try it, after
-        which it is measured).
+        Each width is priced on its own, as the machine's present one-token step time times the
+        width's price in one-token steps (see :mod:`specdraft.step_costs`).
         """
-        if not self.cost:
-            return None
-        b = _bucket(width)
-        if b in self.cost:
-            return self.cost[b]
-        smaller = [k for k in self.cost if k < b]
-        if smaller:
-            return self.cost[max(smaller)]
-        return 0.5 * self.cost[min(self.cost)]
+        return self.costs.seconds(width)
 
     # -- the decision ----------------------------------------------------------------------
 
@@ -231,33 +253,39 @@ class AdaptiveBudget:
         """The budget for the next step, given the side-block tokens that will ride along."""
         if self.max_nodes == 0:
             return BudgetDecision(0, 1.0, self.expected_cost(1) or 0.0)
-        if self.steps < self.warmup or not self.cost:
+        if self.steps < self.warmup or not self.costs.known:
             return BudgetDecision(self.max_nodes, self.expected_tokens(self.max_nodes), 0.0)
-        candidates = sorted({0, self.max_nodes} | {e - 1 - side_tokens for e in self._edges()
-                                                   if 0 < e - 1 - side_tokens < self.max_nodes})
-        best, best_rate = 0, -1.0
-        for n in candidates:
-            cost = self.expected_cost(self.width(n, side_tokens))
-            rate = self.expected_tokens(n) / cost if cost else 0.0
+        # every tree size is a candidate, priced at its own width: the rate compared is tokens per
+        # one-token step, which does not depend on how fast the machine happens to run just now.
+        # A budget of n nodes is a cap: when the sources offered fewer nodes last step (``offered``),
+        # the forward may be narrower, and a narrower forward can cost more (2-3 rows on MKL cost
+        # more than 4), so such an n is priced at the dearest width between the two.
+        shapes = self.costs.shapes(self.width(self.max_nodes, side_tokens))
+        offered = self._offered if self._offered is not None else self.max_nodes
+        narrow = 1 + offered + side_tokens  # the width if the sources offer what they did last step
+        best, best_rate, best_price, tokens = 0, 1.0, 1.0, 1.0
+        dearest: float | None = None
+        for n, p in enumerate(self.accept_rate, 1):
+            tokens += p or 0.0
+            wide = self.width(n, side_tokens)
+            if n <= offered:
+                price = shapes[wide - 1]
+            else:
+                dearest = max(shapes[narrow - 1 : wide]) if dearest is None else max(dearest, shapes[wide - 1])
+                price = dearest
+            rate = tokens / price
             if rate > best_rate * (1 + 1e-9):
-                best, best_rate = n, rate
-        cost = self.expected_cost(self.width(best, side_tokens)) or 0.0
-        plain = self.expected_cost(1)
-        if best and self.request_steps == 0 and plain and cost > self.opening_cost_ratio * plain:
+                best, best_rate, best_price = n, rate, price
+        plain = self.expected_cost(1) or 0.0
+        if best and self.request_steps == 0 and best_price > self.opening_cost_ratio:
             return BudgetDecision(0, 1.0, plain)  # the request's first step: no gamble yet
-        return BudgetDecision(best, self.expected_tokens(best), cost)
-
-    def _edges(self) -> list[int]:
-        edges, e = [], 2
-        while e <= 2 * (self.max_nodes + 1):
-            edges.append(e)
-            e *= 2
-        return edges
+        return BudgetDecision(best, self.expected_tokens(best), plain * best_price)
 
     def start_request(self) -> None:
         """A request starts: the acceptance averages restart from the long-run ones (see "Between
         requests" above); step costs carry over (they belong to the model and the machine).
-        Shadow trees of an earlier request are dropped unresolved."""
+        Shadow trees of an earlier request are dropped; what was not yet known of them is not
+        recorded at all."""
         self.accept_rate = list(self.long_run_rate)
         self.request_steps = 0
         self._shadows = []
@@ -269,42 +297,63 @@ class AdaptiveBudget:
         tree = outcome.tree
         if outcome.decision.nodes < self.max_nodes:
             tree = TokenTree.from_drafts(tree.tokens[0], outcome.branches, self.max_nodes)
-        self._shadows.append((tree, outcome.start, 0))
+        self._offered = tree.num_draft_nodes
+        self._shadows.append(_Shadow(tree, outcome.start))
         self._resolve_shadows(outcome.committed)
 
     def _resolve_shadows(self, committed: Sequence[int]) -> None:
-        """Walk each pending full tree along the tokens committed since it was drafted; a walk that
-        leaves the tree, reaches a leaf or runs out of patience (:data:`SHADOW_PATIENCE`) tells
-        which ranks would have been accepted. Trees still on course wait for more tokens."""
+        """Walk each pending full tree along the tokens committed since it was drafted. A walk that
+        leaves the tree or reaches a leaf settles every node. A walk still on the tree waits; once it
+        has waited :data:`SHADOW_PATIENCE` steps, what is known is recorded (the walked path
+        accepted, the branches it left rejected) and the nodes below it wait for more tokens."""
         waiting = []
-        for tree, start, age in self._shadows:
-            node, i = 0, start
+        for shadow in self._shadows:
+            tree, node, i = shadow.tree, 0, shadow.start
             while i < len(committed):
                 child = tree.child(node, committed[i])
                 if child is None:
                     break
                 node, i = child, i + 1
-            if i == len(committed) and tree.children(node) and age < SHADOW_PATIENCE:
-                waiting.append((tree, start, age + 1))  # still on the tree: the outcome is not known yet
+            settled = not (i == len(committed) and tree.children(node))
+            if settled:
+                self._record_nodes(tree, node, range(1, len(tree)), shadow.recorded)
                 continue
-            self.observe_acceptance(tree.num_draft_nodes, [n - 1 for n in tree.path_to(node)])
+            if shadow.age >= SHADOW_PATIENCE:
+                self._record_nodes(tree, node, _outside_subtree(tree, node), shadow.recorded)
+            shadow.age += 1
+            waiting.append(shadow)
         self._shadows = waiting
+
+    def _record_nodes(self, tree: TokenTree, reached: int, nodes: Sequence[int] | range, recorded: list[bool]) -> None:
+        """Record the outcome of ``nodes`` of ``tree`` (accepted: on the path to ``reached``) that
+        ``recorded`` does not mark yet, and mark them."""
+        if not recorded:
+            recorded.extend([False] * len(tree))
+        on_path = set(tree.path_to(reached))
+        fresh = [n for n in nodes if not recorded[n] and n <= self.max_nodes]
+        if not fresh:
+            return
+        for n in fresh:
+            recorded[n] = True
+        self._observe_ranks([n - 1 for n in fresh], {n - 1 for n in fresh if n in on_path})
 
     # -- learning -------------------------------------------------------------------------
 
     def observe_acceptance(self, tree_nodes: int, accepted_ranks: list[int]) -> None:
         """A (full or shadow) tree of ``tree_nodes`` draft nodes was resolved: the nodes with these
         insertion ranks (0-based, root excluded) were, or would have been, accepted."""
-        accepted = set(accepted_ranks)
-        for r in range(min(tree_nodes, self.max_nodes)):
+        self._observe_ranks(range(min(tree_nodes, self.max_nodes)), set(accepted_ranks))
+
+    def _observe_ranks(self, ranks: Sequence[int] | range, accepted: set[int]) -> None:
+        """These ranks' outcomes are known: those in ``accepted`` hit, the others missed."""
+        for r in ranks:
             hit = 1.0 if r in accepted else 0.0
             self.accept_rate[r] = _moving_average(self.accept_rate[r], hit, self.smoothing)
             self.long_run_rate[r] = _moving_average(self.long_run_rate[r], hit, self.prior_smoothing)
 
     def observe_cost(self, width: int, seconds: float) -> None:
         """A step of forward width ``width`` took ``seconds`` (drafting and verifying included)."""
-        b = _bucket(width)
-        self.cost[b] = _moving_average(self.cost.get(b), seconds, self.smoothing)
+        self.costs.observe(width, seconds)
         self.steps += 1
         self.request_steps += 1
 
@@ -313,3 +362,13 @@ class AdaptiveBudget:
         """Both observations of a step whose checked tree was the full tree."""
         self.observe_acceptance(tree_nodes, accepted_ranks)
         self.observe_cost(width, seconds)
+
+
+def _outside_subtree(tree: TokenTree, node: int) -> list[int]:
+    """Draft nodes of ``tree`` that are not strictly below ``node`` (their outcome is known once the
+    committed tokens have walked to ``node``)."""
+    below = [False] * len(tree)
+    for j in range(node + 1, len(tree)):
+        parent = tree.parents[j]
+        below[j] = parent == node or below[parent]
+    return [j for j in range(1, len(tree)) if not below[j]]

@@ -96,6 +96,14 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: %(default)s)")
 
 
+#: The ``--cpu-kernels`` help of ``generate`` and ``demo``.
+CPU_KERNELS_HELP = ("auto = measure the exact kernel paths below once on this machine and model (cached) and run each "
+                    "forward width on the cheapest; stock = the model's own modules; packed = linear layers on "
+                    "weights packed once for oneDNN (CPU, float32/bfloat16); fbgemm = FBGEMM's float16-weight "
+                    "kernel where float16 holds the weights exactly (bfloat16/float16 checkpoints); packed paths "
+                    "keep a second copy of the weights in memory; see docs/cpu-fast-path.md (default: %(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed so docs and tests can inspect it)."""
     parser = argparse.ArgumentParser(
@@ -123,11 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="check --max-tree-nodes every step instead of sizing the tree adaptively")
     gen.add_argument("--attention", choices=["auto", "sdpa", "eager", "flash"], default="auto",
                      help="attention backend; flash = split+merge flash kernel (default: %(default)s)")
-    gen.add_argument("--cpu-kernels", choices=list(CPU_KERNELS), default="stock",
-                     help="packed = linear layers on weights packed once for oneDNN (CPU, float32/bfloat16); "
-                          "fbgemm = FBGEMM's float16-weight kernel where float16 holds the weights exactly "
-                          "(bfloat16/float16 checkpoints; the fast bfloat16 path without AVX512); both keep a second "
-                          "copy of the weights in memory; see docs/cpu-fast-path.md (default: %(default)s)")
+    gen.add_argument("--cpu-kernels", choices=list(CPU_KERNELS), default="auto", help=CPU_KERNELS_HELP)
     samp = gen.add_argument_group("sampling (defaults come from the model's generation config)")
     samp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     samp.add_argument("--temperature", type=_positive_float, metavar="T")
@@ -153,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tree-nodes", type=_int_at_least(0), default=32, metavar="N", help="(default: %(default)s)")
     demo.add_argument("--fixed-budget", action="store_true",
                       help="check --max-tree-nodes every step instead of sizing the tree adaptively")
+    demo.add_argument("--cpu-kernels", choices=list(CPU_KERNELS), default="auto", help=CPU_KERNELS_HELP)
     demo.add_argument("--repeats", type=_int_at_least(1), default=3, metavar="N",
                       help="timed rounds per method; medians are reported (default: %(default)s)")
     demo.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
@@ -329,7 +334,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         record = {"model": args.model, "dtype": args.dtype, "sources": source_names,
                   "max_tree_nodes": args.max_tree_nodes, "sampling": options, "seed": args.seed,
-                  "prompt_tokens": len(prompt_ids), **stats, "text": out.text, "token_ids": list(out.token_ids)}
+                  "prompt_tokens": len(prompt_ids), **stats, "kernels": decoder.kernels.describe(),
+                  "text": out.text, "token_ids": list(out.token_ids)}
         if comparison is not None:
             record["compare"] = comparison
         print(json.dumps(record), flush=True)
@@ -337,6 +343,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     print(out.text, flush=True)
     print(f"{PROG}: {_summary(stats)}", file=sys.stderr)
+    if not args.quiet:
+        print(f"{PROG}: kernels: {decoder.kernels.describe()}", file=sys.stderr)
     if comparison is not None:
         speedup = comparison["speedup"]
         line = (f"{PROG}: plain generate {comparison['plain_new_tokens']} tokens in {plain_seconds:.2f} s "
@@ -386,7 +394,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, dtype=args.dtype, progress=not args.quiet, device=args.device)
     prompt_ids = _encode_prompt(tokenizer, DEMO_PROMPT, chat=bool(getattr(tokenizer, "chat_template", None)))
     decoder = Decoder(model, tokenizer, sources=[PromptLookup()], max_tree_nodes=args.max_tree_nodes,
-                      adaptive_budget=not args.fixed_budget)
+                      adaptive_budget=not args.fixed_budget, cpu_kernels=args.cpu_kernels)
     warmup_forward(model, prompt_ids)
     times: dict[str, list[float]] = {"plain": [], "hf-prompt-lookup": [], "specdraft": []}
     outputs: dict[str, list[int]] = {}
@@ -417,6 +425,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         extra = f", mean accepted {out.stats.mean_accepted:.2f} in {out.stats.steps} steps" if name == "specdraft" else ""
         print(f"  {name:<17} {len(outputs[name]) / median:6.1f} tokens/s  {plain_median / median:5.2f}x  {same}{extra}",
               file=sys.stderr)
+    print(f"  specdraft kernels: {decoder.kernels.describe()}", file=sys.stderr)
     return 0
 
 

@@ -1,6 +1,8 @@
 """CPU kernels for the verification forward: linear layers with weights packed once.
 
-Two packed paths, chosen with ``Decoder(cpu_kernels=...)``:
+Two packed paths, chosen with ``Decoder(cpu_kernels=...)`` (the default, ``"auto"``, measures
+them and uses the cheaper one at the forward widths where it beats stock, through
+:class:`MixedLinear`; see :mod:`specdraft.kernel_costs`):
 
 ``"packed"``
     oneDNN, float32 or bfloat16 weights in oneDNN's blocked layout (described below).
@@ -65,8 +67,16 @@ from torch import nn
 
 from .fp16_linear import FP16_INPUT_DTYPES, Fp16Linear, fbgemm_problem
 
-#: What ``Decoder(cpu_kernels=...)`` accepts.
-CPU_KERNELS = ("stock", "packed", "fbgemm")
+#: What ``Decoder(cpu_kernels=...)`` accepts: ``"auto"`` picks among the others per forward width
+#: from what they cost on this machine (:mod:`specdraft.kernel_costs`).
+CPU_KERNELS = ("auto", "stock", "packed", "fbgemm")
+
+#: The packed paths (each holds a second copy of the linear weights).
+PACKED_KINDS = ("packed", "fbgemm")
+
+#: Memory left free when packing: packing is refused when the copy would leave less than this
+#: (or a tenth of what is available, whichever is more) for the rest of the process.
+MEMORY_RESERVE = 512 * 2**20
 
 #: Dtypes oneDNN's packed linear runs on every x86 CPU (float16 needs AVX512-FP16 or AVX-NE-CONVERT;
 #: float64 is not supported by oneDNN at all).
@@ -107,7 +117,7 @@ def check_cpu_kernels(model: Any, kernels: str) -> None:
     :class:`PackedModel` checks that.)"""
     if kernels not in CPU_KERNELS:
         raise ValueError(f"cpu_kernels must be one of {list(CPU_KERNELS)}, got {kernels!r}")
-    if kernels == "stock":
+    if kernels in ("stock", "auto"):
         return
     device = getattr(model, "device", torch.device("cpu"))
     if torch.device(device).type != "cpu":
@@ -187,6 +197,73 @@ class PackedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+def packing_bytes(model: nn.Module, kind: str) -> int:
+    """Bytes a packed copy of ``model``'s linear weights takes for ``kind`` (an upper bound for
+    ``"fbgemm"``: a float32 weight may need two float16 terms, 4 bytes, where one suffices)."""
+    total = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name:
+            weight = module.weight
+            per = weight.element_size() if kind == "packed" else (2 if weight.element_size() <= 2 else 4)
+            total += weight.numel() * per
+    return total
+
+
+def available_memory() -> int | None:
+    """Bytes the system can still hand out without swapping (Linux ``MemAvailable``); ``None``
+    where it cannot be read (packing is then not refused for memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def memory_problem(model: nn.Module, kind: str) -> str | None:
+    """Why a packed copy of ``model``'s weights for ``kind`` would not fit (``None``: it fits)."""
+    need, free = packing_bytes(model, kind), available_memory()
+    if free is None:
+        return None
+    reserve = max(MEMORY_RESERVE, free // 10)
+    if need + reserve <= free:
+        return None
+    return (f"its packed weights need {need / 2**30:.2f} GiB more memory and {free / 2**30:.2f} GiB is available "
+            f"(keeping {reserve / 2**30:.2f} GiB free)")
+
+
+class MixedLinear(nn.Module):
+    """A packed layer that runs only on the row counts its plan gives it, the stock kernel on the
+    others: ``plan[r - 1]`` says whether a forward of ``r`` rows runs packed (past the plan's end,
+    its last entry). Every linear layer of one forward sees the same row count, so the whole
+    forward runs on one path; ``cpu_kernels="auto"`` uses it to take the cheaper path per width."""
+
+    def __init__(self, fast: "PackedLinear | Fp16Linear", plan: tuple[bool, ...]) -> None:
+        super().__init__()
+        if not plan:
+            raise ValueError("a plan needs an entry for at least one row count")
+        self.__dict__["original"] = fast.original  # not registered, as in PackedLinear
+        self.__dict__["fast"] = fast
+        self.in_features = fast.in_features
+        self.out_features = fast.out_features
+        self.plan = plan
+
+    def refresh(self) -> bool:
+        return self.fast.refresh()
+
+    @property
+    def nbytes(self) -> int:
+        return self.fast.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, self.in_features)
+        if rows and self.plan[min(rows, len(self.plan)) - 1]:
+            return self.fast(x)
+        return self.original(x)
+
+
 class PackedModel:
     """The packed stand-ins of every ``nn.Linear`` of one model, and the swap around a forward.
 
@@ -197,25 +274,28 @@ class PackedModel:
     (which shares one per model and kind between decoders).
     """
 
-    def __init__(self, model: nn.Module, kind: str = "packed", batch_hint: int = BATCH_HINT) -> None:
-        if kind not in CPU_KERNELS or kind == "stock":
-            raise ValueError(f"kind must be one of {[k for k in CPU_KERNELS if k != 'stock']}, got {kind!r}")
+    def __init__(self, model: nn.Module, kind: str = "packed", batch_hint: int = BATCH_HINT,
+                 plan: tuple[bool, ...] | None = None) -> None:
+        if kind not in PACKED_KINDS:
+            raise ValueError(f"kind must be one of {list(PACKED_KINDS)}, got {kind!r}")
         self.kind = kind
+        #: per row count, whether a forward runs packed (``None``: always; see :class:`MixedLinear`)
+        self.plan = plan
         self._model = weakref.ref(model)
-        if any(isinstance(module, (PackedLinear, Fp16Linear)) for module in model.modules()):
+        if any(isinstance(module, (PackedLinear, Fp16Linear, MixedLinear)) for module in model.modules()):
             raise RuntimeError(f"cannot pack this model's weights while another decoder runs a forward of it on packed "
                                f"kernels; decoders sharing one model across threads must use the same cpu_kernels "
                                f"(this one: {kind!r})")
         linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear) and name]
         #: names of the linear layers left on the stock kernel (float16 cannot hold their weights)
         self.stock_layers: list[str] = []
-        self.layers: dict[str, PackedLinear | Fp16Linear] = {}
+        self.layers: dict[str, PackedLinear | Fp16Linear | MixedLinear] = {}
         for name, module in linears:
             layer = PackedLinear(module, batch_hint) if kind == "packed" else Fp16Linear.build(module)
             if layer is None:
                 self.stock_layers.append(name)
             else:
-                self.layers[name] = layer
+                self.layers[name] = layer if plan is None else MixedLinear(layer, plan)
         if linears and not self.layers:
             raise CpuKernelError(
                 f"cpu_kernels={kind!r} needs weights that float16 holds exactly, alone or as a sum of two (bfloat16 "
@@ -246,7 +326,8 @@ class PackedModel:
         with self._lock:
             if self._depth == 0:
                 moved = [child for parent, child, layer in self._slots if getattr(parent, child) is not layer.original]
-                if any(isinstance(getattr(parent, child), (PackedLinear, Fp16Linear)) for parent, child, _ in self._slots):
+                if any(isinstance(getattr(parent, child), (PackedLinear, Fp16Linear, MixedLinear))
+                       for parent, child, _ in self._slots):
                     raise RuntimeError(f"another decoder is running a forward of this model on other packed kernels "
                                        f"right now; decoders sharing one model across threads must use the same "
                                        f"cpu_kernels (this one: {self.kind!r})")
@@ -270,19 +351,26 @@ class PackedModel:
                         setattr(parent, child, layer.original)
 
 
-_SHARED: "weakref.WeakValueDictionary[tuple[int, str], PackedModel]" = weakref.WeakValueDictionary()
+_SHARED: "weakref.WeakValueDictionary[tuple[int, str, tuple[bool, ...] | None], PackedModel]" = \
+    weakref.WeakValueDictionary()
 _SHARED_LOCK = threading.Lock()
 
 
-def packed_model(model: nn.Module, kind: str = "packed") -> PackedModel:
-    """The :class:`PackedModel` of ``model`` for ``kind`` (``"packed"`` or ``"fbgemm"``): built on
-    first use, shared by every decoder that holds it (one packed copy per model and kind), freed
-    when the last holder lets it go."""
+def packed_model(model: nn.Module, kind: str = "packed", plan: tuple[bool, ...] | None = None) -> PackedModel:
+    """The :class:`PackedModel` of ``model`` for ``kind`` (``"packed"`` or ``"fbgemm"``) and
+    ``plan``: built on first use, shared by every decoder that holds it (one packed copy per model,
+    kind and plan), freed when the last holder lets it go. A new copy that would not fit in the
+    memory available is refused (:class:`CpuKernelError`, saying how much it needs)."""
+    key = (id(model), kind, plan)
     with _SHARED_LOCK:
-        packed = _SHARED.get((id(model), kind))
+        packed = _SHARED.get(key)
         if packed is None or packed._model() is not model:  # none yet, or an id of a model since collected
-            packed = PackedModel(model, kind)
-            _SHARED[(id(model), kind)] = packed
+            problem = memory_problem(model, kind) if kind in PACKED_KINDS else None
+            if problem is not None:
+                raise CpuKernelError(f"cpu_kernels={kind!r} cannot pack this model's weights here: {problem}; "
+                                     "use cpu_kernels='stock'")
+            packed = PackedModel(model, kind, plan=plan)
+            _SHARED[key] = packed
         return packed
 
 

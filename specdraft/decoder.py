@@ -34,7 +34,7 @@ import torch
 
 from .attention import ATTENTION_CHOICES, select_attention
 from .budget import AdaptiveBudget, Budget, BudgetDecision, FixedBudget, StepOutcome
-from .cpu_kernels import check_cpu_kernels, packed_model
+from .kernel_costs import choose_kernels
 from .runner import ModelRunner
 from .sampling import NodeScorer, PenaltyPrefix, SamplingSettings, resolve_settings
 from .sources.base import Context, Draft, DraftSource, Feedback, SideBlock, TokenView, source_option
@@ -89,12 +89,14 @@ class Decoder:
     the weights exactly (bfloat16 and float16 checkpoints: the fast bfloat16 path on CPUs without
     AVX512-BF16). Both hold a second copy of the linear weights until :meth:`close` and may round
     differently from stock kernels in the order of their additions (see
-    :mod:`specdraft.cpu_kernels`). The default ``"stock"`` uses the model's own modules.
+    :mod:`specdraft.cpu_kernels`). The default ``"auto"`` measures these paths on first use on a
+    machine (cached) and runs each forward width on the cheapest (:mod:`specdraft.kernel_costs`,
+    :attr:`kernels` says what it picked); ``"stock"`` uses the model's own modules.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, sources: Sequence[DraftSource] | None = None,
                  max_tree_nodes: int = 32, adaptive_budget: bool = True, attention: str = "auto",
-                 cpu_kernels: str = "stock") -> None:
+                 cpu_kernels: str = "auto") -> None:
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or not 0 <= max_tree_nodes <= MAX_TREE_NODES:
             raise ValueError(f"max_tree_nodes must be an int in [0, {MAX_TREE_NODES}] (0 = plain decoding), "
@@ -114,15 +116,16 @@ class Decoder:
         self.max_tree_nodes = max_tree_nodes
         self.attention = select_attention(model, attention)
         self.runner = ModelRunner(model)
-        check_cpu_kernels(model, cpu_kernels)
+        #: the CPU kernels per forward width and their measured costs (see :mod:`specdraft.kernel_costs`)
+        self.kernels = choose_kernels(model, cpu_kernels)
         self.cpu_kernels = cpu_kernels
-        #: packed linear weights swapped in around each forward (``cpu_kernels="packed"`` or ``"fbgemm"``)
-        self._packed = packed_model(model, cpu_kernels) if cpu_kernels != "stock" else None
+        #: packed linear weights swapped in around each forward (``cpu_kernels="auto"``, ``"packed"`` or ``"fbgemm"``)
+        self._packed = self.kernels.release_packed()
         # a source may say how many steps it needs before its drafts mean anything (Jacobi fills its
         # window first): the controller keeps the full budget that long before judging
         warmup = max([3] + [source_option(s, "warmup_steps") for s in self.sources])
-        self.budget: Budget = (AdaptiveBudget(max_tree_nodes, warmup=warmup) if adaptive_budget
-                               else FixedBudget(max_tree_nodes))
+        self.budget: Budget = (AdaptiveBudget(max_tree_nodes, warmup=warmup, cost_curve=self.kernels.curve)
+                               if adaptive_budget else FixedBudget(max_tree_nodes))
         # sources that read the model's top-k (Token Recycling): one topk per step for the largest k
         self._wants_top = [source_option(s, "top_k") > 0 for s in self.sources]
         self._top_k = max([source_option(s, "top_k") for s in self.sources], default=0)
@@ -141,7 +144,7 @@ class Decoder:
     def from_pretrained(cls, name_or_path: str, sources: Sequence[DraftSource] | None = None,
                         dtype: str | torch.dtype = "float32", max_tree_nodes: int = 32,
                         adaptive_budget: bool = True, attention: str = "auto",
-                        cpu_kernels: str = "stock") -> "Decoder":
+                        cpu_kernels: str = "auto") -> "Decoder":
         """Load model and tokenizer (a checkpoint dir, a ``.gguf`` file or a hub id, see
         :func:`specdraft.models.load_model`) and wrap them in a decoder."""
         from .models import load_model
@@ -158,6 +161,8 @@ class Decoder:
         then runs on stock kernels."""
         self._packed = None
         self.cpu_kernels = "stock"
+        if hasattr(self.budget, "set_cost_curve"):  # the packed curve no longer describes what runs
+            self.budget.set_cost_curve(None)
 
     def _kernels(self):
         """Around each forward: the packed layers in the model (and back out after), or nothing."""

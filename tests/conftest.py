@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
+import tempfile
 import warnings
 from typing import Any, Iterator, Sequence
 
@@ -28,6 +30,10 @@ from hypothesis import HealthCheck, settings
 # tiny forward 10-30x slower; every test module gets one thread (the single_thread fixture below
 # remains for modules that want to be explicit).
 torch.set_num_threads(1)
+
+# Kernel-cost measurements (``cpu_kernels="auto"``, specdraft.kernel_costs) are cached in the user's
+# cache directory; the tests' go to a directory of their own, gone with the machine's temp files.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specdraft-tests-cache-")
 
 from specdraft.budget import AdaptiveBudget, BudgetDecision
 from specdraft.sources import Context, Draft, Feedback, SideBlock

@@ -10,13 +10,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdraft.budget import AdaptiveBudget, BudgetDecision, _bucket
+from specdraft.budget import AdaptiveBudget, BudgetDecision
 
 # Step cost in seconds by forward width, shaped like Qwen-0.5B fp32 on this CPU (README of models):
 # any multi-token forward costs about twice a one-token step.
 CPU_FP32 = {1: 0.145, 2: 0.29, 4: 0.25, 8: 0.30, 16: 0.39, 32: 0.57, 64: 0.9}
 # A GPU-like curve: width is nearly free.
 FLAT = {1: 0.10, 2: 0.10, 4: 0.10, 8: 0.101, 16: 0.102, 32: 0.105, 64: 0.11}
+
+
+def _bucket(width: int) -> int:
+    """The curves above are given at powers of two; a width costs what its power-of-two bucket does."""
+    b = 1
+    while b < width:
+        b *= 2
+    return b
 
 
 def simulate(curve: dict[int, float], accept_len, steps: int, max_nodes: int = 32, available: int | None = None,
@@ -121,7 +129,7 @@ def test_a_requests_first_step_is_plain_only_when_width_is_dear(curve, first_is_
     ctl.observe_cost(1 if first.nodes == 0 else 1 + first.nodes, curve[_bucket(1 + first.nodes)])
     assert ctl.choose().nodes >= 7  # from the second step on the averages decide
     never = AdaptiveBudget(32, warmup=0, opening_cost_ratio=math.inf)
-    never.cost, never.long_run_rate = dict(ctl.cost), list(ctl.long_run_rate)
+    never.costs, never.long_run_rate = ctl.costs, list(ctl.long_run_rate)
     never.start_request()
     assert never.choose().nodes >= 7
 
@@ -196,3 +204,26 @@ def test_decoder_with_adaptive_budget_stays_exact():
         sizes.update(out.stats.tree_sizes)
     assert dec.budget is not None and dec.budget.steps > 0
     assert len(sizes) > 1  # the controller really varied the tree
+
+
+def test_a_cap_the_sources_do_not_fill_is_priced_at_the_width_it_runs_at():
+    """When the sources offered only 2 nodes last step, a budget of 7 runs a 3-row forward, which on
+    MKL-like kernels costs more than an 8-row one: it is priced as the dearest of the two, so two
+    sure hits (3 tokens) do not buy a 3.1-step forward."""
+    from specdraft.budget import StepOutcome
+    from specdraft.tree import TokenTree
+
+    curve = [1.0, 2.0, 3.1, 2.1] + [2.2] * 60  # seconds of 1, 2, 3, 4, ... rows (relative)
+    ctl = AdaptiveBudget(8, warmup=0, smoothing=1.0, cost_curve=curve)
+    committed = [1, 2, 3]
+    for step in range(6):  # a two-token draft that is always right
+        branch = [10 + step, 11 + step]
+        decision = ctl.choose()
+        tree = TokenTree.from_drafts(committed[-1], [[branch]], decision.nodes)
+        start = len(committed)
+        committed += branch + [99] if decision.nodes >= 2 else branch[:1]
+        ctl.observe(StepOutcome(decision, tree, [[branch]], committed, start, len(tree), 0.1))
+    assert ctl.accept_rate[:2] == [1.0, 1.0] and ctl._offered == 2
+    assert ctl.choose().nodes == 0  # 3 tokens for 3.1 steps: plain is better
+    ctl.set_cost_curve([1.0, 2.0, 2.9, 2.1] + [2.2] * 60)
+    assert ctl.choose().nodes >= 2  # 3 tokens for 2.9 steps: worth it

@@ -206,7 +206,7 @@ def test_threads_share_the_swap(kind) -> None:
 
 
 def test_bad_choices_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"cpu_kernels must be one of \['stock', 'packed', 'fbgemm'\], got 'fast'"):
+    with pytest.raises(ValueError, match=r"cpu_kernels must be one of \['auto', 'stock', 'packed', 'fbgemm'\], got 'fast'"):
         Decoder(tiny32("llama"), cpu_kernels="fast")
 
 
@@ -236,7 +236,8 @@ def test_bench_methods_plain_and_packed() -> None:
     prompt = [4, 5, 6, 4, 5, 6, 4]
     result = plain.run(prompt, 20)
     assert result.steps == len(result.token_ids) == 20
-    assert build_method("default", model, None, 16).decoder.cpu_kernels == "stock"
+    assert build_method("default", model, None, 16).decoder.cpu_kernels == "auto"
+    assert build_method("default@stock", model, None, 16).decoder.cpu_kernels == "stock"
 
 
 @pytest.mark.parametrize("kind", KINDS)

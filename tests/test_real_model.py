@@ -40,19 +40,22 @@ def test_greedy_identity_on_default_model(model_and_tokenizer, prompt):
     ids = tokenizer(text, return_tensors="pt").input_ids
     reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False)
     reference = reference[0, ids.shape[1]:].tolist()
-    out = Decoder(model, tokenizer, sources=[PromptLookup()], max_tree_nodes=32).generate(ids[0], max_new_tokens=64)
+    dec = Decoder(model, tokenizer, sources=[PromptLookup()], max_tree_nodes=32, cpu_kernels="stock")
+    out = dec.generate(ids[0], max_new_tokens=64)
     assert out.token_ids == reference
     assert out.stats.new_tokens == len(reference)
     assert out.stats.steps <= len(reference)
 
 
-@pytest.mark.parametrize("kind", ["packed", "fbgemm"])
+@pytest.mark.parametrize("kind", ["auto", "packed", "fbgemm"])
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_identity_on_default_model_packed_kernels(model_and_tokenizer, prompt, kind):
     """``cpu_kernels="packed"`` (oneDNN) and ``"fbgemm"`` (this float32 model's weights, dequantized
     from an 8-bit GGUF file, as exact sums of two float16 numbers): equal to ``model.generate`` on
     the same packed kernels token for token, and to stock ``model.generate`` except at a float32
-    tie (top-2 gap within 1e-5 of the row's scale) at the first differing token."""
+    tie (top-2 gap within 1e-5 of the row's scale) at the first differing token. ``"auto"`` (the
+    default; whatever mix of paths per width this machine measured): equal to stock
+    ``model.generate`` except at such a tie."""
     from specdraft import Decoder, PromptLookup
     from specdraft.cpu_kernels import packed_kernels_available, packed_model
     from specdraft.fp16_linear import fbgemm_problem
@@ -65,13 +68,15 @@ def test_greedy_identity_on_default_model_packed_kernels(model_and_tokenizer, pr
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
     ids = tokenizer(text, return_tensors="pt").input_ids
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False)
-    with packed_model(model, kind).swapped():
-        same_kernels = model.generate(ids, **kwargs)[0, ids.shape[1]:].tolist()
+    if kind != "auto":
+        with packed_model(model, kind).swapped():
+            same_kernels = model.generate(ids, **kwargs)[0, ids.shape[1]:].tolist()
     stock = model.generate(ids, **kwargs)[0, ids.shape[1]:].tolist()
     dec = Decoder(model, tokenizer, sources=[PromptLookup()], max_tree_nodes=32, cpu_kernels=kind)
     out = dec.generate(ids[0], max_new_tokens=64)
     dec.close()
-    assert out.token_ids == same_kernels
+    if kind != "auto":
+        assert out.token_ids == same_kernels
     if out.token_ids != stock:
         at = next(i for i, (a, b) in enumerate(zip(out.token_ids + [None], stock + [None])) if a != b)
         with torch.inference_mode():

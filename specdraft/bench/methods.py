@@ -22,9 +22,11 @@ Names (``--methods``):
     path gains from what speculation gains; the report's "vs plain" column divides each of our
     methods by the ``plain`` run on the same kernels.
 
-Suffixes of our methods: ``@fixed`` switches the adaptive budget off; ``@packed`` runs the
-decoder with ``cpu_kernels="packed"`` (oneDNN-packed linear weights) and ``@fbgemm`` with
-``cpu_kernels="fbgemm"`` (exact float16 weights on FBGEMM; see :mod:`specdraft.cpu_kernels`);
+Suffixes of our methods: ``@fixed`` switches the adaptive budget off; without a kernel suffix
+the decoder runs the library's default, ``cpu_kernels="auto"`` (each forward width on the
+cheapest exact path measured on this machine, see :mod:`specdraft.kernel_costs`); ``@stock``
+runs ``cpu_kernels="stock"``, ``@packed`` ``"packed"`` (oneDNN-packed linear weights) and
+``@fbgemm`` ``"fbgemm"`` (exact float16 weights on FBGEMM; see :mod:`specdraft.cpu_kernels`);
 ``@fixed`` and one kernel suffix may be given together (``default@fixed@packed``). ``baseline``
 and ``hf-prompt-lookup`` always run stock ``model.generate``.
 
@@ -152,7 +154,8 @@ def valid_method_names() -> str:
     sources = ", ".join(_sources())
     return (f"{BASELINE}, {HF_PROMPT_LOOKUP}, {DEFAULT}, {PLAIN}, or {PREFIX}<sources joined by +> "
             f"with sources from: {sources} (each NAME or NAME[key=value,...]); add {FIXED_SUFFIX} to one of ours to "
-            f"switch its adaptive budget off, {' or '.join(KERNEL_SUFFIXES)} to run it on packed CPU kernels")
+            f"switch its adaptive budget off, {' or '.join(KERNEL_SUFFIXES)} to run it on those CPU kernels instead of "
+            f"{DEFAULT_KERNELS!r}")
 
 
 #: Suffix of a method name that turns the adaptive tree budget off (``default@fixed``,
@@ -160,15 +163,17 @@ def valid_method_names() -> str:
 FIXED_SUFFIX = "@fixed"
 #: Suffix of a method name that runs our decoder with ``cpu_kernels="packed"`` (``default@packed``).
 PACKED_SUFFIX = "@packed"
-#: Method-name suffix -> ``Decoder(cpu_kernels=...)``; without one, a method runs ``"stock"``.
-KERNEL_SUFFIXES = {PACKED_SUFFIX: "packed", "@fbgemm": "fbgemm"}
+#: Method-name suffix -> ``Decoder(cpu_kernels=...)``; without one, a method runs :data:`DEFAULT_KERNELS`.
+KERNEL_SUFFIXES = {"@stock": "stock", PACKED_SUFFIX: "packed", "@fbgemm": "fbgemm"}
+#: What a method without a kernel suffix runs: the library's default.
+DEFAULT_KERNELS = "auto"
 
 
 def _split_suffixes(name: str) -> tuple[str, bool, str]:
     """``(base, fixed, cpu_kernels)`` of a method name with its ``@fixed`` and kernel suffixes, in
-    any order (``cpu_kernels`` is ``"stock"`` without a kernel suffix)."""
+    any order (``cpu_kernels`` is :data:`DEFAULT_KERNELS` without a kernel suffix)."""
     name = name.strip()
-    fixed, kernels = False, "stock"
+    fixed, kernels = False, DEFAULT_KERNELS
     while True:
         if name.endswith(FIXED_SUFFIX) and not fixed:
             name, fixed = name[: -len(FIXED_SUFFIX)].strip(), True
@@ -176,14 +181,14 @@ def _split_suffixes(name: str) -> tuple[str, bool, str]:
         suffix = next((s for s in KERNEL_SUFFIXES if name.endswith(s)), None)
         if suffix is None:
             return name, fixed, kernels
-        if kernels != "stock":
+        if kernels != DEFAULT_KERNELS:
             raise MethodError(f"method {name + _kernel_suffix(kernels)!r} names two CPU kernels; give at most one of "
                               f"{list(KERNEL_SUFFIXES)}")
         name, kernels = name[: -len(suffix)].strip(), KERNEL_SUFFIXES[suffix]
 
 
 def _kernel_suffix(kernels: str) -> str:
-    """The method-name suffix of ``cpu_kernels=kernels`` (empty for ``"stock"``)."""
+    """The method-name suffix of ``cpu_kernels=kernels`` (empty for :data:`DEFAULT_KERNELS`)."""
     return next((s for s, k in KERNEL_SUFFIXES.items() if k == kernels), "")
 
 
@@ -194,9 +199,9 @@ def plain_reference(name: str) -> str:
 
 def _canonical(name: str) -> str:
     name, fixed, kernels = _split_suffixes(name)
-    if fixed or kernels != "stock":
+    if fixed or kernels != DEFAULT_KERNELS:
         base = _canonical(name)
-        for flag, suffix in ((fixed, FIXED_SUFFIX), (kernels != "stock", _kernel_suffix(kernels))):
+        for flag, suffix in ((fixed, FIXED_SUFFIX), (kernels != DEFAULT_KERNELS, _kernel_suffix(kernels))):
             if flag and base in (BASELINE, HF_PROMPT_LOOKUP):
                 raise MethodError(f"{suffix} applies to our decoder's methods, not to {base!r}")
         if fixed and base == PLAIN:
@@ -349,7 +354,7 @@ class SpecdraftMethod:
     docstring on state across prompts)."""
 
     def __init__(self, name: str, model: Any, tokenizer: Any, source_names: Sequence[str],
-                 max_tree_nodes: int = 32, adaptive_budget: bool = True, cpu_kernels: str = "stock") -> None:
+                 max_tree_nodes: int = 32, adaptive_budget: bool = True, cpu_kernels: str = DEFAULT_KERNELS) -> None:
         from specdraft.sources.registry import make_sources
 
         self.name = name
@@ -359,12 +364,13 @@ class SpecdraftMethod:
         self.description = (("specdraft Decoder with sources " + "+".join(self.source_names) if self.source_names
                              else "specdraft Decoder, plain decoding (no sources, max_tree_nodes=0)")
                             + ("" if adaptive_budget else f", fixed budget of {max_tree_nodes} nodes")
-                            + ("" if cpu_kernels == "stock" else f", cpu_kernels={cpu_kernels!r}"))
+                            + f", cpu_kernels={cpu_kernels!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_tree_nodes = max_tree_nodes
         self.sources = make_sources(self.source_names, _sources())
         self.decoder = self._decoder_for(self.sources)
+        self.description += f" ({self.decoder.kernels.describe()})"  # which path ran, what it costs
 
     def _decoder_for(self, sources: list[Any]) -> Any:
         """A Decoder over ``sources`` with this method's tree size and budget kind."""

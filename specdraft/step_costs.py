@@ -1,0 +1,160 @@
+"""What a step of each forward width costs, as a price relative to a one-token step.
+
+The adaptive budget (:mod:`specdraft.budget`) compares widths: a tree is worth checking when the
+tokens it is expected to commit beat its price in one-token steps. It needs *relative* prices, and
+those belong to the kernels and the model, while the absolute step time belongs to the moment: on
+a busy machine every step may take twice as long for a minute, then not. Keeping one moving average
+of seconds per width mixes the two. A width measured during a slow minute keeps a price set by
+that minute, and since the budget only measures widths it runs, a width priced too dear is never
+run, so never measured again. Plain steps track the machine's present speed and wide ones keep
+its past, so the relative price of width grows with a load that has already gone.
+
+So the cost of a step is split into two numbers:
+
+``level``
+    seconds of a one-token step now (the machine's present speed), a moving average;
+``shape(width)``
+    the cost of a forward of ``width`` rows in one-token steps. It comes from a measured cost
+    curve when one is given (:mod:`specdraft.kernel_costs` measures one per machine, model and
+    kernel path), and is then fixed: every step, of any width, only updates ``level``, so noise and
+    load move all prices together and never change which width is best. Without a curve each width's
+    shape is learned from its own steps, as seconds divided by the level of the plain steps around
+    it, with a new observation allowed to move it at most by :data:`MAX_CHANGE` (one slow outlier
+    cannot price a width out of use) and never above ``width`` (rows can always be run one by one).
+    Widths not measured yet are interpolated between measured neighbours (one-token steps cost
+    1.0) and take the widest measured one's shape beyond it: optimistic guesses that make the
+    budget try them, after which they are known.
+
+Each width is priced on its own: kernels do not follow powers of two (FBGEMM streams weights in
+blocks of six rows; MKL on AMD makes 2-3 rows dearer than 4).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+#: The most one observation may move a learned shape (a factor either way).
+MAX_CHANGE = 2.0
+
+
+def _moving_average(old: float | None, new: float, weight: float) -> float:
+    """Geometric moving average: a slow outlier of ``k`` times moves it by ``k ** weight``, not by
+    ``1 + weight * (k - 1)`` (step times are noisy by factors, not by amounts)."""
+    return new if old is None else math.exp((1 - weight) * math.log(old) + weight * math.log(new))
+
+
+def check_curve(curve: Sequence[float]) -> list[float]:
+    """A cost curve as floats (seconds, or any unit, of a forward of 1, 2, ... rows), checked."""
+    values = [float(c) for c in curve]
+    if not values:
+        raise ValueError("a cost curve needs at least the cost of a one-row forward, got an empty curve")
+    bad = [c for c in values if not (math.isfinite(c) and c > 0)]
+    if bad:
+        raise ValueError(f"cost curve values must be finite and > 0 (the cost of a forward of 1, 2, ... rows), "
+                         f"got {bad[:3]}")
+    return values
+
+
+class StepCosts:
+    """Seconds of a step by forward width: ``level * shape(width)`` (see the module docstring).
+
+    ``curve`` is the measured cost of a forward of 1, 2, ... rows (any unit; it is normalised by
+    its first entry); ``None`` learns the shape from the steps themselves.
+    """
+
+    def __init__(self, curve: Sequence[float] | None = None, smoothing: float = 0.5) -> None:
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        self.weight = smoothing  # (not named smoothing: copies of a budget holding it must pickle alike)
+        self.curve: list[float] | None = None
+        self.level: float | None = None  # seconds of a one-token step now
+        self.learned: dict[int, float] = {}  # width -> shape, learned (no curve)
+        self._unpriced: dict[int, float] = {}  # width -> seconds, seen before any plain step (no curve)
+        if curve is not None:
+            self.set_curve(curve)
+
+    def set_curve(self, curve: Sequence[float] | None) -> None:
+        """Price widths from ``curve`` from now on (``None``: learn them from the steps)."""
+        if curve is None:
+            self.curve = None
+            return
+        values = check_curve(curve)
+        self.curve = [c / values[0] for c in values]
+
+    @property
+    def known(self) -> bool:
+        """Whether any step has been measured yet (before that :meth:`seconds` is ``None``)."""
+        return self.level is not None or bool(self._unpriced)
+
+    # -- prices ---------------------------------------------------------------------------
+
+    def shape(self, width: int) -> float:
+        """Cost of a step of ``width`` rows in one-token steps."""
+        if width <= 1:
+            return 1.0
+        if self.curve is not None:
+            return _from_curve(self.curve, width)
+        # before any plain step the wide ones seen count as two plain steps: a guess that makes
+        # the budget try a plain step, after which the real prices are known
+        points = sorted(self.learned.items()) or [(w, min(2.0, float(w))) for w in sorted(self._unpriced)]
+        if not points:
+            return 1.0
+        below = [(1, 1.0)] + [(w, s) for w, s in points if w < width]
+        above = [(w, s) for w, s in points if w >= width]
+        if not above:
+            return below[-1][1]  # wider than anything measured: the widest's price (optimistic)
+        (w0, s0), (w1, s1) = below[-1], above[0]
+        return s1 if w1 == width else s0 + (s1 - s0) * (width - w0) / (w1 - w0)
+
+    def shapes(self, upto: int) -> list[float]:
+        """``[shape(1), ..., shape(upto)]`` (the budget prices every width at once)."""
+        return [self.shape(w) for w in range(1, upto + 1)]
+
+    def seconds(self, width: int) -> float | None:
+        """Estimated seconds of a step of ``width`` rows now; ``None`` before any measurement."""
+        if self.level is not None:
+            return self.level * self.shape(width)
+        if self._unpriced:  # only wide steps so far (warm-up): the nearest measured one, as it was
+            nearest = min(self._unpriced, key=lambda w: (abs(w - width), w))
+            return self._unpriced[nearest] * self.shape(width) / self.shape(nearest)
+        return None
+
+    # -- learning -------------------------------------------------------------------------
+
+    def observe(self, width: int, seconds: float) -> None:
+        """A step of forward width ``width`` took ``seconds``."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            return  # a clock that did not move says nothing about prices
+        width = max(1, int(width))
+        if self.curve is not None:
+            self.level = _moving_average(self.level, seconds / self.shape(width), self.weight)
+            return
+        if width == 1:
+            self.level = _moving_average(self.level, seconds, self.weight)
+            for w, s in self._unpriced.items():  # the warm-up's wide steps, now that a plain one is known
+                self._learn(w, s / self.level)
+            self._unpriced.clear()
+        elif self.level is None:
+            self._unpriced[width] = _moving_average(self._unpriced.get(width), seconds, self.weight)
+        else:
+            self._learn(width, seconds / self.level)
+
+    def _learn(self, width: int, ratio: float) -> None:
+        old = self.learned.get(width)
+        if old is not None:
+            ratio = min(max(ratio, old / MAX_CHANGE), old * MAX_CHANGE)
+        ratio = min(ratio, float(width))  # rows one at a time never cost more than that
+        self.learned[width] = _moving_average(old, ratio, self.weight)
+
+
+def _from_curve(curve: Sequence[float], width: int) -> float:
+    """``curve[width - 1]``; past its end, the slope of its last quarter carries on."""
+    n = len(curve)
+    if width <= n:
+        return curve[width - 1]
+    if n == 1:
+        return curve[0] * width
+    tail = max(2, n // 4)
+    slope = max(0.0, (curve[-1] - curve[-tail]) / (tail - 1))
+    return curve[-1] + slope * (width - n)
