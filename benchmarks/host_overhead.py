@@ -227,7 +227,8 @@ def machine() -> dict[str, Any]:
 def merge_runs(before: list[str], after: list[str], out: str) -> None:
     """Join runs of two commits (each folder a ``--out`` of this script, run alternately on the
     same machine) into one ``host.json``: every (context, tree size) cell before and after, and
-    the sync counts of both."""
+    the sync counts of both. Where two folders hold the same cell, the later one wins: list a
+    sync-count run (one repeat) before the timing runs."""
 
     def load(folders: list[str]) -> tuple[dict, dict, dict]:
         rows, syncs, config = {}, {}, {}
