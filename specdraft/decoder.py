@@ -354,19 +354,15 @@ class Decoder:
         n = len(tree)
         rows = logits[:n]
         parts: list[torch.Tensor] = []
-        walk = False
-        if settings.do_sample:
-            if batched:
-                scores = scorer.process_rows(rows.to(torch.float32), self._node_masks(step, penalty, n))
-                parts.append(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).reshape(-1))
-            else:
-                walk = True
-        elif batched:
+        walk = not batched
+        if batched:
             scores = rows if scorer.is_identity else scorer.process_rows(rows.to(torch.float32),
                                                                          self._node_masks(step, penalty, n))
-            parts.append(scores.argmax(dim=-1))
-        else:
-            walk = True
+            if settings.do_sample:
+                probs = torch.softmax(scores.to(torch.float32), dim=-1)
+                parts.append(torch.multinomial(probs, 1, generator=generator).reshape(-1))
+            else:
+                parts.append(scores.argmax(dim=-1))
         sides = [side for side in step.side_slices if side is not None]
         parts.extend(logits[side].argmax(dim=-1) for side in sides)
         k = min(self._top_k, logits.shape[-1]) if self._top_k else 0
