@@ -294,6 +294,11 @@ class AdaptiveBudget:
         """Learn from one step: its cost, and (through shadow trees) which ranks of the *full* tree
         were or would have been accepted, resolved as later steps commit tokens."""
         self.observe_cost(outcome.width, outcome.seconds)
+        self.observe_drafts(outcome)
+
+    def observe_drafts(self, outcome: StepOutcome) -> None:
+        """The acceptance half of :meth:`observe`: shadow-verify the step's full tree (its cost is
+        not recorded; a batched decoder prices the whole forward once, not per request)."""
         tree = outcome.tree
         if outcome.decision.nodes < self.max_nodes:
             tree = TokenTree.from_drafts(tree.tokens[0], outcome.branches, self.max_nodes)

@@ -37,9 +37,15 @@ from .budget import AdaptiveBudget, Budget, BudgetDecision, FixedBudget, StepOut
 from .kernel_costs import choose_kernels
 from .runner import ModelRunner
 from .sampling import NodeScorer, PenaltyPrefix, SamplingSettings, resolve_settings
-from .sources.base import Context, Draft, DraftSource, Feedback, SideBlock, TokenView, source_option
+from .sources.base import Context, Draft, DraftSource, Feedback, SideBlock, source_option
 from .sources.registry import default_sources
 from .stats import GenerationStats, SourceStats
+from .step import Request as _Request
+from .step import Step as _Step
+from .step import eos_ids as _eos_ids
+from .step import finish_sources as _finish_sources
+from .step import path_tokens as _path_tokens
+from .step import step_input as _step_input
 from .stopping import StopRule
 from .topk import top_k_ids
 from .tree import TokenTree
@@ -403,14 +409,26 @@ class Decoder:
         """Steps 1-2: every source drafts (branches cut so a step never commits past the token
         limit), the budget picks the tree size, the branches merge into the tree."""
         started = self.clock()
+        drafts, sides = self._drafts(request, rule, self.runner.cache_len)
+        decision = self.budget.choose(sum(len(side.tokens) for side in sides if side is not None))
+        return self._step(request.root, drafts, sides, decision, started)
+
+    def _drafts(self, request: "_Request", rule: StopRule, cache_len: int
+                ) -> tuple[list[Draft], list[SideBlock | None]]:
+        """Step 1: every source's draft for the request (branches cut so a step never commits past
+        the token limit) and the side blocks that fit after ``cache_len`` cached positions."""
         context = request.context()
         depth_limit = rule.max_new_tokens - len(request.output) - 1  # the bonus token takes the last slot
         drafts = [self._propose(source, context, depth_limit) for source in self.sources]
-        sides = self._fit_side_blocks(drafts)
-        decision = self.budget.choose(sum(len(side.tokens) for side in sides if side is not None))
+        return drafts, self._fit_side_blocks(drafts, cache_len)
+
+    @staticmethod
+    def _step(root: int, drafts: list[Draft], sides: list[SideBlock | None], decision: BudgetDecision,
+              started: float) -> "_Step":
+        """Step 2: the branches merged into the tree the budget allows, laid out for the forward."""
         if not decision.keeps_side_blocks:
             sides = [None] * len(sides)
-        tree = TokenTree.from_drafts(context.root, [d.branches for d in drafts], decision.nodes)
+        tree = TokenTree.from_drafts(root, [d.branches for d in drafts], decision.nodes)
         tokens, offsets, block, side_slices = _step_input(tree, sides)
         return _Step(tree, drafts, side_slices, (tokens, offsets, block), decision, started)
 
@@ -441,15 +459,16 @@ class Decoder:
             return Draft(side_block=side)
         return Draft(branches=[list(b[:depth_limit]) for b in draft.branches if len(b)], side_block=side)
 
-    def _fit_side_blocks(self, drafts: Sequence[Draft]) -> list[SideBlock | None]:
-        """The side blocks that fit: one reaching past the model's context (near the end of a long
-        sequence) is left out, and its source gets ``side_logits=None`` for this step."""
+    def _fit_side_blocks(self, drafts: Sequence[Draft], cache_len: int) -> list[SideBlock | None]:
+        """The side blocks that fit after ``cache_len`` cached positions: one reaching past the
+        model's context (near the end of a long sequence) is left out, and its source gets
+        ``side_logits=None`` for this step."""
         limit = self.runner.max_positions
         sides: list[SideBlock | None] = []
         for draft in drafts:
             side = draft.side_block
             if side is not None and limit is not None and side.tokens and \
-                    self.runner.cache_len + max(side.positions) >= limit:
+                    cache_len + max(side.positions) >= limit:
                 side = None
             sides.append(side)
         return sides
@@ -504,109 +523,6 @@ class Decoder:
         return [int(t) for t in ids]
 
 
-def _step_input(tree: TokenTree, sides: Sequence[SideBlock | None]
-                ) -> tuple[list[int], np.ndarray, np.ndarray, list[slice | None]]:
-    """Lay out one forward: tree nodes, then each source's side block, with the block mask and
-    each source's rows of the output (``None`` for a source without a side block this step).
-
-    Tree nodes see their ancestors; side tokens see themselves, the root (if asked) and what their
-    own mask allows; nothing crosses between the tree and a side block or between two side blocks.
-    """
-    n = len(tree)
-    total = n + sum(len(s.tokens) for s in sides if s is not None)
-    block = np.zeros((total, total), dtype=bool)
-    block[:n, :n] = tree.ancestor_mask()
-    tokens = list(tree.tokens)
-    offsets = [tree.position_offsets()]
-    slices: list[slice | None] = []
-    at = n
-    for side in sides:
-        if side is None or not side.tokens:
-            slices.append(None)
-            continue
-        m = len(side.tokens)
-        # a side token always sees itself, so no attention row is empty (an empty row is NaN in
-        # eager attention, and a NaN there spreads to every token at the next layer)
-        block[at : at + m, at : at + m] = side.mask | np.eye(m, dtype=bool)
-        if side.sees_root:
-            block[at : at + m, 0] = True
-        tokens.extend(int(t) for t in side.tokens)
-        offsets.append(np.asarray(side.positions, dtype=np.int64))
-        slices.append(slice(at, at + m))
-        at += m
-    return tokens, np.concatenate(offsets), block, slices
-
-
-@dataclass
-class _Request:
-    """The committed sequence of one request (prompt + output) and its id."""
-
-    committed: list[int]
-    prompt_length: int
-    request_id: int
-
-    @property
-    def root(self) -> int:
-        return self.committed[-1]
-
-    @property
-    def output(self) -> list[int]:
-        return self.committed[self.prompt_length :]
-
-    def context(self) -> Context:
-        """The sequence as the sources see it: a read-only view, not a copy (O(1) per step)."""
-        return Context(TokenView(self.committed), self.prompt_length, self.request_id)
-
-    def prompt_context(self) -> Context:
-        """The prompt alone (what ``begin`` sees), as a view even after tokens were committed."""
-        return Context(TokenView(self.committed, self.prompt_length), self.prompt_length, self.request_id)
-
-    def commit(self, tokens: Sequence[int]) -> int:
-        """Append ``tokens``; returns the index of the first of them."""
-        start = len(self.committed)
-        self.committed.extend(tokens)
-        return start
-
-
-@dataclass
-class _Step:
-    """One step between its drafting and its verification. Step 0, the prompt's prefill verified
-    on a root-only tree, has no drafts and no ``forward_input`` of its own."""
-
-    tree: TokenTree
-    drafts: list[Draft]
-    side_slices: list[slice | None]  # each source's side-block rows of the forward's output
-    forward_input: tuple[list[int], np.ndarray, np.ndarray] | None  # tokens, position offsets, mask
-    decision: BudgetDecision
-    started: float
-    #: each node's path tokens on the device, ``[nodes, depth]`` (repetition penalty, batched rows)
-    path_tokens: torch.Tensor | None = None
-
-    @property
-    def width(self) -> int:
-        return len(self.forward_input[0]) if self.forward_input is not None else 1
-
-
-def _path_tokens(tree: TokenTree) -> np.ndarray:
-    """``[nodes, depth]``: row ``i`` holds the tokens on node ``i``'s path below the root, padded
-    with the root's token (which the committed prefix holds already, so padding changes no mask)."""
-    n, depth = len(tree), max(1, max(tree.depth))
-    out = np.full((n, depth), tree.tokens[0], dtype=np.int64)
-    for i in range(1, n):
-        d = tree.depth[i]
-        out[i, : d - 1] = out[tree.parents[i], : d - 1]
-        out[i, d - 1] = tree.tokens[i]
-    return out
-
-
-def _eos_ids(model: Any) -> list[int]:
-    cfg = getattr(model, "generation_config", None)
-    eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
-
 def _unique_names(names: list[str]) -> list[str]:
     seen: dict[str, int] = {}
     out = []
@@ -614,19 +530,3 @@ def _unique_names(names: list[str]) -> list[str]:
         seen[name] = seen.get(name, 0) + 1
         out.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
     return out
-
-
-def _finish_sources(sources: Sequence[DraftSource], context: Context, failed: bool) -> None:
-    """End every begun source, or, when the request failed, ``abort`` those that can undo what it
-    taught them (see :class:`~specdraft.sources.base.DraftSource`). Every source is finished even
-    if one raises; the first such error is raised afterwards (unless the request already failed,
-    whose own error then stands)."""
-    error: BaseException | None = None
-    for source in sources:
-        finish = getattr(source, "abort", None) if failed else None
-        try:
-            (finish or source.end)(context)
-        except Exception as exc:  # noqa: BLE001 - finish the others first
-            error = error or exc
-    if error is not None and not failed:
-        raise error

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specdraft import Decoder, PromptLookup
-from specdraft.decoder import _step_input
+from specdraft.step import step_input as _step_input
 from specdraft.sources import Context, DraftSource, Feedback, JacobiLookahead
 from specdraft.sources.jacobi import NGramPool, window_side_block
 from specdraft.tree import TokenTree
