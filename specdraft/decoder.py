@@ -22,7 +22,6 @@ The decoder knows the sources, the verifier and the runner; none of them knows t
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from contextlib import nullcontext
@@ -33,6 +32,9 @@ import numpy as np
 import torch
 
 from .attention import ATTENTION_CHOICES, select_attention
+from .batch import BatchLoop, BatchRequest, BatchResult, BatchStream
+from .batch_budget import BatchBudget
+from .batch_runner import BatchRunner
 from .budget import AdaptiveBudget, Budget, BudgetDecision, FixedBudget, StepOutcome
 from .kernel_costs import choose_kernels
 from .runner import ModelRunner
@@ -43,6 +45,7 @@ from .stats import GenerationStats, SourceStats
 from .step import Request as _Request
 from .step import Step as _Step
 from .step import eos_ids as _eos_ids
+from .step import request_ids
 from .step import finish_sources as _finish_sources
 from .step import path_tokens as _path_tokens
 from .step import step_input as _step_input
@@ -50,8 +53,6 @@ from .stopping import StopRule
 from .topk import top_k_ids
 from .tree import TokenTree
 from .verify import Verdict, multinomial_draw, verify_greedy, verify_sampling, walk_choices
-
-_request_ids = itertools.count(1)
 
 #: Cache slots reserved per request beyond prompt + new tokens + tree: room for side blocks (a
 #: request that needs more grows its cache once, by doubling).
@@ -145,6 +146,9 @@ class Decoder:
         #: how each step chooses every tree row's token: "auto" (all rows at once on an
         #: accelerator, node by node on a CPU), "batched" or "walk"; see :meth:`_batched_rows`
         self.row_choices: str = "auto"
+        #: the packed cache and the shared budget of :meth:`generate_batch`, made at its first use
+        self._batch_runner: BatchRunner | None = None
+        self._batch_budget: BatchBudget | None = None
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, sources: Sequence[DraftSource] | None = None,
@@ -169,6 +173,8 @@ class Decoder:
         self.cpu_kernels = "stock"
         if hasattr(self.budget, "set_cost_curve"):  # the packed curve no longer describes what runs
             self.budget.set_cost_curve(None)
+        if self._batch_budget is not None:
+            self._batch_budget.set_cost_curve(None)
 
     def _kernels(self):
         """Around each forward: the packed layers in the model (and back out after), or nothing."""
@@ -223,11 +229,75 @@ class Decoder:
         if len(text) > shown:
             yield text[shown:]
 
+    # -- many requests at once ------------------------------------------------------------
+
+    def generate_batch(self, prompts: Sequence[Any], max_new_tokens: int = 128, concurrency: int = 8,
+                       do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+                       top_p: float | None = None, repetition_penalty: float | None = None,
+                       seed: int | None = None, stop: Sequence[str] | str | None = None,
+                       **options: Any) -> BatchResult:
+        """Generate for every prompt, up to ``concurrency`` requests per forward (see
+        :mod:`specdraft.batch`). A prompt is a string, token ids, or a :class:`BatchRequest` with
+        its own ``max_new_tokens``, stop strings and sampling settings (its ``None`` fields take
+        the values given here). Each request's output is what :meth:`generate` gives it alone:
+        greedy token for token, sampled with the same law (and, with a seed, the same draws).
+
+        Returns a :class:`~specdraft.batch.BatchResult`: one :class:`~specdraft.batch.BatchOutput`
+        per prompt, in order, and the batch's totals in ``.stats``. A request whose draft source
+        raises ends alone, with the error in its output's ``error``; the others go on."""
+        return self.stream_batch(prompts, max_new_tokens, concurrency, do_sample, temperature, top_k, top_p,
+                                 repetition_penalty, seed, stop, **options).result()
+
+    def stream_batch(self, prompts: Sequence[Any], max_new_tokens: int = 128, concurrency: int = 8,
+                     do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+                     top_p: float | None = None, repetition_penalty: float | None = None,
+                     seed: int | None = None, stop: Sequence[str] | str | None = None,
+                     **options: Any) -> BatchStream:
+        """Like :meth:`generate_batch`, but iterate the result for ``(request index, new text)`` as
+        tokens commit; ``.cancel(index)`` ends one request and the others go on. Every request's
+        arguments are checked before anything runs."""
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
+        if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a list of prompts (str, token ids or BatchRequest), got "
+                            f"{type(prompts).__name__}; for one prompt use generate()")
+        defaults = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                        top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop, **options)
+        requests = []
+        for index, prompt in enumerate(prompts):
+            mine = dict(defaults)
+            if isinstance(prompt, BatchRequest):
+                mine.update({k: v for k, v in vars(prompt).items() if k != "prompt" and v is not None})
+                prompt = prompt.prompt
+            new_tokens, stop_here, seed_here = mine.pop("max_new_tokens"), mine.pop("stop"), mine.pop("seed")
+            try:
+                prompt_ids, settings, rule = self._prepare(prompt, new_tokens, stop_here, seed_here, mine)
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"request {index}: {exc}") from exc
+            requests.append((prompt_ids, settings, rule, seed_here))
+        if self._batch_runner is None:
+            self._batch_runner = BatchRunner(self.model)
+            adaptive = isinstance(self.budget, AdaptiveBudget)
+            curve = self.budget.costs.curve if adaptive else None  # what the one-request budget prices from
+            self._batch_budget = BatchBudget(self.max_tree_nodes, curve, adaptive=adaptive)
+        loop = BatchLoop(self, self._batch_runner, self._batch_budget, requests, concurrency)
+        return BatchStream(loop, self.tokenizer)
+
     # -- the loop -------------------------------------------------------------------------
 
     def _steps(self, prompt: Any, max_new_tokens: int, stats: GenerationStats, stop: Any, seed: int | None,
                options: dict[str, Any]) -> Iterator[list[int]]:
         """Run one request, yielding the tokens committed by each step."""
+        prompt_ids, settings, rule = self._prepare(prompt, max_new_tokens, stop, seed, options)
+        stats.per_source = {name: SourceStats() for name in self._source_names}
+        if max_new_tokens == 0:
+            return
+        yield from self._decode(prompt_ids, settings, rule, stats, seed)
+
+    def _prepare(self, prompt: Any, max_new_tokens: int, stop: Any, seed: int | None, options: dict[str, Any]
+                 ) -> tuple[list[int], SamplingSettings, StopRule]:
+        """Check one request's arguments (each bad one raises, naming it) and resolve them: the
+        prompt's ids, the sampling settings over the model's generation config, the stop rule."""
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
                                  or not -2**63 <= int(seed) < 2**64):
             raise ValueError(f"seed must be an int in [-2**63, 2**64) or None, got {seed!r}")
@@ -244,10 +314,7 @@ class Decoder:
             raise TypeError(f"stop must be a string, a list of strings or None, got {stop!r}")
         stop_strings = [stop] if isinstance(stop, str) else list(stop or [])
         rule = StopRule(_eos_ids(self.model), max_new_tokens, stop_strings, self.tokenizer)
-        stats.per_source = {name: SourceStats() for name in self._source_names}
-        if max_new_tokens == 0:
-            return
-        yield from self._decode(prompt_ids, settings, rule, stats, seed)
+        return prompt_ids, settings, rule
 
     def _decode(self, prompt_ids: list[int], settings: SamplingSettings, rule: StopRule, stats: GenerationStats,
                 seed: int | None) -> Iterator[list[int]]:
@@ -264,7 +331,7 @@ class Decoder:
                                "or another thread); finish or close() it first, or use one Decoder per thread")
         started = self.clock()
         scorer = NodeScorer(settings)
-        request = _Request(list(prompt_ids), len(prompt_ids), next(_request_ids))
+        request = _Request(list(prompt_ids), len(prompt_ids), next(request_ids))
         begun: list[DraftSource] = []
         failed = False
         try:

@@ -7,6 +7,7 @@ become one forward's rows, and how a request's sources are finished.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -16,6 +17,10 @@ import torch
 from .budget import BudgetDecision
 from .sources.base import Context, Draft, DraftSource, SideBlock, TokenView
 from .tree import TokenTree
+
+#: Request ids, unique in the process: sources shared by several decoders (or by the requests of a
+#: batch) keep per-request state under them.
+request_ids = itertools.count(1)
 
 
 def step_input(tree: TokenTree, sides: Sequence[SideBlock | None]
