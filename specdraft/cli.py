@@ -50,6 +50,17 @@ def parse_source_names(text: str) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
+def _levels(text: str) -> list[int]:
+    """``--concurrency``: a comma list of request counts, each >= 1."""
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers such as 1,2,4,8, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"concurrency levels must be integers >= 1, got {text!r}")
+    return levels
+
+
 def _int_at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -193,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue an interrupted run with the same settings from the checkpoint that every "
                             "prompt leaves in --out/<dataset>/checkpoint.pkl (without it a run starts afresh); "
                             "a larger --limit extends a finished run, a smaller one reports its first prompts")
+    bench.add_argument("--concurrency", type=_levels, default=None, metavar="N[,N...]",
+                       help="instead of the per-prompt table: throughput and per-request latency with N requests "
+                            "at a time (e.g. 1,2,4,8), comparing sequential and batched model.generate with our "
+                            "batched plain and default decoding; writes concurrency.json/.md per dataset")
     bench.add_argument("--no-plot", action="store_true", help="skip speedup.png (no matplotlib needed)")
     bench.add_argument("-q", "--quiet", action="store_true", help="no progress bar or messages on stderr")
     bench.set_defaults(func=cmd_bench)

@@ -503,3 +503,27 @@ def test_a_device_this_machine_lacks_is_named_in_the_error(capsys, tmp_path: Pat
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA GPU"):
             resolve_device("cuda")
+
+
+def test_cli_bench_concurrency_compares_batched_methods(capsys, tiny_dir: Path, prompt_file: Path,
+                                                        tmp_path: Path) -> None:
+    """``--concurrency``: every method at every level, the same outputs as sequential generate
+    (float64), tokens/s and latency per level, and how the budget split the rows."""
+    out = tmp_path / "conc"
+    code = cli.main(["bench", "--model", str(tiny_dir), "--dataset", str(prompt_file), "--dtype", "float64",
+                     "--concurrency", "1,2", "--max-new-tokens", "10", "--out", str(out), "-q", "--no-plot"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    summary = json.loads((out / "three" / "concurrency.json").read_text())
+    methods = {(r["concurrency"], r["method"]) for r in summary["rows"]}
+    assert methods == {(n, m) for n in (1, 2) for m in ("generate", "hf-batched", "plain-batched", "default-batched")} \
+        | {(1, "default-alone")}
+    for row in summary["rows"]:
+        assert row["identical"] == row["requests"] == 3, row
+        assert row["tokens_per_s"] > 0 and row["latency_p90"] >= row["latency_median"] > 0
+        if row["method"].endswith("batched") and row["method"] != "hf-batched":
+            assert row["forwards"] > 0 and row["tree_sizes"]
+    assert "| 2 | default-batched |" in stdout
+    assert str(tmp_path) not in json.dumps(summary["config"])
+    code = cli.main(["bench", "--model", "x", "--dataset", str(prompt_file), "--concurrency", "0,2"])
+    assert code == 2 and "concurrency levels must be integers >= 1" in capsys.readouterr().err

@@ -159,6 +159,8 @@ def _run(args: argparse.Namespace, model: Any, tokenizer: Any, method_names: lis
     }
     # what a checkpoint must share with this run to be resumed (the runner adds prompts and methods)
     setup = {key: config[key] for key in ("model", "dtype", "threads", "max_tree_nodes", "chat", "versions")}
+    if getattr(args, "concurrency", None):
+        return _run_concurrency(args, model, tokenizer, specs, chat, out_dir, config, say)
     summaries: list[dict[str, Any]] = []
     for spec in specs:
         try:
@@ -201,3 +203,24 @@ def _write_outputs(out_dir: Path, config: dict[str, Any], summaries: list[dict[s
         title = f"{config['model_id']} {config['dtype']}, {config['max_new_tokens']} new tokens, greedy"
         paths.append(plot(summaries, out_dir / "speedup.png", title=title))
     return paths
+
+
+def _run_concurrency(args: argparse.Namespace, model: Any, tokenizer: Any, specs: list[DatasetSpec], chat: Any,
+                     out_dir: Path, config: dict[str, Any], say: Any) -> int:
+    """``--concurrency``: see :mod:`specdraft.bench.concurrency`."""
+    from .concurrency import markdown, run_concurrency
+
+    config = {**config, "concurrency": list(args.concurrency)}
+    for spec in specs:
+        try:
+            prompts = load_prompts(spec, args.limit or None, tokenizer, chat=chat)
+        except DatasetError as exc:
+            raise _usage_error(str(exc)) from None
+        say(f"{spec.key}: {len(prompts)} prompts at concurrency {args.concurrency}")
+        summary = run_concurrency(model, tokenizer, [p.token_ids for p in prompts], args.concurrency,
+                                  args.max_new_tokens, args.max_tree_nodes, out_dir / spec.key, say=say)
+        summary["config"] = config
+        (out_dir / spec.key / "concurrency.json").write_text(json.dumps(summary, indent=2, default=str) + "\n",
+                                                             encoding="utf-8")
+        print(f"## {spec.key}\n\n" + markdown(summary), end="", flush=True)
+    return 0

@@ -1,0 +1,200 @@
+"""``specdraft bench --concurrency N[,N...]``: throughput and latency with N requests at a time.
+
+For each concurrency level N, on the same prompts in one process, one method after another
+(their order rotates from level to level, so a slow minute of the machine does not always land
+on the same method):
+
+``generate``
+    N sequential ``model.generate`` calls per group of N prompts (what a user without batching
+    runs);
+``hf-batched``
+    transformers' batched ``model.generate`` on each group of N prompts, left-padded (the static
+    batch a user would write); every request of a group finishes when its group does;
+``plain-batched``
+    our batched plain decoding (no drafts) on the same kernels as ours, continuous batching;
+``default-batched``
+    our batched decoder with the default sources under one budget across requests;
+``default-alone`` (N = 1 only)
+    the one-request :class:`~specdraft.decoder.Decoder`, to show the batched loop costs nothing
+    at N = 1.
+
+Reported per level and method: total new tokens per second, its ratio to ``generate``, the
+per-request latency (from the moment the request could start to its last token; median and
+p90), rows per forward and the tree size per decoding request, and how many requests' outputs
+equal ``generate``'s token for token (greedy; in float32 they should all).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+__all__ = ["run_concurrency"]
+
+METHODS = ("generate", "hf-batched", "plain-batched", "default-batched")
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else 0.0
+
+
+def _groups(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _trim(tokens: Sequence[int], eos: set[int]) -> list[int]:
+    """Tokens up to and including the first EOS (a batched ``generate`` pads rows after it)."""
+    out = []
+    for t in tokens:
+        out.append(int(t))
+        if int(t) in eos:
+            break
+    return out
+
+
+def run_generate(model: Any, prompts: Sequence[list[int]], n: int, max_new_tokens: int
+                 ) -> tuple[list[list[int]], list[float], float]:
+    """Sequential ``model.generate`` per group of ``n``: (outputs, latencies, seconds)."""
+    import torch
+
+    outputs, latencies = [], []
+    started = time.perf_counter()
+    for group in _groups(prompts, n):
+        group_start = time.perf_counter()
+        for ids in group:
+            with torch.inference_mode():
+                out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=max_new_tokens,
+                                     do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long,
+                                                                                device=model.device))
+            outputs.append(out[0, len(ids):].tolist())
+            latencies.append(time.perf_counter() - group_start)
+    return outputs, latencies, time.perf_counter() - started
+
+
+def run_hf_batched(model: Any, prompts: Sequence[list[int]], n: int, max_new_tokens: int, pad_id: int,
+                   eos: set[int]) -> tuple[list[list[int]], list[float], float]:
+    """transformers' batched ``generate`` per group of ``n``, left padding."""
+    import torch
+
+    outputs, latencies = [], []
+    started = time.perf_counter()
+    for group in _groups(prompts, n):
+        group_start = time.perf_counter()
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in group], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=model.device)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=pad_id)
+        seconds = time.perf_counter() - group_start
+        for row in out[:, width:].tolist():
+            outputs.append(_trim(row, eos))
+            latencies.append(seconds)
+    return outputs, latencies, time.perf_counter() - started
+
+
+def run_ours_batched(decoder: Any, prompts: Sequence[list[int]], n: int, max_new_tokens: int
+                     ) -> tuple[list[list[int]], list[float], float, dict[str, Any]]:
+    """Our continuous batching at concurrency ``n``: a request's latency runs from its admission."""
+    started = time.perf_counter()
+    result = decoder.generate_batch(list(prompts), max_new_tokens=max_new_tokens, concurrency=n)
+    seconds = time.perf_counter() - started
+    trees = [nodes for _, per in result.stats.tree_sizes for nodes in per]
+    extra = {"forwards": result.stats.forwards, "rows_per_forward": result.stats.mean_rows,
+             "tree_nodes_per_request": float(np.mean(trees)) if trees else 0.0,
+             "tree_sizes": [[active, per] for active, per in result.stats.tree_sizes]}
+    return [list(o.token_ids) for o in result], [o.stats.wall_time for o in result], seconds, extra
+
+
+def run_ours_alone(decoder: Any, prompts: Sequence[list[int]], max_new_tokens: int
+                   ) -> tuple[list[list[int]], list[float], float]:
+    outputs, latencies = [], []
+    started = time.perf_counter()
+    for ids in prompts:
+        t0 = time.perf_counter()
+        outputs.append(list(decoder.generate(list(ids), max_new_tokens=max_new_tokens).token_ids))
+        latencies.append(time.perf_counter() - t0)
+    return outputs, latencies, time.perf_counter() - started
+
+
+def run_concurrency(model: Any, tokenizer: Any, prompts: Sequence[list[int]], levels: Sequence[int],
+                    max_new_tokens: int, max_tree_nodes: int, out_dir: Path,
+                    say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """Run every method at every level (see the module docstring); write ``concurrency.json`` and
+    ``concurrency.md`` to ``out_dir`` and return the summary."""
+    from specdraft.decoder import Decoder
+    from specdraft.step import eos_ids
+
+    eos = set(eos_ids(model))
+    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else \
+        (min(eos) if eos else 0)
+    if tokenizer is not None:
+        tokenizer.padding_side = "left"
+    plain = Decoder(model, tokenizer, sources=[], max_tree_nodes=0)
+    ours = Decoder(model, tokenizer, max_tree_nodes=max_tree_nodes)
+    alone = Decoder(model, tokenizer, max_tree_nodes=max_tree_nodes)
+    # warm-up: the first forwards of a process pay for allocations and kernel choices
+    plain.generate_batch(list(prompts[:2]), max_new_tokens=4, concurrency=2)
+    ours.generate_batch(list(prompts[:2]), max_new_tokens=4, concurrency=2)
+    rows: list[dict[str, Any]] = []
+    new = lambda outs: sum(len(_trim(o, eos)) for o in outs)  # noqa: E731
+    for li, n in enumerate(levels):
+        names = list(METHODS[li % len(METHODS):] + METHODS[: li % len(METHODS)])
+        if n == 1:
+            names.append("default-alone")
+        results: dict[str, dict[str, Any]] = {}
+        for name in names:
+            say(f"concurrency {n}: {name}")
+            extra: dict[str, Any] = {}
+            if name == "generate":
+                outs, lat, secs = run_generate(model, prompts, n, max_new_tokens)
+            elif name == "hf-batched":
+                outs, lat, secs = run_hf_batched(model, prompts, n, max_new_tokens, pad_id, eos)
+            elif name == "plain-batched":
+                outs, lat, secs, extra = run_ours_batched(plain, prompts, n, max_new_tokens)
+            elif name == "default-batched":
+                outs, lat, secs, extra = run_ours_batched(ours, prompts, n, max_new_tokens)
+            else:
+                outs, lat, secs = run_ours_alone(alone, prompts, max_new_tokens)
+            results[name] = {"outputs": [_trim(o, eos) for o in outs], "latencies": lat, "seconds": secs,
+                             "tokens": new(outs), **extra}
+        reference = results["generate"]["outputs"]
+        base_rate = results["generate"]["tokens"] / results["generate"]["seconds"]
+        for name in [m for m in (*METHODS, "default-alone") if m in results]:
+            r = results[name]
+            rate = r["tokens"] / r["seconds"] if r["seconds"] > 0 else 0.0
+            row = {"concurrency": n, "method": name, "tokens": r["tokens"], "seconds": r["seconds"],
+                   "tokens_per_s": rate, "vs_generate": rate / base_rate if base_rate else 0.0,
+                   "latency_median": statistics.median(r["latencies"]), "latency_p90": _percentile(r["latencies"], 90),
+                   "identical": sum(a == b for a, b in zip(r["outputs"], reference)), "requests": len(reference)}
+            for key in ("forwards", "rows_per_forward", "tree_nodes_per_request", "tree_sizes"):
+                if key in r:
+                    row[key] = r[key]
+            rows.append(row)
+    summary = {"levels": list(levels), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+               "max_tree_nodes": max_tree_nodes, "kernels": ours.kernels.describe(), "rows": rows}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "concurrency.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    (out_dir / "concurrency.md").write_text(markdown(summary), encoding="utf-8")
+    return summary
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The table of :func:`run_concurrency`'s summary."""
+    lines = [f"{summary['prompts']} prompts, {summary['max_new_tokens']} new tokens, greedy; ratios to "
+             "sequential `model.generate` in the same run", "",
+             "| N | method | tokens/s | vs generate | latency median (s) | latency p90 (s) | rows/forward "
+             "| tree nodes/request | identical |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in summary["rows"]:
+        rows = f"{r['rows_per_forward']:.1f}" if "rows_per_forward" in r else ""
+        tree = f"{r['tree_nodes_per_request']:.1f}" if "tree_nodes_per_request" in r else ""
+        lines.append(f"| {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['vs_generate']:.2f}x "
+                     f"| {r['latency_median']:.2f} | {r['latency_p90']:.2f} | {rows} | {tree} "
+                     f"| {r['identical']}/{r['requests']} |")
+    return "\n".join(lines) + "\n"
