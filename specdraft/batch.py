@@ -345,7 +345,7 @@ class BatchLoop:
             run.penalty.add(self.runner.rider_tensors[2 * k])
             run.step.path_tokens = self.runner.rider_tensors[2 * k + 1]
             run.unmarked = []
-        emitted: list[tuple[int, list[int]]] = []
+        verifying: list[tuple[_Running, torch.Tensor]] = []
         at = 0
         for (run, kind, rows), seg in zip(members, segments):
             mine = logits[at : at + len(seg.logit_rows)]
@@ -357,7 +357,18 @@ class BatchLoop:
                     continue
                 run.stats.prefill_time = self._clock() - run.admitted
                 self._start_decoding(run, mine)
-            tokens = self._settle(run, mine)
+            verifying.append((run, mine))
+        # every request's choices, side-block argmax and top-k, read from the device at once
+        parts = [decoder._verdict_parts(run.step, mine, run.settings, run.scorer, run.penalty, run.generator,
+                                        run.batched) for run, mine in verifying]
+        present = [p for p in parts if p is not None]
+        fetched = torch.cat(present).tolist() if present else []  # the step's one read
+        emitted: list[tuple[int, list[int]]] = []
+        at = 0
+        for (run, mine), part in zip(verifying, parts):
+            size = part.numel() if part is not None else 0
+            tokens = self._settle(run, mine, fetched[at : at + size])
+            at += size
             if tokens:
                 emitted.append((run.index, tokens))
         seconds = self._clock() - step_started
@@ -380,14 +391,15 @@ class BatchLoop:
         run.step = Step(TokenTree(run.request.root), [], [None] * len(self.decoder.sources), None,
                         self.decoder._decision0, run.admitted)
 
-    def _settle(self, run: _Running, logits: torch.Tensor) -> list[int]:
-        """Verify ``run``'s step on its rows, commit, compact its cache rows, let its sources and its
-        acceptance estimate learn; returns the committed tokens."""
+    def _settle(self, run: _Running, logits: torch.Tensor, fetched: list[int]) -> list[int]:
+        """Verify ``run``'s step on its rows (``fetched``: what was read of its verdict parts),
+        commit, compact its cache rows, let its sources and its acceptance estimate learn; returns
+        the committed tokens."""
         decoder = self.decoder
         step = run.step
         request = run.request
-        verdict, side_argmax, top = decoder._verdict(step, logits, run.settings, run.scorer, run.penalty, run.draw,
-                                                     run.generator, run.batched)
+        verdict, side_argmax, top = decoder._verdict_from(step, fetched, logits, run.settings, run.scorer,
+                                                          run.penalty, run.draw, run.batched)
         tokens, done = run.rule.cut(request.output, verdict.tokens)
         decoder._record(run.stats, step.tree, verdict, len(tokens))
         if not done and step.forward_input is not None:

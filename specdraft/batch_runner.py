@@ -147,6 +147,9 @@ class BatchRunner(ModelRunner):
         self.packed = PackedCache()
         self.regions: list[Region] = []
         self.rider_tensors = []
+        #: cache rows to move (source, destination) before the next forward: what :meth:`keep`
+        #: asked, carried in that forward's one upload instead of an upload per request
+        self._moves: tuple[list[int], list[int]] = ([], [])
 
     # -- regions ----------------------------------------------------------------------------
 
@@ -173,6 +176,9 @@ class BatchRunner(ModelRunner):
         if not region.released:
             region.released = True
             self.regions.remove(region)
+            # its pending moves are moot, and must not land in rows a new request writes first
+            kept = [(a, b) for a, b in zip(*self._moves) if not region.start <= b < region.end]
+            self._moves = ([a for a, _ in kept], [b for _, b in kept])
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -209,11 +215,16 @@ class BatchRunner(ModelRunner):
             raise ValueError(f"position {int(positions.max())} exceeds the model's context of {limit} tokens")
         masks = self._segment_masks(segments, positions, total, width)
         kinds = list(masks)
+        sources, destinations = self._moves
+        self._moves = ([], [])
         parts = upload([ids.reshape(1, total), positions.reshape(1, total), write_rows,
-                        np.asarray(keep_rows, dtype=np.int64), *[masks[k] for k in kinds], *riders], self.device)
-        ids_t, positions_t, write_t, keep_t = parts[:4]
-        mask_ts = parts[4 : 4 + len(kinds)]
-        self.rider_tensors = parts[4 + len(kinds):]
+                        np.asarray(keep_rows, dtype=np.int64), np.asarray(sources, dtype=np.int64),
+                        np.asarray(destinations, dtype=np.int64), *[masks[k] for k in kinds], *riders], self.device)
+        ids_t, positions_t, write_t, keep_t, source_t, destination_t = parts[:6]
+        mask_ts = parts[6 : 6 + len(kinds)]
+        self.rider_tensors = parts[6 + len(kinds):]
+        if sources:
+            self.packed.move(source_t, destination_t)  # the last step's accepted rows, down into place
         self.packed.write_rows = write_t
         self.packed.view_length = width
         model_masks = {k: self._as_model_mask(m) for k, m in zip(kinds, mask_ts)}
@@ -261,12 +272,10 @@ class BatchRunner(ModelRunner):
         if any(not 0 <= k < region.pending for k in keep) or any(b <= a for a, b in zip(keep, keep[1:])):
             raise ValueError(f"keep {keep} must index the {region.pending} rows of the last forward, increasing")
         base = region.start + region.length
-        moves = [(base + i, base + k) for i, k in enumerate(keep) if k != i]
-        if moves:
-            dst, src = zip(*moves)
-            device = self.device
-            self.packed.move(torch.tensor(src, dtype=torch.long, device=device),
-                             torch.tensor(dst, dtype=torch.long, device=device))
+        for i, k in enumerate(keep):
+            if k != i:  # moved at the start of the next forward, with every request's moves at once
+                self._moves[0].append(base + k)
+                self._moves[1].append(base + i)
         region.length += len(keep)
         region.pending = 0
 

@@ -423,11 +423,19 @@ class Decoder:
         each row's choice (greedy argmax or one draw, on the device), each side block's argmax and
         the top-k of every tree row, concatenated and fetched together. Returns the verdict, each
         source's side-block argmax (``None`` where it had no block) and the (top-k ids, row tokens)."""
-        tree = step.tree
-        n = len(tree)
+        parts = self._verdict_parts(step, logits, settings, scorer, penalty, generator, batched)
+        fetched = parts.tolist() if parts is not None else []  # the step's one read
+        return self._verdict_from(step, fetched, logits, settings, scorer, penalty, draw, batched)
+
+    def _verdict_parts(self, step: "_Step", logits: torch.Tensor, settings: SamplingSettings, scorer: NodeScorer,
+                       penalty: PenaltyPrefix | None, generator: torch.Generator | None, batched: bool
+                       ) -> torch.Tensor | None:
+        """What :meth:`_verdict` reads from the device, as one int64 tensor on it (``None``: nothing):
+        the batched rows' choices, the side blocks' argmax, the tree rows' top-k. A batch of
+        requests concatenates every request's parts and reads them all at once."""
+        n = len(step.tree)
         rows = logits[:n]
         parts: list[torch.Tensor] = []
-        walk = not batched
         if batched:
             scores = rows if scorer.is_identity else scorer.process_rows(rows.to(torch.float32),
                                                                          self._node_masks(step, penalty, n))
@@ -436,17 +444,24 @@ class Decoder:
                 parts.append(torch.multinomial(probs, 1, generator=generator).reshape(-1))
             else:
                 parts.append(scores.argmax(dim=-1))
-        sides = [side for side in step.side_slices if side is not None]
-        parts.extend(logits[side].argmax(dim=-1) for side in sides)
+        parts.extend(logits[side].argmax(dim=-1) for side in step.side_slices if side is not None)
         k = min(self._top_k, logits.shape[-1]) if self._top_k else 0
         if k:
             parts.append(top_k_ids(rows, k).reshape(-1))
-        fetched = torch.cat([p.to(torch.int64) for p in parts]).tolist() if parts else []  # the step's one read
+        return torch.cat([p.to(torch.int64) for p in parts]) if parts else None
+
+    def _verdict_from(self, step: "_Step", fetched: list[int], logits: torch.Tensor, settings: SamplingSettings,
+                      scorer: NodeScorer, penalty: PenaltyPrefix | None, draw, batched: bool
+                      ) -> tuple[Verdict, list[list[int] | None], tuple[np.ndarray, np.ndarray] | None]:
+        """:meth:`_verdict` from what was read: walk the tree (on the batched choices, or node by
+        node on the logits), and split out the side blocks' argmax and the top-k."""
+        tree = step.tree
+        n = len(tree)
         at = 0
-        if walk:
-            verdict = self._verify(tree, rows, settings, scorer, penalty if penalty is not None else [], draw)
-        else:
+        if batched:
             verdict, at = walk_choices(tree, fetched[:n]), n
+        else:
+            verdict = self._verify(tree, logits[:n], settings, scorer, penalty if penalty is not None else [], draw)
         side_argmax: list[list[int] | None] = []
         for side in step.side_slices:
             if side is None:
@@ -456,6 +471,7 @@ class Decoder:
                 side_argmax.append(fetched[at : at + width])
                 at += width
         top = None
+        k = min(self._top_k, logits.shape[-1]) if self._top_k else 0
         if k:
             top = (np.asarray(fetched[at : at + n * k], dtype=np.int64).reshape(n, k),
                    np.asarray(tree.tokens, dtype=np.int64))

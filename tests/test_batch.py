@@ -291,7 +291,14 @@ def test_batch_on_a_simulated_device_matches_the_cpu() -> None:
         greedy = [o.token_ids for o in dec.generate_batch(batch_prompts, max_new_tokens=12)]
         drawn = [o.token_ids for o in dec.generate_batch(sampled)]
         dec.row_choices = "auto"
+        sim.reset_counts()
         batched_rows = dec.generate_batch(batch_prompts, max_new_tokens=12)
+        reads, uploads = sim.counts.syncs, sim.counts.uploads
+        sampled_rows = dec.generate_batch(sampled)
+    forwards = batched_rows.stats.forwards
+    assert reads <= forwards, (reads, forwards)  # one read per step for every request together
+    assert uploads <= forwards, (uploads, forwards)  # and one upload
+    assert all(len(o.token_ids) == 12 for o in sampled_rows)
     assert greedy == expected_greedy
     assert drawn == expected_sampled
     assert [o.token_ids for o in batched_rows] == expected_greedy
