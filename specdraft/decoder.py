@@ -81,7 +81,9 @@ class Decoder:
 
     Greedy output equals ``model.generate(do_sample=False)`` token for token; sampled output has
     the distribution of ``model.generate(do_sample=True)`` with the same settings. One decoder
-    runs one request at a time (it owns a KV cache); make one per thread. Sources may be shared.
+    runs one call at a time (it owns its KV caches); make one per thread, or give many requests to
+    one :meth:`generate_batch` call, which decodes them together in one forward per step. Sources
+    may be shared.
 
     ``max_tree_nodes`` caps the draft nodes checked per forward. With ``adaptive_budget`` (the
     default) each step's tree is sized below that cap from measured acceptance and step cost, down
@@ -137,7 +139,7 @@ class Decoder:
         self._wants_top = [source_option(s, "top_k") > 0 for s in self.sources]
         self._top_k = max([source_option(s, "top_k") for s in self.sources], default=0)
         self._source_names = _unique_names([s.name for s in self.sources])
-        self._busy = threading.Lock()  # one request at a time; a second caller fails fast
+        self._busy = threading.Lock()  # one call (request or batch) at a time; a second caller fails fast
         #: what step 0 (the prefill's token, verified on a root-only tree) counts as
         self._decision0 = BudgetDecision(0, 1.0, 0.0, side_blocks=False)
         #: The timer behind the statistics and the adaptive budget's step costs. A replay of recorded

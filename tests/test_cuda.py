@@ -55,6 +55,16 @@ def test_greedy_on_cuda_equals_generate(arch: str, mix: str) -> None:
     assert dec.generate(PROMPT, max_new_tokens=NEW).token_ids == generate_greedy(model, PROMPT, NEW)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
+def test_batched_greedy_on_cuda_equals_generate(arch: str) -> None:
+    """``generate_batch`` on the GPU: every request's output equals its own ``generate`` output."""
+    model = cuda_model(arch)
+    prompts = [PROMPT, PROMPT[:5], [3, 4, 3, 4, 3, 4, 3], PROMPT[4:], [9] * 12]
+    dec = Decoder(model, None, max_tree_nodes=16)
+    result = dec.generate_batch(prompts, max_new_tokens=NEW, concurrency=3)
+    assert [o.token_ids for o in result] == [generate_greedy(model, p, NEW) for p in prompts]
+
+
 def test_repetition_penalty_on_cuda_equals_generate() -> None:
     model = cuda_model("llama")
     dec = Decoder(model, None, max_tree_nodes=16, adaptive_budget=False)
