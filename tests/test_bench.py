@@ -524,6 +524,9 @@ def test_cli_bench_concurrency_compares_batched_methods(capsys, tiny_dir: Path, 
         if row["method"].endswith("batched") and row["method"] != "hf-batched":
             assert row["forwards"] > 0 and row["tree_sizes"]
     assert "| 2 | default-batched |" in stdout
+    from specdraft.bench.concurrency import tree_sizes_by_load
+
+    assert set(tree_sizes_by_load(summary)) <= {1, 2}
     assert str(tmp_path) not in json.dumps(summary["config"])
     code = cli.main(["bench", "--model", "x", "--dataset", str(prompt_file), "--concurrency", "0,2"])
     assert code == 2 and "concurrency levels must be integers >= 1" in capsys.readouterr().err

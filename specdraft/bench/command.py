@@ -208,7 +208,7 @@ def _write_outputs(out_dir: Path, config: dict[str, Any], summaries: list[dict[s
 def _run_concurrency(args: argparse.Namespace, model: Any, tokenizer: Any, specs: list[DatasetSpec], chat: Any,
                      out_dir: Path, config: dict[str, Any], say: Any) -> int:
     """``--concurrency``: see :mod:`specdraft.bench.concurrency`."""
-    from .concurrency import markdown, run_concurrency
+    from .concurrency import markdown, plot_tree_sizes, run_concurrency
 
     config = {**config, "concurrency": list(args.concurrency)}
     for spec in specs:
@@ -222,5 +222,8 @@ def _run_concurrency(args: argparse.Namespace, model: Any, tokenizer: Any, specs
         summary["config"] = config
         (out_dir / spec.key / "concurrency.json").write_text(json.dumps(summary, indent=2, default=str) + "\n",
                                                              encoding="utf-8")
+        if not args.no_plot:
+            plot_tree_sizes(summary, out_dir / spec.key / "tree-sizes.png",
+                            title=f"{config['model_id']} {args.dtype}: tree size per request by load")
         print(f"## {spec.key}\n\n" + markdown(summary), end="", flush=True)
     return 0

@@ -198,3 +198,36 @@ def markdown(summary: dict[str, Any]) -> str:
                      f"| {r['latency_median']:.2f} | {r['latency_p90']:.2f} | {rows} | {tree} "
                      f"| {r['identical']}/{r['requests']} |")
     return "\n".join(lines) + "\n"
+
+
+def tree_sizes_by_load(summary: dict[str, Any], method: str = "default-batched") -> dict[int, float]:
+    """Mean tree nodes per decoding request, by how many requests the forward carried, over every
+    level's run of ``method``: how the budget split the rows."""
+    nodes: dict[int, list[int]] = {}
+    for row in summary["rows"]:
+        if row["method"] != method:
+            continue
+        for active, per in row.get("tree_sizes", []):
+            if per:
+                nodes.setdefault(int(active), []).extend(per)
+    return {k: float(np.mean(v)) for k, v in sorted(nodes.items())}
+
+
+def plot_tree_sizes(summary: dict[str, Any], path: Path, title: str = "") -> Path:
+    """``tree-sizes.png``: mean tree nodes per request against the requests in the forward."""
+    from .report import require_matplotlib
+
+    plt = require_matplotlib()
+    points = tree_sizes_by_load(summary)
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    ax.plot(list(points), list(points.values()), marker="o")
+    ax.set_xlabel("requests in the forward")
+    ax.set_ylabel("tree nodes per request (mean)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
