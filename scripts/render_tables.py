@@ -333,6 +333,35 @@ def host_table(run: str, page: str) -> str:
             + f" Before: commit `{cfg.get('commit_before', '?')}`; after: commit `{cfg.get('commit', '?')}`.\n")
 
 
+def concurrency_table(run: str, dataset: str, page: str) -> str:
+    """``specdraft bench --concurrency``: per level and method, tokens/s and its ratio to
+    sequential ``model.generate``, per-request latency, rows per forward, tree nodes per request,
+    identical outputs; then the mean tree per request by the requests in the forward."""
+    data = json.loads((RESULTS / run / dataset / "concurrency.json").read_text())
+    names = {"generate": "sequential `generate`", "hf-batched": "batched `generate` (left padding)",
+             "plain-batched": "ours, batched plain", "default-batched": "**ours, batched default**",
+             "default-alone": "ours, one request at a time"}
+    lines = ["| N | method | tokens/s | vs sequential | latency median / p90 (s) | rows / forward "
+             "| tree nodes / request | identical |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        rows = f"{r['rows_per_forward']:.1f}" if "rows_per_forward" in r else ""
+        tree = f"{r['tree_nodes_per_request']:.1f}" if "tree_nodes_per_request" in r else ""
+        lines.append(f"| {r['concurrency']} | {names.get(r['method'], r['method'])} | {r['tokens_per_s']:.1f} "
+                     f"| {x(r['vs_generate'])} | {r['latency_median']:.1f} / {r['latency_p90']:.1f} | {rows} "
+                     f"| {tree} | {r['identical']}/{r['requests']} |")
+    load: dict[int, list[int]] = {}
+    for r in data["rows"]:
+        if r["method"] == "default-batched":
+            for active, per in r.get("tree_sizes", []):
+                load.setdefault(int(active), []).extend(per)
+    split = " · ".join(f"{k}: {statistics.mean(v):.1f}" for k, v in sorted(load.items()) if v)
+    cfg = run_config(run)
+    note = (f"{data['prompts']} {DATASETS.get(dataset, dataset)} prompts, {data['max_new_tokens']} new tokens, "
+            f"greedy, {DTYPES.get(cfg['dtype'], cfg['dtype'])}, kernels: {data['kernels']}. Tree nodes per "
+            f"request by requests in the forward (ours, batched default): {split}.  \n" + runs_note([run], page))
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
 TABLES: dict[str, Callable[[str], str]] = {
     "host-overhead": lambda page: host_table("host-overhead", page),
     "jacobi-grid": lambda page: methods_table(

@@ -35,6 +35,7 @@ import torch
 from .batch_budget import Ask, BatchBudget
 from .batch_runner import BatchRunner, Region, Segment
 from .budget import AdaptiveBudget, BudgetDecision, StepOutcome
+from .packed_attention import packed_attention_for
 from .sampling import NodeScorer, PenaltyPrefix, SamplingSettings
 from .sources.base import Draft, DraftSource, SideBlock
 from .stats import GenerationStats, SourceStats
@@ -190,7 +191,8 @@ class BatchLoop:
             raise RuntimeError("this Decoder is busy with another request or batch; finish or close it first, "
                                "or use one Decoder per thread")
         try:
-            yield from self._run()
+            with packed_attention_for(self.decoder.model):
+                yield from self._run()
         finally:
             busy.release()
 
@@ -198,7 +200,7 @@ class BatchLoop:
         started = self._clock()
         queue = deque(range(len(self.requests)))
         running: list[_Running] = []
-        self.runner.regions.clear()
+        self.runner.clear()
         self.runner.reserve(sum(self._region_rows(i) for i in list(queue)[: self.concurrency]))
         try:
             while queue or running:

@@ -29,6 +29,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from .packed_attention import LAYOUT_KEYWORD, PACKED_NAME, PackedLayout
 from .runner import ModelRunner, _logits_for_decoding
 from .transfer import upload
 
@@ -153,6 +154,11 @@ class BatchRunner(ModelRunner):
 
     # -- regions ----------------------------------------------------------------------------
 
+    def clear(self) -> None:
+        """Forget every region (a new batch starts; the buffers are kept for it)."""
+        self.regions.clear()
+        self._moves = ([], [])
+
     def reserve(self, rows: int) -> None:
         """Make the buffer at least ``rows`` long (allocated at the next forward)."""
         self.packed.capacity = max(self.packed.capacity, int(rows))
@@ -195,6 +201,7 @@ class BatchRunner(ModelRunner):
         positions = np.empty(total, dtype=np.int64)
         write_rows = np.empty(total, dtype=np.int64)
         keep_rows: list[int] = []
+        spans: list[tuple[int, int, int, int]] = []
         width = 0
         at = 0
         for seg in segments:
@@ -208,6 +215,7 @@ class BatchRunner(ModelRunner):
             positions[at : at + q] = seg.positions
             write_rows[at : at + q] = np.arange(region.start + region.length, region.start + region.length + q)
             keep_rows.extend(at + int(r) for r in seg.logit_rows)
+            spans.append((at, at + q, region.start, region.start + region.length + q))
             width = max(width, region.start + region.length + q)
             at += q
         limit = self.max_positions
@@ -229,7 +237,9 @@ class BatchRunner(ModelRunner):
         self.packed.view_length = width
         model_masks = {k: self._as_model_mask(m) for k, m in zip(kinds, mask_ts)}
         mask = model_masks[""] if kinds == [""] else model_masks
-        kwargs = {self._cache_keyword: self.packed}
+        kwargs: dict = {self._cache_keyword: self.packed}
+        if getattr(self.model.config, "_attn_implementation", None) == PACKED_NAME:
+            kwargs[LAYOUT_KEYWORD] = PackedLayout(spans)  # each request's rows against its own columns only
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = keep_t
         out = self.model(input_ids=ids_t, position_ids=positions_t, attention_mask=mask, use_cache=True, **kwargs)

@@ -31,7 +31,7 @@ from .transfer import upload
 
 #: Attention implementations that take our 4D tree mask correctly, with the mask kind they need
 #: ("specdraft_split" is our own split + merge backend, see attention.py).
-_MASK_KIND = {"sdpa": "bool", "eager": "additive", "specdraft_split": "bool"}
+_MASK_KIND = {"sdpa": "bool", "eager": "additive", "specdraft_split": "bool", "specdraft_packed": "bool"}
 
 
 class UnsupportedModelError(ValueError):

@@ -303,3 +303,46 @@ def test_batch_on_a_simulated_device_matches_the_cpu() -> None:
     assert drawn == expected_sampled
     assert [o.token_ids for o in batched_rows] == expected_greedy
     assert [np.asarray(o.token_ids).size for o in batched_rows] == [12, 12, 12]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_swa", "gemma3"])
+def test_per_request_attention_equals_the_masked_forward(arch: str) -> None:
+    """The packed backend (``sdpa`` per request on its own columns) gives the logits of the dense
+    masked forward over every region, and the model is back on ``sdpa`` afterwards."""
+    import torch
+
+    from specdraft.batch_runner import BatchRunner, Segment
+    from specdraft.packed_attention import PACKED_NAME, packed_attention_for
+
+    model = tiny_model(arch)
+    prompts_ = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15]]
+
+    def logits(packed: bool) -> torch.Tensor:
+        runner = BatchRunner(model)
+        regions = [runner.allocate(24) for _ in prompts_]
+
+        def segments(step: int) -> list[Segment]:
+            out = []
+            for region, p in zip(regions, prompts_):
+                if step == 0:
+                    out.append(Segment(region, p, np.arange(len(p)), np.tril(np.ones((len(p), len(p)), bool)),
+                                       range(len(p))))
+                else:  # a root and two siblings, a tree step
+                    block = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=bool)
+                    out.append(Segment(region, [3, 4, 5], region.length + np.array([0, 1, 1]), block, range(3)))
+            return out
+
+        with packed_attention_for(model) if packed else nullcontext() as used:
+            assert used in (None, packed)
+            if packed:
+                assert model.config._attn_implementation == PACKED_NAME
+            first = runner.forward_segments(segments(0))
+            for region in regions:
+                runner.keep_all(region)
+            second = runner.forward_segments(segments(1))
+        return torch.cat([first, second])
+
+    from contextlib import nullcontext
+
+    torch.testing.assert_close(logits(True), logits(False), rtol=1e-9, atol=1e-9)
+    assert model.config._attn_implementation == "sdpa"

@@ -211,6 +211,7 @@ def _run_concurrency(args: argparse.Namespace, model: Any, tokenizer: Any, specs
     from .concurrency import markdown, plot_tree_sizes, run_concurrency
 
     config = {**config, "concurrency": list(args.concurrency)}
+    datasets: dict[str, str] = {}
     for spec in specs:
         try:
             prompts = load_prompts(spec, args.limit or None, tokenizer, chat=chat)
@@ -226,4 +227,7 @@ def _run_concurrency(args: argparse.Namespace, model: Any, tokenizer: Any, specs
             plot_tree_sizes(summary, out_dir / spec.key / "tree-sizes.png",
                             title=f"{config['model_id']} {args.dtype}: tree size per request by load")
         print(f"## {spec.key}\n\n" + markdown(summary), end="", flush=True)
+        datasets[spec.key] = f"{spec.key}/concurrency.json"
+        (out_dir / "summary.json").write_text(json.dumps({"config": config, "concurrency": datasets}, indent=2,
+                                                         default=str) + "\n", encoding="utf-8")
     return 0
