@@ -58,15 +58,20 @@ class RequestRates:
     """One request's fast averages (started from the decoder's slow ones) and its pending walks.
     Callable as a :data:`~specdraft.tree.RateFn`."""
 
-    __slots__ = ("values", "walks")
+    __slots__ = ("values", "walks", "sources")
 
     def __init__(self, values: list[float]) -> None:
         self.values = values
         self.walks: list[_Walk] = []
+        self.sources = len(values) // (DEPTHS * RANKS)
 
     def __call__(self, source_index: int, depth: int, rank: int) -> float:
-        slot = _slot(source_index, depth, rank)
-        return self.values[slot] if slot < len(self.values) else prior_rate(source_index, depth, rank)
+        # the merge calls this for every node it considers: _slot inlined, no min/max calls
+        if source_index >= self.sources:
+            return prior_rate(source_index, depth, rank)
+        d = depth if depth < DEPTHS else DEPTHS
+        k = rank if rank < RANKS else RANKS - 1
+        return self.values[(source_index * DEPTHS + d - 1) * RANKS + k]
 
 
 class AcceptanceCalibration:

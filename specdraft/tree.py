@@ -145,60 +145,79 @@ class TokenTree:
         tree = cls(root_token)
         if max_nodes == 0:
             return tree
-        # 1. every proposed node once (a candidate trie), read in turns so ties stay fair
-        kids: list[dict[int, int]] = [{}]
-        tokens: list[int] = [tree.tokens[0]]
-        depth: list[int] = [0]
-        bits: list[int] = [0]
-        proposers: list[list[tuple[int, int]]] = [[]]
-        per_source: list[dict[int, int]] = [{}]  # per candidate: source -> children it proposed there
-        rounds = max((len(b) for b in branches_per_source), default=0)
-        for r in range(rounds):
-            for source_index, branches in enumerate(branches_per_source):
-                if r >= len(branches):
-                    continue
-                bit = 1 << source_index
-                node = 0
-                for token in branches[r]:
-                    token = int(token)
-                    nxt = kids[node].get(token)
-                    if nxt is None:
-                        nxt = len(tokens)
-                        kids[node][token] = nxt
-                        kids.append({})
-                        tokens.append(token)
-                        depth.append(depth[node] + 1)
-                        bits.append(0)
-                        proposers.append([])
-                        per_source.append({})
-                    if not bits[nxt] & bit:
-                        counts = per_source[node]
-                        rank = counts.get(source_index, 0)
-                        counts[source_index] = rank + 1
-                        proposers[nxt].append((source_index, rank))
-                        bits[nxt] |= bit
-                    node = nxt
-        if len(tokens) > 1 and len(branches_per_source) > 62:
-            raise ValueError(f"at most 62 sources can be merged, got {len(branches_per_source)}")
-        # 2. best first over the frontier: (-log value, candidate index, parent's tree index)
+        # The frontier is expanded lazily: a node's children are made from the branches passing
+        # through it only once it is selected, so the tails of branches that never make the cut
+        # cost nothing. An entry is (k, source, branch), k the branch's place when the sources'
+        # branches are read in turns; a node's tie-break is (smallest k through it, depth), the
+        # order in which reading the branches in turns would first meet it.
+        width = len(branches_per_source)
+        entries = [(r * width + s, s, branches[r]) for r in range(max((len(b) for b in branches_per_source), default=0))
+                   for s, branches in enumerate(branches_per_source) if r < len(branches) and len(branches[r])]
+        if entries and entries[-1][1] >= 62:
+            raise ValueError(f"at most 62 sources can be merged, got {width}")
+        memo: dict[tuple[int, int, int], float] = {}
         log = math.log
-        heap: list[tuple[float, int, int]] = []
-        for c in kids[0].values():
-            heap.append((-log(combined_rate(proposers[c], 1, rate)), c, 0))
-        heapq.heapify(heap)
+        heap: list[tuple[float, int, int, int, list, list, int]] = []
         push, pop = heapq.heappush, heapq.heappop
-        while heap and len(tree.tokens) <= max_nodes:
-            neg, c, parent = pop(heap)
-            index = len(tree.tokens)
-            tree.tokens.append(tokens[c])
-            tree.parents.append(parent)
-            tree.depth.append(depth[c])
-            tree.sources.append(bits[c])
-            tree.proposers.append(tuple(proposers[c]))
-            tree._children.append({})
-            tree._children[parent][tokens[c]] = index
-            for g in kids[c].values():
-                push(heap, (neg - log(combined_rate(proposers[g], depth[g], rate)), g, index))
+
+        def expand(parent: int, depth: int, neg: float, passing: list) -> None:
+            """Push the children of ``parent`` (at ``depth``) made by the branches through it."""
+            if len(passing) == 1:  # one branch's tail (the common case): one child, no grouping
+                k, source, branch = passing[0]
+                if len(branch) > depth:
+                    key = (source, depth + 1, 0)
+                    r = memo.get(key)
+                    if r is None:
+                        r = memo[key] = rate(source, depth + 1, 0)
+                    q = min(max(r, _RATE_FLOOR), _RATE_CEIL)
+                    push(heap, (neg - log(q), (k << 12) | (depth + 1), int(branch[depth]), parent, passing,
+                                [(source, 0)], 1 << source))
+                return
+            groups: dict[int, list] = {}
+            ranks: dict[int, int] = {}
+            for entry in passing:
+                branch = entry[2]
+                if len(branch) <= depth:
+                    continue
+                token = branch[depth]
+                group = groups.get(token)
+                if group is None:
+                    group = groups[token] = [entry[0], [], [], 0]
+                source = entry[1]
+                if not group[3] >> source & 1:
+                    rank = ranks.get(source, 0)
+                    ranks[source] = rank + 1
+                    group[2].append((source, rank))
+                    group[3] |= 1 << source
+                group[1].append(entry)
+            child_depth = depth + 1
+            for token, (k, through, proposers, bits) in groups.items():
+                miss = 1.0
+                for source, rank in proposers:
+                    key = (source, child_depth, rank)
+                    r = memo.get(key)
+                    if r is None:
+                        r = memo[key] = rate(source, child_depth, rank)
+                    miss *= 1.0 - r
+                q = min(max(1.0 - miss, _RATE_FLOOR), _RATE_CEIL)
+                push(heap, (neg - log(q), (k << 12) | child_depth, int(token), parent, through, proposers, bits))
+
+        expand(0, 0, 0.0, entries)
+        tokens, parents, depths, sources, proposed, children = (tree.tokens, tree.parents, tree.depth, tree.sources,
+                                                                tree.proposers, tree._children)
+        while heap and len(tokens) <= max_nodes:
+            neg, key, token, parent, through, proposers, bits = pop(heap)
+            index = len(tokens)
+            depth = (key & 4095)
+            tokens.append(token)
+            parents.append(parent)
+            depths.append(depth)
+            sources.append(bits)
+            proposed.append(tuple(proposers))
+            children.append({})
+            children[parent][token] = index
+            if len(tokens) <= max_nodes:
+                expand(index, depth, neg, through)
         return tree
 
     def prefix(self, max_nodes: int) -> "TokenTree":

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdraft.tree import TokenTree, combined_rate, prior_rate
+from specdraft.tree import TokenTree, prior_rate
 
-from conftest import FAST
+from conftest import FAST, reference_merge
 
 
 def brute_force_mask(tree: TokenTree) -> np.ndarray:
@@ -240,39 +238,6 @@ _branch = st.lists(_tok, min_size=0, max_size=6)
 _source = st.lists(_branch, min_size=0, max_size=5)
 
 
-def _reference_merge(root: int, sources: list[list[list[int]]], budget: int, rate):
-    """Brute force: every proposed node sequence (as a tuple) with its source set and value, the
-    ``budget`` best of them (ties: the node met first reading the branches in turns). A node's
-    value is at most its parent's, and ties go to whoever was met first, which a parent always
-    is, so the global sort never puts a node before its parent."""
-    met: list[tuple[int, ...]] = []
-    proposers: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-    rounds = max((len(s) for s in sources), default=0)
-    for r in range(rounds):
-        for si, branches in enumerate(sources):
-            if r >= len(branches):
-                continue
-            for k in range(1, len(branches[r]) + 1):
-                seq = tuple(branches[r][:k])
-                if seq not in proposers:
-                    met.append(seq)
-                    proposers[seq] = []
-                if all(s != si for s, _ in proposers[seq]):
-                    # rank: children of the same parent this source proposed before this one
-                    rank = sum(1 for other in met
-                               if other != seq and other[:-1] == seq[:-1] and any(s == si for s, _ in proposers[other]))
-                    proposers[seq].append((si, rank))
-
-    def value(seq: tuple[int, ...]) -> float:
-        total = 0.0
-        for k in range(1, len(seq) + 1):
-            total -= math.log(combined_rate(proposers[seq[:k]], k, rate))
-        return total
-
-    order = sorted(met, key=lambda seq: (value(seq), met.index(seq)))[:budget]
-    return {seq: {s for s, _ in proposers[seq]} for seq in order}, order
-
-
 _rate_table = st.lists(st.sampled_from([0.0, 0.05, 0.2, 0.5, 0.9, 1.0]), min_size=4 * 3 * 2, max_size=4 * 3 * 2)
 
 
@@ -290,7 +255,7 @@ def test_from_drafts_matches_brute_force(root, sources, budget, table) -> None:
     assert tree.tokens[0] == root
     assert tree.num_draft_nodes <= budget
     seqs = node_sequences(tree)
-    expected, order = _reference_merge(root, sources, budget, rate)
+    expected, order = reference_merge(sources, budget, rate)
     assert set(seqs) - {()} == set(expected)
     for seq, node in seqs.items():
         if seq:
