@@ -148,13 +148,14 @@ class TokenTree:
         # The frontier is expanded lazily: a node's children are made from the branches passing
         # through it only once it is selected, so the tails of branches that never make the cut
         # cost nothing. An entry is (k, source, branch), k the branch's place when the sources'
-        # branches are read in turns; a node's tie-break is (smallest k through it, depth), the
-        # order in which reading the branches in turns would first meet it.
+        # branches are read in turns; a node's tie-break is (smallest k through it, depth), packed
+        # in one int, the order in which reading the branches in turns would first meet it (a
+        # unique key, so the heap never compares further).
         width = len(branches_per_source)
         entries = [(r * width + s, s, branches[r]) for r in range(max((len(b) for b in branches_per_source), default=0))
                    for s, branches in enumerate(branches_per_source) if r < len(branches) and len(branches[r])]
-        if entries and entries[-1][1] >= 62:
-            raise ValueError(f"at most 62 sources can be merged, got {width}")
+        if width > 62 and any(entry[1] >= 62 for entry in entries):
+            raise ValueError(f"at most 62 sources can be merged (a node's sources are a 62-bit set), got {width}")
         memo: dict[tuple[int, int, int], float] = {}
         log = math.log
         heap: list[tuple[float, int, int, int, list, list, int]] = []
@@ -170,7 +171,7 @@ class TokenTree:
                     if r is None:
                         r = memo[key] = rate(source, depth + 1, 0)
                     q = min(max(r, _RATE_FLOOR), _RATE_CEIL)
-                    push(heap, (neg - log(q), (k << 12) | (depth + 1), int(branch[depth]), parent, passing,
+                    push(heap, (neg - log(q), (k << 32) | (depth + 1), int(branch[depth]), parent, passing,
                                 [(source, 0)], 1 << source))
                 return
             groups: dict[int, list] = {}
@@ -200,7 +201,7 @@ class TokenTree:
                         r = memo[key] = rate(source, child_depth, rank)
                     miss *= 1.0 - r
                 q = min(max(1.0 - miss, _RATE_FLOOR), _RATE_CEIL)
-                push(heap, (neg - log(q), (k << 12) | child_depth, int(token), parent, through, proposers, bits))
+                push(heap, (neg - log(q), (k << 32) | child_depth, int(token), parent, through, proposers, bits))
 
         expand(0, 0, 0.0, entries)
         tokens, parents, depths, sources, proposed, children = (tree.tokens, tree.parents, tree.depth, tree.sources,
@@ -208,7 +209,7 @@ class TokenTree:
         while heap and len(tokens) <= max_nodes:
             neg, key, token, parent, through, proposers, bits = pop(heap)
             index = len(tokens)
-            depth = (key & 4095)
+            depth = key & 0xFFFFFFFF
             tokens.append(token)
             parents.append(parent)
             depths.append(depth)

@@ -223,6 +223,13 @@ def test_from_drafts_budget_zero_and_empty() -> None:
         TokenTree.from_drafts(5, [[[1]]], max_nodes=-1)
 
 
+def test_from_drafts_names_too_many_sources() -> None:
+    with pytest.raises(ValueError, match="at most 62 sources.*got 63"):
+        TokenTree.from_drafts(0, [[]] * 62 + [[[1]]], max_nodes=5)
+    # silent sources past the 62nd cost nothing and break nothing
+    assert TokenTree.from_drafts(0, [[[1]]] + [[]] * 70, max_nodes=5).tokens == [0, 1]
+
+
 def test_from_drafts_merges_across_sources() -> None:
     tree = TokenTree.from_drafts(0, [[[1, 2, 3]], [[1, 2, 4]], [[1, 2, 3]]], max_nodes=10)
     assert len(tree) == 5
