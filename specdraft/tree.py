@@ -77,6 +77,17 @@ class TokenTree:
         self.full: TokenTree | None = None
         self._children: list[dict[int, int]] = [{}]
 
+    def __setstate__(self, state: tuple[dict | None, dict]) -> None:
+        """Unpickle, also a tree pickled before ``proposers`` and ``full`` existed (a budget's
+        shadow trees in a saved benchmark checkpoint): no proposers recorded, built whole."""
+        _, slots = state
+        for name, value in slots.items():
+            setattr(self, name, value)
+        if "proposers" not in slots:
+            self.proposers = [()] * len(self.tokens)
+        if "full" not in slots:
+            self.full = None
+
     def __len__(self) -> int:
         return len(self.tokens)
 

@@ -304,3 +304,16 @@ def test_single_source_budget_keeps_prefixes(root, branches, budget) -> None:
     # leaves are exactly the branches
     assert sorted(map(tuple, tree.branches())) == sorted(
         s for s, i in seqs.items() if s and not tree.children(i))
+
+
+def test_pickle_keeps_the_full_tree_and_reads_trees_pickled_before_it() -> None:
+    import pickle
+
+    full = TokenTree.from_drafts(0, [[[1, 2]], [[1, 3]]], 5)
+    cut = pickle.loads(pickle.dumps(full.prefix(1)))
+    assert cut.tokens == [0, 1] and cut.proposers[1] == ((0, 0), (1, 0))
+    assert cut.full.tokens == full.tokens and cut.full.full is None
+    old = TokenTree.__new__(TokenTree)  # the state a tree pickled before proposers and full had
+    old.__setstate__((None, {"tokens": [0, 1], "parents": [-1, 0], "depth": [0, 1], "sources": [0, 1],
+                             "_children": [{1: 1}, {}]}))
+    assert old.proposers == [(), ()] and old.full is None and old.child(0, 1) == 1
