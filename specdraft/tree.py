@@ -169,11 +169,16 @@ class TokenTree:
             raise ValueError(f"at most 62 sources can be merged (a node's sources are a 62-bit set), got {width}")
         memo: dict[tuple[int, int, int], float] = {}
         log = math.log
-        heap: list[tuple[float, int, int, int, list, list, int]] = []
         push, pop = heapq.heappush, heapq.heappop
-
-        def expand(parent: int, depth: int, neg: float, passing: list) -> None:
-            """Push the children of ``parent`` (at ``depth``) made by the branches through it."""
+        floor, ceil = _RATE_FLOOR, _RATE_CEIL
+        tokens, parents, depths, sources, proposed, children = (tree.tokens, tree.parents, tree.depth, tree.sources,
+                                                                tree.proposers, tree._children)
+        # heap items: (-log value, tie-break, token, parent's index, entries through it, proposers, bits)
+        heap: list[tuple[float, int, int, int, list, tuple, int]] = []
+        # expand the node just selected (the root first): push its children, made from the branches
+        # through it, unless the tree is full already
+        index, depth, neg, passing = 0, 0, 0.0, entries
+        while True:
             if len(passing) == 1:  # one branch's tail (the common case): one child, no grouping
                 k, source, branch = passing[0]
                 if len(branch) > depth:
@@ -181,55 +186,68 @@ class TokenTree:
                     r = memo.get(key)
                     if r is None:
                         r = memo[key] = rate(source, depth + 1, 0)
-                    q = min(max(r, _RATE_FLOOR), _RATE_CEIL)
-                    push(heap, (neg - log(q), (k << 32) | (depth + 1), int(branch[depth]), parent, passing,
-                                [(source, 0)], 1 << source))
-                return
-            groups: dict[int, list] = {}
-            ranks: dict[int, int] = {}
-            for entry in passing:
-                branch = entry[2]
-                if len(branch) <= depth:
-                    continue
-                token = branch[depth]
-                group = groups.get(token)
-                if group is None:
-                    group = groups[token] = [entry[0], [], [], 0]
-                source = entry[1]
-                if not group[3] >> source & 1:
-                    rank = ranks.get(source, 0)
-                    ranks[source] = rank + 1
-                    group[2].append((source, rank))
-                    group[3] |= 1 << source
-                group[1].append(entry)
-            child_depth = depth + 1
-            for token, (k, through, proposers, bits) in groups.items():
-                miss = 1.0
-                for source, rank in proposers:
-                    key = (source, child_depth, rank)
-                    r = memo.get(key)
-                    if r is None:
-                        r = memo[key] = rate(source, child_depth, rank)
-                    miss *= 1.0 - r
-                q = min(max(1.0 - miss, _RATE_FLOOR), _RATE_CEIL)
-                push(heap, (neg - log(q), (k << 32) | child_depth, int(token), parent, through, proposers, bits))
-
-        expand(0, 0, 0.0, entries)
-        tokens, parents, depths, sources, proposed, children = (tree.tokens, tree.parents, tree.depth, tree.sources,
-                                                                tree.proposers, tree._children)
-        while heap and len(tokens) <= max_nodes:
-            neg, key, token, parent, through, proposers, bits = pop(heap)
+                    q = floor if r < floor else ceil if r > ceil else r
+                    child_neg, child_key = neg - log(q), (k << 32) | (depth + 1)
+                    if not heap or child_neg < heap[0][0] or (child_neg == heap[0][0] and child_key < heap[0][1]):
+                        # it beats the whole frontier: select it now (what a push and a pop would do)
+                        token, parent, index = int(branch[depth]), index, len(tokens)
+                        depth, neg = depth + 1, child_neg
+                        tokens.append(token)
+                        parents.append(parent)
+                        depths.append(depth)
+                        sources.append(1 << source)
+                        proposed.append(((source, 0),))
+                        children.append({})
+                        children[parent][token] = index
+                        if len(tokens) > max_nodes:
+                            break
+                        continue
+                    push(heap, (child_neg, child_key, int(branch[depth]), index, passing, ((source, 0),), 1 << source))
+            else:
+                groups: dict[int, list] = {}
+                ranks: dict[int, int] = {}
+                for entry in passing:
+                    k, source, branch = entry
+                    if len(branch) <= depth:
+                        continue
+                    token = branch[depth]
+                    group = groups.get(token)
+                    if group is None:
+                        group = groups[token] = [k, [], [], 0]
+                    if not group[3] >> source & 1:
+                        rank = ranks.get(source, 0)
+                        ranks[source] = rank + 1
+                        group[2].append((source, rank))
+                        group[3] |= 1 << source
+                    group[1].append(entry)
+                child_depth = depth + 1
+                for token, (k, through, proposers, bits) in groups.items():
+                    miss = 1.0
+                    for source, rank in proposers:
+                        key = (source, child_depth, rank)
+                        r = memo.get(key)
+                        if r is None:
+                            r = memo[key] = rate(source, child_depth, rank)
+                        miss *= 1.0 - r
+                    q = 1.0 - miss
+                    q = floor if q < floor else ceil if q > ceil else q
+                    push(heap, (neg - log(q), (k << 32) | child_depth, int(token), index, through, tuple(proposers),
+                                bits))
+            if not heap or len(tokens) > max_nodes:
+                break
+            # select the most valuable node of the frontier
+            neg, key, token, parent, passing, proposers, bits = pop(heap)
             index = len(tokens)
             depth = key & 0xFFFFFFFF
             tokens.append(token)
             parents.append(parent)
             depths.append(depth)
             sources.append(bits)
-            proposed.append(tuple(proposers))
+            proposed.append(proposers)
             children.append({})
             children[parent][token] = index
-            if len(tokens) <= max_nodes:
-                expand(index, depth, neg, through)
+            if len(tokens) > max_nodes:
+                break
         return tree
 
     def prefix(self, max_nodes: int) -> "TokenTree":
