@@ -4,7 +4,8 @@ One step, in order:
 
 1. every source proposes branches (and optionally a side block) for the current context;
 2. the branches merge into one :class:`~specdraft.tree.TokenTree` of at most ``max_tree_nodes``
-   draft nodes below the root (the last committed token, not yet in the cache);
+   draft nodes below the root (the last committed token, not yet in the cache), best first by
+   each source's acceptance learned so far (:mod:`specdraft.calibration`);
 3. one forward of ``[root, tree nodes, side tokens]`` over the KV cache, with an ancestor mask
    and depth-based positions (the first new token comes from the prompt's prefill instead, as in
    ``model.generate``);
@@ -12,7 +13,8 @@ One step, in order:
    so even a step whose drafts all fail commits one token, like plain decoding;
 5. stop rules cut the step's tokens; the cache keeps only the root and the accepted path;
    sources learn from what was committed (and, if they asked, the model's top-k at every row);
-   the budget learns the step's cost and, through the full tree, which ranks would have paid.
+   the budget learns the step's cost and, through the full tree, which ranks would have paid;
+   the calibration learns, through the same full tree, which sources' nodes would have.
 
 The loop runs 4-5 first, on the prefill: its last row is verified on a root-only tree, so the
 first new token takes the same commit path as every later one.
