@@ -325,11 +325,13 @@ class BatchLoop:
                 members.append((run, "prefill", rows))
                 continue
             decision = BudgetDecision(n, 0.0, 0.0)
-            step = decoder._step(run.request.root, run.drafts, run.sides, decision, step_started)
+            step = decoder._step(run.request.root, run.drafts, run.sides, decision, step_started,
+                                 run.request.request_id)
             tokens, offsets, block = step.forward_input
             if run.region.length + len(tokens) > run.region.capacity:  # a side block too wide for the region
                 step = decoder._step(run.request.root, run.drafts, run.sides,
-                                     BudgetDecision(n, 0.0, 0.0, side_blocks=False), step_started)
+                                     BudgetDecision(n, 0.0, 0.0, side_blocks=False), step_started,
+                                     run.request.request_id)
                 tokens, offsets, block = step.forward_input
             run.step = step
             segments.append(Segment(run.region, tokens, np.asarray(offsets, dtype=np.int64) + run.region.length,
@@ -425,6 +427,7 @@ class BatchLoop:
             run.pending_top = None
             run.tracker.observe_drafts(StepOutcome(step.decision, step.tree, [d.branches for d in step.drafts],
                                                    request.committed, start, step.width, 0.0))
+            decoder.calibration.observe(request.request_id, step.tree, tokens)
         else:
             run.pending_top = top
         run.stats.new_tokens += len(tokens)

@@ -7,9 +7,12 @@ decoding. The Ant paper calls the best width the "critical decoding length" and 
 we measure both sides online and re-pick it every step.
 
 The rule
-    Trees are merged in priority order and cut at the budget in that same order, so the tree of
-    budget ``n`` is exactly the first ``n`` nodes of the full tree, and a node accepted in the
-    full tree is accepted in the cut one too (its ancestors come earlier). Hence::
+    Trees are merged best first by each node's calibrated chance of acceptance
+    (:mod:`specdraft.tree`, :mod:`specdraft.calibration`) and cut at the budget in that same
+    order, so the tree of budget ``n`` is exactly the first ``n`` nodes of the full tree, and a
+    node accepted in the full tree is accepted in the cut one too (its ancestors come earlier).
+    The decoder hands over the full tree the checked one was cut from, so it is never rebuilt
+    with other scores. Hence::
 
         E[tokens committed | budget n] = 1 + sum_{r < n} p_r
 
@@ -119,8 +122,10 @@ class BudgetDecision:
 class StepOutcome:
     """What a budget learns from one step, reported once after its forward and verification.
 
-    ``tree`` is the tree that was checked (cut at ``decision.nodes``); ``branches`` are every
-    source's full branch lists, from which the full tree is rebuilt when the checked one was cut;
+    ``tree`` is the tree that was checked (cut at ``decision.nodes``, by
+    :meth:`~specdraft.tree.TokenTree.prefix` when its :attr:`~specdraft.tree.TokenTree.full` tree
+    is known); ``branches`` are every source's full branch lists, from which the full tree is
+    rebuilt (with the merge's prior rates) when the checked tree was cut and does not carry it;
     ``committed`` is the whole sequence after the step, whose tokens from index ``start`` on were
     committed by it; ``width`` is the forward's width and ``seconds`` the step's time.
     """
@@ -300,7 +305,9 @@ class AdaptiveBudget:
         """The acceptance half of :meth:`observe`: shadow-verify the step's full tree (its cost is
         not recorded; a batched decoder prices the whole forward once, not per request)."""
         tree = outcome.tree
-        if outcome.decision.nodes < self.max_nodes:
+        if tree.full is not None:  # the checked tree was cut from this one: same order, no rebuild
+            tree = tree.full
+        elif outcome.decision.nodes < self.max_nodes:
             tree = TokenTree.from_drafts(tree.tokens[0], outcome.branches, self.max_nodes)
         self._offered = tree.num_draft_nodes
         self._shadows.append(_Shadow(tree, outcome.start))

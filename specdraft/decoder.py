@@ -4,7 +4,8 @@ One step, in order:
 
 1. every source proposes branches (and optionally a side block) for the current context;
 2. the branches merge into one :class:`~specdraft.tree.TokenTree` of at most ``max_tree_nodes``
-   draft nodes below the root (the last committed token, not yet in the cache);
+   draft nodes below the root (the last committed token, not yet in the cache), best first by
+   each source's acceptance learned so far (:mod:`specdraft.calibration`);
 3. one forward of ``[root, tree nodes, side tokens]`` over the KV cache, with an ancestor mask
    and depth-based positions (the first new token comes from the prompt's prefill instead, as in
    ``model.generate``);
@@ -12,7 +13,8 @@ One step, in order:
    so even a step whose drafts all fail commits one token, like plain decoding;
 5. stop rules cut the step's tokens; the cache keeps only the root and the accepted path;
    sources learn from what was committed (and, if they asked, the model's top-k at every row);
-   the budget learns the step's cost and, through the full tree, which ranks would have paid.
+   the budget learns the step's cost and, through the full tree, which ranks would have paid;
+   the calibration learns, through the same full tree, which sources' nodes would have.
 
 The loop runs 4-5 first, on the prefill: its last row is verified on a root-only tree, so the
 first new token takes the same commit path as every later one.
@@ -36,6 +38,7 @@ from .batch import BatchLoop, BatchRequest, BatchResult, BatchStream
 from .batch_budget import BatchBudget
 from .batch_runner import BatchRunner
 from .budget import AdaptiveBudget, Budget, BudgetDecision, FixedBudget, StepOutcome
+from .calibration import AcceptanceCalibration
 from .kernel_costs import choose_kernels
 from .runner import ModelRunner
 from .sampling import NodeScorer, PenaltyPrefix, SamplingSettings, resolve_settings
@@ -135,6 +138,8 @@ class Decoder:
         warmup = max([3] + [source_option(s, "warmup_steps") for s in self.sources])
         self.budget: Budget = (AdaptiveBudget(max_tree_nodes, warmup=warmup, cost_curve=self.kernels.curve)
                                if adaptive_budget else FixedBudget(max_tree_nodes))
+        #: each source's learned acceptance by depth, which orders the merged tree (:mod:`specdraft.calibration`)
+        self.calibration = AcceptanceCalibration(len(self.sources))
         # sources that read the model's top-k (Token Recycling): one topk per step for the largest k
         self._wants_top = [source_option(s, "top_k") > 0 for s in self.sources]
         self._top_k = max([source_option(s, "top_k") for s in self.sources], default=0)
@@ -373,6 +378,7 @@ class Decoder:
                     pending_top = None
                     self.budget.observe(StepOutcome(step.decision, step.tree, [d.branches for d in step.drafts],
                                                     request.committed, start, step.width, self.clock() - step.started))
+                    self.calibration.observe(request.request_id, step.tree, tokens)
                 else:
                     pending_top = top
                 stats.new_tokens += len(tokens)
@@ -387,6 +393,7 @@ class Decoder:
                         source.begin(prompt)
                         begun.append(source)
                     self.budget.start_request()
+                    self.calibration.start_request(request.request_id)
                 # 1. draft; 2. merge under the budget; 3. one forward
                 step = self._draft(request, rule)
                 riders = []
@@ -496,7 +503,7 @@ class Decoder:
         started = self.clock()
         drafts, sides = self._drafts(request, rule, self.runner.cache_len)
         decision = self.budget.choose(sum(len(side.tokens) for side in sides if side is not None))
-        return self._step(request.root, drafts, sides, decision, started)
+        return self._step(request.root, drafts, sides, decision, started, request.request_id)
 
     def _drafts(self, request: "_Request", rule: StopRule, cache_len: int
                 ) -> tuple[list[Draft], list[SideBlock | None]]:
@@ -507,13 +514,15 @@ class Decoder:
         drafts = [self._propose(source, context, depth_limit) for source in self.sources]
         return drafts, self._fit_side_blocks(drafts, cache_len)
 
-    @staticmethod
-    def _step(root: int, drafts: list[Draft], sides: list[SideBlock | None], decision: BudgetDecision,
-              started: float) -> "_Step":
-        """Step 2: the branches merged into the tree the budget allows, laid out for the forward."""
+    def _step(self, root: int, drafts: list[Draft], sides: list[SideBlock | None], decision: BudgetDecision,
+              started: float, request_id: int | None = None) -> "_Step":
+        """Step 2: the branches merged best first by the request's calibrated acceptance (the
+        full tree, which the budget learns from) and cut to the budget, laid out for the forward."""
         if not decision.keeps_side_blocks:
             sides = [None] * len(sides)
-        tree = TokenTree.from_drafts(root, [d.branches for d in drafts], decision.nodes)
+        full = TokenTree.from_drafts(root, [d.branches for d in drafts], self.max_tree_nodes,
+                                     self.calibration.rates(request_id))
+        tree = full.prefix(decision.nodes)
         tokens, offsets, block, side_slices = _step_input(tree, sides)
         return _Step(tree, drafts, side_slices, (tokens, offsets, block), decision, started)
 

@@ -193,6 +193,48 @@ def assert_float32_logits_match(actual: torch.Tensor, expected: torch.Tensor, mo
     torch.testing.assert_close(actual.to(torch.float64), expected.to(torch.float64), rtol=rtol, atol=atol)
 
 
+# -- the tree merge, re-derived ------------------------------------------------------------------
+
+
+def reference_merge(sources: Sequence[Sequence[Sequence[int]]], budget: int, rate=None):
+    """Brute force of ``TokenTree.from_drafts``: every proposed node (a token path, as a tuple)
+    with its ``(source, rank)`` proposers, the ``budget`` best by value (the product of each node's
+    combined rate along its path), ties to the node met first reading the branches in turns.
+    A node is worth at most its parent and its parent is met first, so this global sort never
+    puts a node before its parent. Returns (path -> set of sources, the selected paths in order)."""
+    import math
+
+    from specdraft.tree import combined_rate, prior_rate
+
+    rate = prior_rate if rate is None else rate
+    met: list[tuple[int, ...]] = []
+    proposers: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    rounds = max((len(s) for s in sources), default=0)
+    for r in range(rounds):
+        for si, branches in enumerate(sources):
+            if r >= len(branches):
+                continue
+            for k in range(1, len(branches[r]) + 1):
+                seq = tuple(int(t) for t in branches[r][:k])
+                if seq not in proposers:
+                    met.append(seq)
+                    proposers[seq] = []
+                if all(s != si for s, _ in proposers[seq]):
+                    # rank: children of the same parent this source proposed before this one
+                    rank = sum(1 for other in met
+                               if other != seq and other[:-1] == seq[:-1] and any(s == si for s, _ in proposers[other]))
+                    proposers[seq].append((si, rank))
+
+    def cost(seq: tuple[int, ...]) -> float:
+        total = 0.0
+        for k in range(1, len(seq) + 1):
+            total -= math.log(combined_rate(proposers[seq[:k]], k, rate))
+        return total
+
+    order = sorted(met, key=lambda seq: (cost(seq), met.index(seq)))[:budget]
+    return {seq: {s for s, _ in proposers[seq]} for seq in order}, order
+
+
 # -- toy draft sources ---------------------------------------------------------------------------
 
 

@@ -123,7 +123,9 @@ def test_step_mask_is_figure_2b() -> None:
     src = full_window_source()
     draft = src.propose(ctx([3, 4, 5, 7]), budget=32)
     assert draft.branches == [[70, 71, 72], [60, 61, 62]]  # most recently generated first
-    tree = TokenTree.from_drafts(7, [draft.branches], 32)
+    tree = TokenTree(7)  # the figure lays the branches out one after the other (the merge orders by value)
+    for branch in draft.branches:
+        tree.add_branch(branch)
     tokens, offsets, block, slices = _step_input(tree, [draft.side_block])
     assert tokens == [7, 70, 71, 72, 60, 61, 62, 11, 12, 13, 14, 20, 21, 22, 23, 24, 30, 31, 32, 33, 34]
     assert offsets.tolist() == FIGURE_2B_POSITIONS

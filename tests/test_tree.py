@@ -1,4 +1,4 @@
-"""TokenTree: prefix merging, node budget, round-robin merging of sources, masks, positions."""
+"""TokenTree: prefix merging, node budget, best-first merging of sources by value, masks, positions."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdraft.tree import TokenTree
+from specdraft.tree import TokenTree, prior_rate
 
-from conftest import FAST
+from conftest import FAST, reference_merge
 
 
 def brute_force_mask(tree: TokenTree) -> np.ndarray:
@@ -158,35 +158,57 @@ def test_shared_prefix_attributed_even_when_budget_cuts() -> None:
     assert tree.sources[1] == tree.sources[2] == 0b11
 
 
-def test_from_drafts_round_robin() -> None:
+def test_from_drafts_equal_sources_share_in_turns() -> None:
     a = [[1, 1, 1], [2, 2, 2], [3, 3, 3]]
     b = [[4, 4, 4], [5, 5, 5]]
     c = [[6, 6, 6]]
+    # under the prior every source is worth the same: equal values go in turns (first branch of
+    # every source, then the second, ...), and a source's later siblings are worth less
     tree = TokenTree.from_drafts(0, [a, b, c], max_nodes=100)
-    # branch 0 of every source, then branch 1 of every source, ...
-    firsts = [tree.tokens[k] for k in tree.children(0)]
-    assert firsts == [1, 4, 6, 2, 5, 3]
-    # a budget of 9 nodes is exactly the first round: every source gets its best branch
-    tree = TokenTree.from_drafts(0, [a, b, c], max_nodes=9)
-    assert sorted(tree.branches()) == [[1, 1, 1], [4, 4, 4], [6, 6, 6]]
-    # with 7 nodes the third source still gets its first token before anyone's second branch
-    tree = TokenTree.from_drafts(0, [a, b, c], max_nodes=7)
-    assert tree.branches() == [[1, 1, 1], [4, 4, 4], [6]]
+    assert [tree.tokens[k] for k in tree.children(0)] == [1, 4, 6, 2, 5, 3]
+    tree = TokenTree.from_drafts(0, [a, b, c], max_nodes=3)
+    assert tree.branches() == [[1], [4], [6]]
     for i in range(1, len(tree)):
-        owner = {1: 0, 4: 1, 6: 2}[tree.tokens[tree.path_to(i)[0]]]
-        assert tree.sources[i] == 1 << owner
+        assert tree.sources[i] == 1 << {1: 0, 4: 1, 6: 2}[tree.tokens[i]]
+        assert tree.proposers[i] == ((i - 1, 0),)
 
 
-def test_from_drafts_one_greedy_source_cannot_crowd_out_others() -> None:
-    # fairness is per branch: the hog's long first branch cannot push out the other source's first
-    # branch, nor (after one more round) its second
-    hog = [[10 + i] * 8 for i in range(10)]
-    small = [[3], [4]]
-    tree = TokenTree.from_drafts(0, [hog, small], max_nodes=12)
-    assert tree.num_draft_nodes == 12
-    assert tree.branches() == [[10] * 8, [3], [11] * 3]
-    tree = TokenTree.from_drafts(0, [hog, small], max_nodes=18)
-    assert [3] in tree.branches() and [4] in tree.branches()
+def _rates(table: dict[int, float]):
+    """A rate function: a fixed rate per source, whatever the depth and rank."""
+    return lambda source, depth, rank: table[source]
+
+
+def test_from_drafts_good_source_listed_last_fills_the_budget() -> None:
+    junk = [[90 + i, 91, 92, 93] for i in range(4)]
+    good = [[1, 2, 3, 4, 5, 6, 7, 8]]
+    tree = TokenTree.from_drafts(0, [junk, good], max_nodes=6, rate=_rates({0: 0.05, 1: 0.9}))
+    assert tree.branches() == [[1, 2, 3, 4, 5, 6]]
+    assert all(s == 0b10 for s in tree.sources[1:])
+    # once the good chain's value drops below the junk's first node, the junk comes in
+    tree = TokenTree.from_drafts(0, [junk, good], max_nodes=40, rate=_rates({0: 0.05, 1: 0.9}))
+    assert tree.tokens[1:9] == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_from_drafts_agreement_is_evidence() -> None:
+    # the node both sources propose combines their rates (noisy-or) and outranks either alone
+    tree = TokenTree.from_drafts(0, [[[5], [7]], [[6], [7]]], max_nodes=1, rate=_rates({0: 0.3, 1: 0.3}))
+    assert tree.tokens == [0, 7] and tree.sources[1] == 0b11
+    assert tree.proposers[1] == ((0, 1), (1, 1))
+
+
+def test_prefix_is_the_smaller_budget_and_knows_its_full_tree() -> None:
+    drafts = [[[1, 2, 3], [1, 4]], [[5, 6], [1, 2, 9]]]
+    full = TokenTree.from_drafts(0, drafts, max_nodes=100)
+    for n in range(0, 9):
+        cut = full.prefix(n)
+        ref = TokenTree.from_drafts(0, drafts, max_nodes=n)
+        assert (cut.tokens, cut.parents, cut.depth, cut.sources, cut.proposers) == \
+               (ref.tokens, ref.parents, ref.depth, ref.sources, ref.proposers)
+        assert cut.full is full
+        check_invariants(cut)
+    assert full.prefix(3).prefix(1).full is full
+    with pytest.raises(ValueError, match="max_nodes"):
+        full.prefix(-1)
 
 
 def test_from_drafts_budget_zero_and_empty() -> None:
@@ -199,6 +221,13 @@ def test_from_drafts_budget_zero_and_empty() -> None:
     assert tree.sources[1] == 1 << 2
     with pytest.raises(ValueError, match="max_nodes"):
         TokenTree.from_drafts(5, [[[1]]], max_nodes=-1)
+
+
+def test_from_drafts_names_too_many_sources() -> None:
+    with pytest.raises(ValueError, match="at most 62 sources.*got 63"):
+        TokenTree.from_drafts(0, [[]] * 62 + [[[1]]], max_nodes=5)
+    # silent sources past the 62nd cost nothing and break nothing
+    assert TokenTree.from_drafts(0, [[[1]]] + [[]] * 70, max_nodes=5).tokens == [0, 1]
 
 
 def test_from_drafts_merges_across_sources() -> None:
@@ -216,53 +245,45 @@ _branch = st.lists(_tok, min_size=0, max_size=6)
 _source = st.lists(_branch, min_size=0, max_size=5)
 
 
-def _reference_merge(root: int, sources: list[list[list[int]]], budget: int):
-    """Brute force: node sequences (as tuples) that from_drafts must create, and their source sets,
-    simulating the round-robin order and the budget one token at a time."""
-    nodes: dict[tuple[int, ...], set[int]] = {(): set()}
-    created = 0
-    rounds = max((len(s) for s in sources), default=0)
-    for r in range(rounds):
-        for si, branches in enumerate(sources):
-            if r >= len(branches):
-                continue
-            branch = branches[r]
-            for k in range(1, len(branch) + 1):
-                prefix = tuple(branch[:k])
-                if prefix not in nodes:
-                    if created >= budget:
-                        break
-                    nodes[prefix] = set()
-                    created += 1
-                nodes[prefix].add(si)  # shared nodes are credited even once the budget is full
-    return nodes
+_rate_table = st.lists(st.sampled_from([0.0, 0.05, 0.2, 0.5, 0.9, 1.0]), min_size=4 * 3 * 2, max_size=4 * 3 * 2)
+
+
+def _table_rate(table: list[float]):
+    return lambda source, depth, rank: table[(source * 3 + min(depth, 3) - 1) * 2 + min(rank, 1)]
 
 
 @settings(FAST, max_examples=300)
-@given(root=_tok, sources=st.lists(_source, min_size=0, max_size=4), budget=st.integers(0, 30))
-def test_from_drafts_matches_brute_force(root, sources, budget) -> None:
-    tree = TokenTree.from_drafts(root, sources, budget)
+@given(root=_tok, sources=st.lists(_source, min_size=0, max_size=4), budget=st.integers(0, 30),
+       table=st.one_of(st.none(), _rate_table))
+def test_from_drafts_matches_brute_force(root, sources, budget, table) -> None:
+    rate = prior_rate if table is None else _table_rate(table)
+    tree = TokenTree.from_drafts(root, sources, budget, rate if table is not None else None)
     check_invariants(tree)
     assert tree.tokens[0] == root
     assert tree.num_draft_nodes <= budget
     seqs = node_sequences(tree)
-    expected = _reference_merge(root, sources, budget)
-    assert set(seqs) == set(expected)
+    expected, order = reference_merge(sources, budget, rate)
+    assert set(seqs) - {()} == set(expected)
     for seq, node in seqs.items():
-        bits = {i for i in range(62) if tree.sources[node] >> i & 1}
-        assert bits == expected[seq], seq
+        if seq:
+            bits = {i for i in range(62) if tree.sources[node] >> i & 1}
+            assert bits == expected[seq], seq
     # prefix-closed: every node's parent path is itself a node
     for seq in seqs:
         assert seq[:-1] in seqs
     # with an unlimited budget every inserted branch is present in full
-    full = TokenTree.from_drafts(root, sources, 10_000)
+    full = TokenTree.from_drafts(root, sources, 10_000, rate if table is not None else None)
     full_seqs = node_sequences(full)
     for branches in sources:
         for b in branches:
             assert tuple(b) in full_seqs
-    # a smaller budget gives a prefix of the same construction (same nodes, same order)
+    # a smaller budget gives a prefix of the same construction (same nodes, same order, same
+    # attribution), and so does cutting the full tree
     n = len(tree)
-    assert full.tokens[:n] == tree.tokens and full.parents[:n] == tree.parents
+    assert (full.tokens[:n], full.parents[:n], full.sources[:n], full.proposers[:n]) == \
+           (tree.tokens, tree.parents, tree.sources, tree.proposers)
+    cut = full.prefix(budget)
+    assert (cut.tokens, cut.parents, cut.sources) == (tree.tokens, tree.parents, tree.sources)
 
 
 @settings(FAST, max_examples=300)
@@ -271,16 +292,9 @@ def test_single_source_budget_keeps_prefixes(root, branches, budget) -> None:
     tree = TokenTree.from_drafts(root, [branches], budget)
     check_invariants(tree)
     seqs = node_sequences(tree)
-    # each branch is present up to some cut, and once a branch is cut no later branch adds a node
-    exhausted = False
-    for b in branches:
-        present = 0
-        while present < len(b) and tuple(b[: present + 1]) in seqs:
-            present += 1
-        if present < len(b):
-            # a missing node can only be due to the budget
-            assert tree.num_draft_nodes == budget or exhausted
-            exhausted = True
+    # a missing node can only be due to the budget
+    if any(tuple(b) not in seqs for b in branches):
+        assert tree.num_draft_nodes == budget
     assert len(seqs) - 1 == tree.num_draft_nodes
     mask = tree.ancestor_mask()
     for i in range(len(tree)):
@@ -290,3 +304,16 @@ def test_single_source_budget_keeps_prefixes(root, branches, budget) -> None:
     # leaves are exactly the branches
     assert sorted(map(tuple, tree.branches())) == sorted(
         s for s, i in seqs.items() if s and not tree.children(i))
+
+
+def test_pickle_keeps_the_full_tree_and_reads_trees_pickled_before_it() -> None:
+    import pickle
+
+    full = TokenTree.from_drafts(0, [[[1, 2]], [[1, 3]]], 5)
+    cut = pickle.loads(pickle.dumps(full.prefix(1)))
+    assert cut.tokens == [0, 1] and cut.proposers[1] == ((0, 0), (1, 0))
+    assert cut.full.tokens == full.tokens and cut.full.full is None
+    old = TokenTree.__new__(TokenTree)  # the state a tree pickled before proposers and full had
+    old.__setstate__((None, {"tokens": [0, 1], "parents": [-1, 0], "depth": [0, 1], "sources": [0, 1],
+                             "_children": [{1: 1}, {}]}))
+    assert old.proposers == [(), ()] and old.full is None and old.child(0, 1) == 1

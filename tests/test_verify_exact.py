@@ -46,6 +46,7 @@ from specdraft.tree import TokenTree
 from specdraft.verify import Verdict, verify_greedy, verify_sampling
 
 from _verifier_variants import bonus_from_p_verify, committed_context_verify, specinfer_verify
+from conftest import reference_merge
 
 TOL = 1e-9
 
@@ -110,26 +111,10 @@ def plain_probs(model: ToyModel, procs: LogitsProcessorList, ids: Sequence[int])
 
 
 def expected_node_paths(branches_per_source: Sequence[Sequence[Sequence[int]]], max_nodes: int) -> set[tuple[int, ...]]:
-    """Token paths of the draft nodes ``TokenTree.from_drafts`` must build: sources take turns
-    branch by branch, shared prefixes are one node, a branch is cut when the budget runs out."""
-    nodes: set[tuple[int, ...]] = set()
-    rounds = max((len(b) for b in branches_per_source), default=0)
-    for r in range(rounds):
-        for branches in branches_per_source:
-            room = max_nodes - len(nodes)
-            if room <= 0:
-                return nodes
-            if r >= len(branches):
-                continue
-            created = 0
-            for i in range(1, len(branches[r]) + 1):
-                path = tuple(branches[r][:i])
-                if path not in nodes:
-                    if created >= room:
-                        break
-                    nodes.add(path)
-                    created += 1
-    return nodes
+    """Token paths of the draft nodes ``TokenTree.from_drafts`` must build under its prior rates:
+    the ``max_nodes`` proposed nodes of highest value, shared prefixes one node (the brute force
+    of :func:`conftest.reference_merge`)."""
+    return set(reference_merge(branches_per_source, max_nodes)[1])
 
 
 def tree_node_paths(tree: TokenTree) -> set[tuple[int, ...]]:

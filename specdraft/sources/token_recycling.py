@@ -31,9 +31,10 @@ Templates. A template is a tree over *ranks*: node ``i`` is ``(parent, rank)`` -
 ``rank``-th candidate of the parent's token (``parent = -1`` is the root). The authors'
 implementation (``Luowaterbi/TokenRecycling``, ``model/recycling/tree_template_.py``) writes it as
 rank paths (``[0, 1]`` = the 1st candidate of the root's 0th candidate) and orders it level by
-level. Level order is wrong for us: the decoder's node budget keeps the first nodes *created*
-(:meth:`specdraft.tree.TokenTree.from_drafts`), so a budget of 16 would keep all eight depth-1
-nodes, ranks 4 to 7 included, and drop the top-1 chain at depth 3. So the named templates list
+level. Level order is wrong for us: ``propose`` keeps the first ``budget`` nodes of the template,
+so a budget of 16 would keep all eight depth-1 nodes, ranks 4 to 7 included, and drop the top-1
+chain at depth 3. (The decoder's merge then ranks what was proposed by calibrated value,
+:meth:`specdraft.tree.TokenTree.from_drafts`, starting from the same prior as below.) So the named templates list
 the paper's 80 nodes *best first*, by a prior acceptance score ``prod(0.5 / (rank + 1))`` along
 the path (a top-1 candidate is right about half the time, and rank ``r`` about ``1/(r+1)`` as often
 as rank 0; ties go to the shallower node, then to the paper's order). This Zipf-like prior is
