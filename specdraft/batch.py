@@ -139,6 +139,7 @@ class _Running:
     prefilled: int = 0  # prompt tokens in the cache
     step: Step | None = None  # the step in flight
     drafts: list[Draft] | None = None
+    full: TokenTree | None = None  # this step's full tree (the budget checks a prefix of it)
     sides: list[SideBlock | None] | None = None
     generator: torch.Generator | None = None
     draw: Any = None
@@ -302,9 +303,9 @@ class BatchLoop:
                 self._fail(run, exc)
                 asks.append(Ask((), 0, 0, 0, decoding=False))
                 continue
-            full = TokenTree.from_drafts(run.request.root, [d.branches for d in run.drafts], decoder.max_tree_nodes)
+            run.full = decoder._full_tree(run.request.root, run.drafts, run.request.request_id)
             side_rows = sum(len(s.tokens) for s in run.sides if s is not None)
-            asks.append(Ask(run.tracker.accept_rate, full.num_draft_nodes, side_rows, 1))
+            asks.append(Ask(run.tracker.accept_rate, run.full.num_draft_nodes, side_rows, 1))
         nodes = self.budget.allocate(asks)
         segments: list[Segment] = []
         members: list[tuple[_Running, str, int]] = []  # run, what it sent ("tree" / "prefill"), prompt rows
@@ -325,13 +326,11 @@ class BatchLoop:
                 members.append((run, "prefill", rows))
                 continue
             decision = BudgetDecision(n, 0.0, 0.0)
-            step = decoder._step(run.request.root, run.drafts, run.sides, decision, step_started,
-                                 run.request.request_id)
+            step = decoder._lay_out(run.full, run.drafts, run.sides, decision, step_started)
             tokens, offsets, block = step.forward_input
             if run.region.length + len(tokens) > run.region.capacity:  # a side block too wide for the region
-                step = decoder._step(run.request.root, run.drafts, run.sides,
-                                     BudgetDecision(n, 0.0, 0.0, side_blocks=False), step_started,
-                                     run.request.request_id)
+                step = decoder._lay_out(run.full, run.drafts, run.sides, BudgetDecision(n, 0.0, 0.0, side_blocks=False),
+                                        step_started)
                 tokens, offsets, block = step.forward_input
             run.step = step
             segments.append(Segment(run.region, tokens, np.asarray(offsets, dtype=np.int64) + run.region.length,

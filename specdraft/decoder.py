@@ -518,10 +518,21 @@ class Decoder:
               started: float, request_id: int | None = None) -> "_Step":
         """Step 2: the branches merged best first by the request's calibrated acceptance (the
         full tree, which the budget learns from) and cut to the budget, laid out for the forward."""
+        return self._lay_out(self._full_tree(root, drafts, request_id), drafts, sides, decision, started)
+
+    def _full_tree(self, root: int, drafts: list[Draft], request_id: int | None = None) -> TokenTree:
+        """Every source's branches merged best first by the request's calibrated acceptance, up to
+        ``max_tree_nodes`` (the tree the budget learns from; a step checks a prefix of it)."""
+        return TokenTree.from_drafts(root, [d.branches for d in drafts], self.max_tree_nodes,
+                                     self.calibration.rates(request_id))
+
+    @staticmethod
+    def _lay_out(full: TokenTree, drafts: list[Draft], sides: list[SideBlock | None], decision: BudgetDecision,
+                 started: float) -> "_Step":
+        """The step of ``decision.nodes`` nodes of ``full`` (and the side blocks, if the decision
+        keeps them), laid out for the forward."""
         if not decision.keeps_side_blocks:
             sides = [None] * len(sides)
-        full = TokenTree.from_drafts(root, [d.branches for d in drafts], self.max_tree_nodes,
-                                     self.calibration.rates(request_id))
         tree = full.prefix(decision.nodes)
         tokens, offsets, block, side_slices = _step_input(tree, sides)
         return _Step(tree, drafts, side_slices, (tokens, offsets, block), decision, started)
