@@ -289,7 +289,7 @@ class BatchLoop:
             if run.prefilling:
                 rows = min(prefill_left, run.request.prompt_length - run.prefilled)
                 prefill_left -= rows
-                asks.append(Ask((), 0, 0, rows, decoding=False))
+                asks.append(Ask((), 0, 0, rows, decoding=False, context=run.prefilled + rows))
                 continue
             try:
                 if not run.begun and run.step is not None:  # the first draft: the sources read the prompt now
@@ -305,7 +305,8 @@ class BatchLoop:
                 continue
             run.full = decoder._full_tree(run.request.root, run.drafts, run.request.request_id)
             side_rows = sum(len(s.tokens) for s in run.sides if s is not None)
-            asks.append(Ask(run.tracker.accept_rate, run.full.num_draft_nodes, side_rows, 1))
+            asks.append(Ask(run.tracker.accept_rate, run.full.num_draft_nodes, side_rows, 1,
+                            context=run.region.length + 1))
         nodes = self.budget.allocate(asks)
         segments: list[Segment] = []
         members: list[tuple[_Running, str, int]] = []  # run, what it sent ("tree" / "prefill"), prompt rows

@@ -12,7 +12,10 @@ The rule
     every step's full tree is checked against the tokens committed after it). A step's expected
     tokens are ``sum over requests of (1 + sum of p_r over its checked ranks)``, its cost is the
     price of the forward's total width from the machine's cost curve
-    (:class:`~specdraft.step_costs.StepCosts`, in one-row forwards). Nodes are offered best first,
+    (:class:`~specdraft.step_costs.StepCosts`, in one-row forwards), plus each row's attention
+    over its own request's context (:mod:`specdraft.attention_cost`: the curve prices the linear
+    layers only, and at several requests of a few hundred positions attention is a good part of
+    a forward). Nodes are offered best first,
     the next node of whichever request has the highest ``p`` for it (a request's first node also
     brings its side block's rows), and the allocation kept is the prefix of that order with the
     most expected tokens per unit of cost. With no node at all the step is batched plain decoding,
@@ -48,6 +51,8 @@ class Ask:
     side_rows: int
     fixed_rows: int
     decoding: bool = True
+    #: cached positions the request's rows attend over (each row's attention grows with it)
+    context: int = 0
 
 
 class BatchBudget:
@@ -55,12 +60,18 @@ class BatchBudget:
     benchmarks of fixed budgets); ``max_nodes`` caps any one request's tree."""
 
     def __init__(self, max_nodes: int, cost_curve: Sequence[float] | None = None, adaptive: bool = True,
-                 smoothing: float = 0.5) -> None:
+                 smoothing: float = 0.5, attention_seconds: float = 0.0) -> None:
         if max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
+        if not attention_seconds >= 0.0:
+            raise ValueError(f"attention_seconds must be >= 0, got {attention_seconds}")
         self.max_nodes = max_nodes
         self.adaptive = adaptive
         self.costs = StepCosts(cost_curve, smoothing)
+        #: seconds of attention per row per cached position (:mod:`specdraft.attention_cost`), priced
+        #: against the one-row forward of the curve (in seconds) or, without one, of the steps
+        self.attention_seconds = attention_seconds
+        self._one_row_seconds = float(cost_curve[0]) if cost_curve else None
         self.long_run_rate: list[float | None] = [None] * max_nodes
         #: (requests in the step, tree nodes of each decoding one) of the latest steps, for reports
         #: and plots (bounded: a long-running server must not grow it without end)
@@ -81,9 +92,11 @@ class BatchBudget:
         if not self.adaptive:
             nodes = offered
         else:
+            attention = self._attention_price()
             width = sum(a.fixed_rows for a in asks)
+            row_columns = sum(a.fixed_rows * a.context for a in asks)
             tokens = float(sum(1 for a in asks if a.decoding))
-            best_rate = tokens / self.costs.shape(width) if tokens else 0.0
+            best_rate = tokens / (self.costs.shape(width) + attention * row_columns) if tokens else 0.0
             picks: list[int] = []
             best = 0
             # ties go to the request with the fewest nodes so far, so equal requests share the rows
@@ -94,11 +107,13 @@ class BatchBudget:
                 negative_p, _, i = heapq.heappop(heap)
                 if -negative_p <= 0.0:
                     break  # nothing left that is expected to be accepted
-                width += 1 + (asks[i].side_rows if taken[i] == 0 else 0)
+                rows = 1 + (asks[i].side_rows if taken[i] == 0 else 0)
+                width += rows
+                row_columns += rows * asks[i].context
                 tokens += -negative_p
                 taken[i] += 1
                 picks.append(i)
-                rate = tokens / self.costs.shape(width)
+                rate = tokens / (self.costs.shape(width) + attention * row_columns)
                 if rate > best_rate * (1 + 1e-9):
                     best_rate, best = rate, len(picks)
                 if taken[i] < offered[i] and taken[i] < len(asks[i].rates):
@@ -108,9 +123,17 @@ class BatchBudget:
         self.history.append((len(asks), [n for n, a in zip(nodes, asks) if a.decoding]))
         return nodes
 
+    def _attention_price(self) -> float:
+        """A row's attention per cached position, in one-row forwards (0 when unknown)."""
+        if not self.attention_seconds:
+            return 0.0
+        unit = self._one_row_seconds or self.costs.seconds(1)
+        return self.attention_seconds / unit if unit else 0.0
+
     def observe(self, width: int, seconds: float) -> None:
         """A batched step of ``width`` rows took ``seconds`` (the machine's present speed)."""
         self.costs.observe(width, seconds)
 
     def set_cost_curve(self, curve: Sequence[float] | None) -> None:
         self.costs.set_curve(curve)
+        self._one_row_seconds = float(curve[0]) if curve else None

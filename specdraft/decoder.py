@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from .attention import ATTENTION_CHOICES, select_attention
+from .attention_cost import attention_seconds
 from .batch import BatchLoop, BatchRequest, BatchResult, BatchStream
 from .batch_budget import BatchBudget
 from .batch_runner import BatchRunner
@@ -285,8 +286,11 @@ class Decoder:
         if self._batch_runner is None:
             self._batch_runner = BatchRunner(self.model)
             adaptive = isinstance(self.budget, AdaptiveBudget)
-            curve = self.budget.costs.curve if adaptive else None  # what the one-request budget prices from
-            self._batch_budget = BatchBudget(self.max_tree_nodes, curve, adaptive=adaptive)
+            # the measured kernel curve (seconds of the linear layers by width) and what attention
+            # adds per row and cached position: together, what a batched forward costs
+            curve = self.kernels.curve if adaptive and self.budget.costs.curve is not None else None
+            self._batch_budget = BatchBudget(self.max_tree_nodes, curve, adaptive=adaptive,
+                                             attention_seconds=attention_seconds(self.model) if adaptive else 0.0)
         loop = BatchLoop(self, self._batch_runner, self._batch_budget, requests, concurrency)
         return BatchStream(loop, self.tokenizer)
 

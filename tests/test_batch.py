@@ -346,3 +346,19 @@ def test_per_request_attention_equals_the_masked_forward(arch: str) -> None:
 
     torch.testing.assert_close(logits(True), logits(False), rtol=1e-9, atol=1e-9)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_attention_priced_per_row_and_position_shrinks_trees_over_long_contexts() -> None:
+    """A row's attention over its request's context is part of what a tree node costs: the same
+    acceptance buys a wide tree over a short context and a narrow one over a long context."""
+    from specdraft.attention_cost import attention_seconds
+
+    curve = [0.01] * 16 + [0.01 * (1 + 0.5 * (w - 16)) for w in range(17, 65)]
+    budget = BatchBudget(16, cost_curve=curve, attention_seconds=1e-6)  # 0.1 one-row forwards per 1k positions
+    rates = [0.5] * 16
+    short = budget.allocate([Ask(rates, 16, 0, 1, context=100) for _ in range(2)])
+    long = budget.allocate([Ask(rates, 16, 0, 1, context=20_000) for _ in range(2)])
+    assert sum(long) < sum(short)
+    assert attention_seconds(tiny_model("llama")) >= 0.0
+    with pytest.raises(ValueError, match="attention_seconds"):
+        BatchBudget(4, attention_seconds=-1.0)
