@@ -376,6 +376,12 @@ TABLES: dict[str, Callable[[str], str]] = {
     "jacobi-grid": lambda page: methods_table(
         "qwen0.5b-bf16-jacobi-grid", ["humaneval"], JACOBI_METHODS, page),
     "expect": lambda page: compare_table(EXPECT, page),
+    "auto-defaults": lambda page: compare_table([
+        Row("HumanEval: default", AUTO_BF16_HE, "humaneval", kernels="auto"),
+        Row("HumanEval: default", AUTO_FP32_HE, "humaneval", kernels="auto"),
+        Row("MT-Bench: default", AUTO_BF16_MT, "mtbench", kernels="auto"),
+        Row("MT-Bench: our plain decoding", AUTO_BF16_MT, "mtbench", "plain", kernels="auto")],
+        page, workload="prompt set: method", show_pld=False, show_below=True),
     "results-stock": lambda page: compare_table([
         Row("HumanEval: default", FP32_HE, "humaneval"),
         Row("HumanEval: default", BF16_HE, "humaneval"),
