@@ -4,6 +4,7 @@ Draft sources guess the next tokens, their guesses merge into one token tree, th
 tree in one forward pass and an exact verifier keeps the longest path the model agrees with.
 """
 
+from .batch import BatchOutput, BatchRequest, BatchResult
 from .decoder import Decoder, GenerationOutput
 from .runner import UnsupportedModelError
 from .sampling import SamplingSettings, UnsupportedOptionError
@@ -17,7 +18,7 @@ from .stats import GenerationStats, SourceStats
 from .tree import TokenTree
 
 __all__ = [
-    "Decoder", "GenerationOutput", "GenerationStats", "SourceStats", "SamplingSettings", "UnsupportedOptionError",
+    "Decoder", "GenerationOutput", "BatchRequest", "BatchOutput", "BatchResult", "GenerationStats", "SourceStats", "SamplingSettings", "UnsupportedOptionError",
     "UnsupportedModelError",
     "Context", "Draft", "DraftSource", "Feedback", "PromptLookup", "SideBlock", "TokenTree",
     "MultiLevelNGram",
