@@ -30,7 +30,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from .packed_attention import LAYOUT_KEYWORD, PACKED_NAME, PackedLayout
-from .runner import ModelRunner, _logits_for_decoding
+from .runner import ModelRunner, UnsupportedModelError, _logits_for_decoding
 from .transfer import upload
 
 
@@ -145,6 +145,16 @@ class BatchRunner(ModelRunner):
 
     def __init__(self, model: PreTrainedModel) -> None:
         super().__init__(model)
+        # GPT-2's eager attention in older transformers releases masks by a causal buffer indexed
+        # by cache position, which assumes a forward's rows sit at the end of the cache: true for
+        # one request, not for a packed batch
+        legacy = [name for name, buffer in model.named_buffers() if buffer.dtype == torch.bool and buffer.dim() == 4
+                  and buffer.shape[0] == buffer.shape[1] == 1 and buffer.shape[2] == buffer.shape[3]]
+        if legacy and self.mask_kind == "additive":
+            raise UnsupportedModelError(
+                f"{type(model).__name__}'s eager attention applies its own causal mask from the buffer {legacy[0]!r} "
+                "by cache position, which a packed batch does not follow; load the model with "
+                "attn_implementation='sdpa' (or use a newer transformers release) to decode it in batches")
         self.packed = PackedCache()
         self.regions: list[Region] = []
         self.rider_tensors = []
