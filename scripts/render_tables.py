@@ -376,6 +376,8 @@ TABLES: dict[str, Callable[[str], str]] = {
     "jacobi-grid": lambda page: methods_table(
         "qwen0.5b-bf16-jacobi-grid", ["humaneval"], JACOBI_METHODS, page),
     "expect": lambda page: compare_table(EXPECT, page),
+    "concurrency-mt-bf16": lambda page: concurrency_table("concurrency-qwen0.5b-bf16-mtbench16-a6ccb47", "mtbench",
+                                                          page),
     "auto-defaults": lambda page: compare_table([
         Row("HumanEval: default", AUTO_BF16_HE, "humaneval", kernels="auto"),
         Row("HumanEval: default", AUTO_FP32_HE, "humaneval", kernels="auto"),
