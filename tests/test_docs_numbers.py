@@ -78,12 +78,14 @@ def _run_values(run: Path) -> set[str]:
     """The ratios a run's results files hold, as a page would write them."""
     values: set[float] = set()
     for path in run.glob("*summary.json"):
-        for data in json.loads(path.read_text())["datasets"].values():
+        for data in json.loads(path.read_text()).get("datasets", {}).values():
             for m in data["methods"].values():
                 for key in ("speedup_median", "speedup_min", "speedup_max",
                             "speedup_vs_plain_median"):
                     if key in m:
                         values.add(m[key])
+    for path in run.glob("*/concurrency.json"):  # specdraft bench --concurrency
+        values.update(row["vs_generate"] for row in json.loads(path.read_text())["rows"])
     for path in run.glob("curve.json"):
         for row in json.loads(path.read_text())["rows"]:
             values.update(row[k] for k in ("vs_own_k1", "vs_stock_same_k") if k in row)
