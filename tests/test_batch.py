@@ -390,3 +390,23 @@ def test_attention_priced_per_row_and_position_shrinks_trees_over_long_contexts(
     assert attention_seconds(tiny_model("llama")) >= 0.0
     with pytest.raises(ValueError, match="attention_seconds"):
         BatchBudget(4, attention_seconds=-1.0)
+
+
+def test_stop_strings_per_request_match_the_one_request_decoder(tiny_dir) -> None:
+    """Stop strings cut each request where the one-request decoder cuts it (the tiny checkpoint's
+    word-level tokenizer decodes the text the rules search)."""
+    from specdraft.models import load_model
+
+    model, tokenizer = load_model(str(tiny_dir), dtype="float64", progress=False)
+    alone = Decoder(model, tokenizer, max_tree_nodes=8, cpu_kernels="stock")
+    prompts_ = ["the cat sat on the mat", "a b c a b c a b", "one two three"]
+    free = [alone.generate(p, max_new_tokens=20).text for p in prompts_]
+    stops = [[free[0].split()[2]] if len(free[0].split()) > 2 else None, None,
+             [free[2].split()[1]] if len(free[2].split()) > 1 else None]
+    requests = [BatchRequest(p, max_new_tokens=20, stop=s) for p, s in zip(prompts_, stops)]
+    batch = Decoder(model, tokenizer, max_tree_nodes=8, cpu_kernels="stock").generate_batch(requests, concurrency=2)
+    for request, out in zip(requests, batch):
+        one = alone.generate(request.prompt, max_new_tokens=20, stop=request.stop)
+        assert out.token_ids == one.token_ids and out.text == one.text
+    cut = [len(out.text) < len(text) for out, text in zip(batch, free)]
+    assert any(cut), (free, [o.text for o in batch])  # a stop string really ended a request early
