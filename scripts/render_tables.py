@@ -376,6 +376,10 @@ TABLES: dict[str, Callable[[str], str]] = {
     "jacobi-grid": lambda page: methods_table(
         "qwen0.5b-bf16-jacobi-grid", ["humaneval"], JACOBI_METHODS, page),
     "expect": lambda page: compare_table(EXPECT, page),
+    "mix-bfcl-bf16": lambda page: methods_table(
+        "mix-qwen0.5b-bf16-bfcl20-137f2df", ["bfcl"],
+        [("specdraft:suffix", "`suffix` alone"), ("default", "default (prompt + trie + ngram)"),
+         ("specdraft:prompt+trie+ngram+suffix", "default + `suffix`")], page),
     "concurrency-mt-bf16": lambda page: concurrency_table("concurrency-qwen0.5b-bf16-mtbench16-a6ccb47", "mtbench",
                                                           page),
     "auto-defaults": lambda page: compare_table([
