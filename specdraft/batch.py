@@ -240,8 +240,7 @@ class BatchLoop:
 
     def _admit(self, index: int) -> _Running | None:
         prompt_ids, settings, rule, seed = self.requests[index]
-        stats = GenerationStats()
-        stats.per_source = {name: SourceStats() for name in self.decoder._source_names}
+        stats = self._new_stats()
         if rule.max_new_tokens == 0:
             self.outputs[index] = BatchOutput([], self._text([]), stats)
             return None
@@ -251,9 +250,11 @@ class BatchLoop:
                         tracker=self.budget.tracker(), stats=stats, admitted=self._clock())
 
     def _settle_unstarted(self, index: int, cancelled: bool) -> None:
-        stats = GenerationStats()
-        stats.per_source = {name: SourceStats() for name in self.decoder._source_names}
-        self.outputs[index] = BatchOutput([], self._text([]), stats, cancelled=cancelled)
+        self.outputs[index] = BatchOutput([], self._text([]), self._new_stats(), cancelled=cancelled)
+
+    def _new_stats(self) -> GenerationStats:
+        """A request's statistics, with a counter for every source of the decoder."""
+        return GenerationStats(per_source={name: SourceStats() for name in self.decoder._source_names})
 
     def _text(self, tokens: list[int]) -> str | None:
         tokenizer = self.decoder.tokenizer
