@@ -232,7 +232,6 @@ class BatchLoop:
             raise
         finally:
             self.stats.wall_time = self._clock() - started
-            self.stats.tree_sizes = list(self.budget.history)
 
     def _region_rows(self, index: int) -> int:
         prompt_ids, _, rule, _ = self.requests[index]
@@ -343,6 +342,7 @@ class BatchLoop:
                 rider_owner.append(run)
         if not segments:
             return []
+        self.stats.tree_sizes.append((len(asks), [n for n, a in zip(nodes, asks) if a.decoding]))
         width = sum(len(s.tokens) for s in segments)
         with decoder._kernels():
             logits = self.runner.forward_segments(segments, riders)

@@ -410,3 +410,14 @@ def test_stop_strings_per_request_match_the_one_request_decoder(tiny_dir) -> Non
         assert out.token_ids == one.token_ids and out.text == one.text
     cut = [len(out.text) < len(text) for out, text in zip(batch, free)]
     assert any(cut), (free, [o.text for o in batch])  # a stop string really ended a request early
+
+
+def test_batch_statistics_describe_that_batch_alone() -> None:
+    """A decoder's second batch reports its own forwards' tree sizes, not the first batch's too."""
+    model = tiny_model("llama")
+    dec = Decoder(model, max_tree_nodes=8, cpu_kernels="stock")
+    first = dec.generate_batch([[1, 2, 3], [4, 5]], max_new_tokens=6, concurrency=2)
+    second = dec.generate_batch([[6, 7, 8]], max_new_tokens=5, concurrency=1)
+    assert len(first.stats.tree_sizes) == first.stats.forwards
+    assert len(second.stats.tree_sizes) == second.stats.forwards
+    assert all(active == 1 for active, _ in second.stats.tree_sizes)
