@@ -280,7 +280,7 @@ BFCL_BF16, BFCL_FP32 = "suffix-qwen0.5b-bf16-bfcl", "suffix-qwen0.5b-fp32-bfcl"
 #: the defaults, no flags (``cpu_kernels="auto"``)
 AUTO_BF16_HE = "auto-qwen0.5b-bf16-humaneval40-e46254a"
 AUTO_FP32_HE = "auto-qwen0.5b-fp32-humaneval40-e46254a"
-AUTO_BF16_MT = "auto-qwen0.5b-bf16-mtbench40-e46254a"
+AUTO_BF16_MT = "auto-qwen0.5b-bf16-mtbench40-00df85b"
 
 EXPECT = [
     Row("code, HumanEval 40", AUTO_BF16_HE, "humaneval", kernels="auto (default)"),
