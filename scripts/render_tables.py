@@ -382,6 +382,8 @@ TABLES: dict[str, Callable[[str], str]] = {
          ("specdraft:prompt+trie+ngram+suffix", "default + `suffix`")], page),
     "concurrency-he-fp32": lambda page: concurrency_table("concurrency-qwen0.5b-fp32-humaneval8-a154cfe",
                                                           "humaneval", page),
+    "concurrency-he-bf16": lambda page: concurrency_table("concurrency-qwen0.5b-bf16-humaneval16-fe7ce41",
+                                                          "humaneval", page),
     "concurrency-mt-bf16": lambda page: concurrency_table("concurrency-qwen0.5b-bf16-mtbench16-a6ccb47", "mtbench",
                                                           page),
     "auto-defaults": lambda page: compare_table([
