@@ -32,7 +32,6 @@ average), as a request of the one-request budget does.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -73,9 +72,6 @@ class BatchBudget:
         self.attention_seconds = attention_seconds
         self._one_row_seconds = float(cost_curve[0]) if cost_curve else None
         self.long_run_rate: list[float | None] = [None] * max_nodes
-        #: (requests in the step, tree nodes of each decoding one) of the latest steps, for reports
-        #: and plots (bounded: a long-running server must not grow it without end)
-        self.history: deque[tuple[int, list[int]]] = deque(maxlen=100_000)
 
     def tracker(self) -> AdaptiveBudget:
         """A new request's acceptance estimate (an :class:`AdaptiveBudget` used for its shadow
@@ -120,7 +116,6 @@ class BatchBudget:
                     heapq.heappush(heap, (-(asks[i].rates[taken[i]] or 0.0), taken[i], i))
             for i in picks[:best]:
                 nodes[i] += 1
-        self.history.append((len(asks), [n for n, a in zip(nodes, asks) if a.decoding]))
         return nodes
 
     def _attention_price(self) -> float:
