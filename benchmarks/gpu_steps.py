@@ -152,7 +152,7 @@ class StepProbe:
 
         def count(message, category, filename, lineno, file=None, line=None):
             if "synchroniz" not in str(message).lower():
-                return shown(message, category, filename, lineno, file, line)
+                return None  # other warnings (deprecations repeated per forward) would only cost time here
             if self.in_forward:
                 self.syncs_inside += 1
             else:
@@ -206,56 +206,83 @@ def decoder_row(probe: StepProbe, dec: Decoder, prompt: list[int], new: int, **o
             "sync_sites": dict(sorted(probe.where.items(), key=lambda kv: -kv[1])[:6]), "token_ids": out.token_ids}
 
 
+def gpu_clocks() -> str:
+    """The SM clock now (a launch-bound run may leave a GPU at low clocks; printed for the record)."""
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=False, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "n/a"
+
+
 def run_shape(shape: str, device: str, dtype: torch.dtype, new: int, contexts: list[int],
-              nodes_list: list[int]) -> dict[str, Any]:
+              nodes_list: list[int], repeats: int) -> dict[str, Any]:
+    """Per context: the methods timed in turns, ``repeats`` rounds, without any probe (medians);
+    then one probed run of each of our methods for the GPU/idle split and the sync counts."""
     started = time.perf_counter()
     model = build_model(shape, device, dtype)
     probe = StepProbe(model)
     params = sum(p.numel() for p in model.parameters())
     print(f"\n## {shape} ({params / 1e6:.0f}M parameters, {dtype}, {device}), built in "
-          f"{time.perf_counter() - started:.1f} s", flush=True)
-    curve = forward_curve(model, contexts[0], [1, 2, 4, 8, 16, 32, 64])
-    print("forward ms at k rows over a {}-token cache: ".format(contexts[0])
+          f"{time.perf_counter() - started:.1f} s; clocks {gpu_clocks()}", flush=True)
+    widths = [1, 2, 4, 8, 16, 32, 64]
+    curve = forward_curve(model, contexts[0], widths)
+    print(f"forward ms at k rows over a {contexts[0]}-token cache: "
           + ", ".join(f"k={k}: {ms:.2f}" for k, ms in curve.items()), flush=True)
     result: dict[str, Any] = {"parameters": params, "forward_ms": curve, "contexts": {}}
     for context in contexts:
         prompt = repetitive_context(context)
-        timed_generate(model, prompt[:64], 8)  # warm-up
-        rows: dict[str, Any] = {}
-        reference, hf_seconds = timed_generate(model, prompt, new)
-        rows["model.generate"] = {"ms_per_token": hf_seconds * 1e3 / new, "tokens_per_step": 1.0}
-        plain = Decoder(model, None, sources=[], max_tree_nodes=0)
-        rows["ours, plain"] = decoder_row(probe, plain, prompt, new)
+        decoders: dict[str, Any] = {"ours, plain": lambda: Decoder(model, None, sources=[], max_tree_nodes=0)}
         for nodes in nodes_list if context == contexts[0] else nodes_list[1:2]:
-            dec = Decoder(model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=nodes,
-                          adaptive_budget=False)
-            rows[f"default, fixed {nodes}"] = decoder_row(probe, dec, prompt, new)
-        adaptive = Decoder(model, None)
-        rows["default, adaptive"] = decoder_row(probe, adaptive, prompt, new)
-        rows["default, sampling"] = decoder_row(probe, Decoder(model, None), prompt, new, do_sample=True, seed=0,
-                                                temperature=0.8, top_p=0.9, repetition_penalty=1.1)
-        for name, row in rows.items():
-            if "token_ids" in row:
-                tokens = row.pop("token_ids")
-                if "sampling" not in name:
-                    same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
-                    row["identical_to_generate"] = same is None
-                    row["first_difference"] = same
-        hf = rows["model.generate"]["ms_per_token"]
-        print(f"context {context}: model.generate {hf:.2f} ms/token", flush=True)
-        for name, row in rows.items():
-            if name == "model.generate":
-                continue
-            row["speedup_vs_generate"] = hf / row["ms_per_token"]
-            print(f"  {name:<22} {row['ms_per_token']:6.2f} ms/token ({row['speedup_vs_generate']:.2f}x)  "
-                  f"{row['tokens_per_step']:.2f} tok/step  tree {row['mean_tree_nodes']:.1f}  "
-                  f"step {row['ms_per_step']:.2f} ms = GPU {row['gpu_ms_per_step']:.2f} + idle "
-                  f"{row['idle_ms_per_step']:.2f}  syncs/step {row['syncs_outside_per_step']:.2f} outside, "
-                  f"{row['syncs_inside_per_step']:.2f} inside forward"
-                  + ("" if row.get("identical_to_generate", True) else f"  DIFFERS at {row['first_difference']}"),
-                  flush=True)
-            if row["sync_sites"]:
-                print(f"    sync sites: {row['sync_sites']}", flush=True)
+            decoders[f"default, fixed {nodes}"] = (lambda n=nodes: Decoder(
+                model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=n, adaptive_budget=False))
+        decoders["default, adaptive"] = lambda: Decoder(model, None)
+        sampling = dict(do_sample=True, seed=0, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
+        timed_generate(model, prompt[:64], 8)  # warm-up
+        built = {name: make() for name, make in decoders.items()}
+        for dec in built.values():
+            dec.generate(prompt[:256], max_new_tokens=16)  # warm-up: kernel choice, step costs, allocator
+        seconds: dict[str, list[float]] = {"model.generate": []} | {name: [] for name in built}
+        outputs: dict[str, Any] = {}
+        for _ in range(repeats):  # in turns, so drift of clocks or load hits every method alike
+            reference, sec = timed_generate(model, prompt, new)
+            seconds["model.generate"].append(sec)
+            for name, dec in built.items():
+                sync()
+                t = time.perf_counter()
+                out = dec.generate(prompt, max_new_tokens=new)
+                sync()
+                seconds[name].append(time.perf_counter() - t)
+                outputs[name] = out
+        hf = statistics.median(seconds["model.generate"]) * 1e3 / new
+        rows: dict[str, Any] = {"model.generate": {"ms_per_token": hf}}
+        print(f"context {context}: model.generate {hf:.2f} ms/token (median of {repeats}); clocks {gpu_clocks()}",
+              flush=True)
+        for name, dec in list(built.items()) + [("default, sampling", built["default, adaptive"])]:
+            options = sampling if "sampling" in name else {}
+            probed = decoder_row(probe, dec, prompt, new, **options)
+            tokens = probed.pop("token_ids")
+            row = dict(probed)
+            if name in seconds:
+                out = outputs[name]
+                ms = statistics.median(seconds[name]) * 1e3
+                row.update(ms_per_token=ms / len(out.token_ids), ms_per_step=ms / out.stats.steps,
+                           tokens_per_step=out.stats.mean_accepted, speedup_vs_generate=hf * len(out.token_ids) / ms)
+                same = next((i for i, (a, b) in enumerate(zip(out.token_ids, reference)) if a != b), None)
+                row["first_difference_from_generate"] = same
+            else:
+                row["speedup_vs_generate"] = hf / row["ms_per_token"]
+                row["repeat_gives_same_tokens"] = tokens == decoder_row(probe, dec, prompt, new, **options)["token_ids"]
+            rows[name] = row
+            print(f"  {name:<20} {row['ms_per_token']:6.2f} ms/token ({row['speedup_vs_generate']:.2f}x)  "
+                  f"{row['tokens_per_step']:.2f} tok/step  tree {row['mean_tree_nodes']:.1f}  probed step "
+                  f"{row['gpu_ms_per_step'] + row['idle_ms_per_step']:.2f} ms = forward span {row['gpu_ms_per_step']:.2f}"
+                  f" + rest {row['idle_ms_per_step']:.2f}  syncs/step {row['syncs_outside_per_step']:.2f} outside, "
+                  f"{row['syncs_inside_per_step']:.2f} inside"
+                  + (f"  differs from generate at {row['first_difference_from_generate']}"
+                     if row.get("first_difference_from_generate") is not None else "")
+                  + (f"  same seed, same tokens: {row['repeat_gives_same_tokens']}" if "repeat_gives_same_tokens" in row
+                     else ""), flush=True)
         result["contexts"][context] = rows
     prompts = [repetitive_context(512, seed=s) for s in range(8)]
     batch_rows = {}
@@ -266,12 +293,14 @@ def run_shape(shape: str, device: str, dtype: torch.dtype, new: int, contexts: l
         t = time.perf_counter()
         res = dec.generate_batch(prompts, max_new_tokens=new, concurrency=8)
         sync()
-        seconds = time.perf_counter() - t
-        batch_rows[name] = {"tokens_per_s": sum(len(o.token_ids) for o in res) / seconds,
+        elapsed = time.perf_counter() - t
+        batch_rows[name] = {"tokens_per_s": sum(len(o.token_ids) for o in res) / elapsed,
                             "errors": [str(o.error) for o in res if o.error]}
-        print(f"  {name:<22} 8 requests x {new} tokens: {batch_rows[name]['tokens_per_s']:.0f} tokens/s "
+        print(f"  {name:<20} 8 requests x {new} tokens: {batch_rows[name]['tokens_per_s']:.0f} tokens/s "
               f"{batch_rows[name]['errors'] or ''}", flush=True)
     result["batch8"] = batch_rows
+    result["forward_ms_after"] = forward_curve(model, contexts[0], [1, 32])
+    print(f"forward ms again at the end: {result['forward_ms_after']}; clocks {gpu_clocks()}", flush=True)
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -301,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--contexts", default="1024,16384")
     parser.add_argument("--nodes", default="8,32,64")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds of the methods, in turns")
     parser.add_argument("--out", default=None, help="folder for results.json")
     args = parser.parse_args(argv)
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
@@ -312,7 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     results = {"config": machine(args.device) | {"dtype": args.dtype, "new_tokens": args.new_tokens}, "shapes": {}}
     print(json.dumps(results["config"]), flush=True)
     for shape in args.shapes.split(","):
-        results["shapes"][shape] = run_shape(shape, args.device, dtype, args.new_tokens, contexts, nodes)
+        results["shapes"][shape] = run_shape(shape, args.device, dtype, args.new_tokens, contexts, nodes,
+                                               args.repeats)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "results.json"), "w") as fh:

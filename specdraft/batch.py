@@ -36,6 +36,7 @@ from .batch_budget import Ask, BatchBudget
 from .batch_runner import BatchRunner, Region, Segment
 from .budget import AdaptiveBudget, BudgetDecision, StepOutcome
 from .packed_attention import packed_attention_for
+from .row_draws import RowDraws
 from .sampling import NodeScorer, PenaltyPrefix, SamplingSettings
 from .sources.base import Draft, DraftSource, SideBlock
 from .stats import GenerationStats, SourceStats
@@ -143,6 +144,7 @@ class _Running:
     sides: list[SideBlock | None] | None = None
     generator: torch.Generator | None = None
     draw: Any = None
+    row_draws: RowDraws | None = None  # the batched rows' positional noise (sampling on a device)
     penalty: PenaltyPrefix | None = None
     unmarked: list[int] = field(default_factory=list)
     pending_top: tuple[np.ndarray, np.ndarray] | None = None
@@ -364,7 +366,8 @@ class BatchLoop:
                 self._start_decoding(run, mine)
             verifying.append((run, mine))
         # every request's choices, side-block argmax and top-k, read from the device at once
-        parts = [decoder._verdict_parts(run.step, mine, run.settings, run.scorer, run.penalty, run.generator,
+        parts = [decoder._verdict_parts(run.step, mine, run.settings, run.scorer, run.penalty, run.row_draws,
+                                        len(run.request.committed),
                                         run.batched) for run, mine in verifying]
         present = [p for p in parts if p is not None]
         fetched = torch.cat(present).tolist() if present else []  # the step's one read
@@ -390,6 +393,7 @@ class BatchLoop:
         run.generator = torch.Generator(device=device).manual_seed(int(run.seed)) if run.seed is not None else None
         run.draw = multinomial_draw(run.generator)
         run.batched = self.decoder._batched_rows(device)
+        run.row_draws = RowDraws(device, run.seed) if run.batched and run.settings.do_sample else None
         if run.settings.needs_prefix:
             run.penalty = PenaltyPrefix(logits.shape[-1], device, run.request.committed)
             run.penalty.add(run.request.committed)

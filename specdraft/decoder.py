@@ -41,6 +41,7 @@ from .batch_runner import BatchRunner
 from .budget import AdaptiveBudget, Budget, BudgetDecision, FixedBudget, StepOutcome
 from .calibration import AcceptanceCalibration
 from .kernel_costs import choose_kernels
+from .row_draws import RowDraws
 from .runner import ModelRunner
 from .sampling import NodeScorer, PenaltyPrefix, SamplingSettings, resolve_settings
 from .sources.base import Context, Draft, DraftSource, Feedback, SideBlock, source_option
@@ -355,6 +356,7 @@ class Decoder:
             generator = torch.Generator(device=device).manual_seed(int(seed)) if seed is not None else None
             draw = multinomial_draw(generator)
             batched = self._batched_rows(device)
+            row_draws = RowDraws(device, seed) if batched and settings.do_sample else None
             penalty = PenaltyPrefix(logits.shape[-1], device, request.committed) if settings.needs_prefix else None
             if penalty is not None:
                 penalty.add(self.runner.prefill_ids)
@@ -363,8 +365,8 @@ class Decoder:
             unmarked: list[int] = []  # committed tokens the device's penalty mask does not hold yet
             while True:
                 # 4. verify; 5. stop rules, compaction, commit, feedback
-                verdict, side_argmax, top = self._verdict(step, logits, settings, scorer, penalty, draw, generator,
-                                                          batched)
+                verdict, side_argmax, top = self._verdict(step, logits, settings, scorer, penalty, draw, row_draws,
+                                                          len(request.committed), batched)
                 tokens, done = rule.cut(request.output, verdict.tokens)
                 self._record(stats, step.tree, verdict, len(tokens))
                 if not done:
@@ -430,18 +432,18 @@ class Decoder:
         return self.row_choices == "batched"
 
     def _verdict(self, step: "_Step", logits: torch.Tensor, settings: SamplingSettings, scorer: NodeScorer,
-                 penalty: PenaltyPrefix | None, draw, generator: torch.Generator | None, batched: bool
+                 penalty: PenaltyPrefix | None, draw, row_draws: RowDraws | None, position0: int, batched: bool
                  ) -> tuple[Verdict, list[list[int] | None], tuple[np.ndarray, np.ndarray] | None]:
         """Verify the step's tree and read what the sources asked for, with one read of the device:
         each row's choice (greedy argmax or one draw, on the device), each side block's argmax and
         the top-k of every tree row, concatenated and fetched together. Returns the verdict, each
         source's side-block argmax (``None`` where it had no block) and the (top-k ids, row tokens)."""
-        parts = self._verdict_parts(step, logits, settings, scorer, penalty, generator, batched)
+        parts = self._verdict_parts(step, logits, settings, scorer, penalty, row_draws, position0, batched)
         fetched = parts.tolist() if parts is not None else []  # the step's one read
         return self._verdict_from(step, fetched, logits, settings, scorer, penalty, draw, batched)
 
     def _verdict_parts(self, step: "_Step", logits: torch.Tensor, settings: SamplingSettings, scorer: NodeScorer,
-                       penalty: PenaltyPrefix | None, generator: torch.Generator | None, batched: bool
+                       penalty: PenaltyPrefix | None, row_draws: RowDraws | None, position0: int, batched: bool
                        ) -> torch.Tensor | None:
         """What :meth:`_verdict` reads from the device, as one int64 tensor on it (``None``: nothing):
         the batched rows' choices, the side blocks' argmax, the tree rows' top-k. A batch of
@@ -452,9 +454,10 @@ class Decoder:
         if batched:
             scores = rows if scorer.is_identity else scorer.process_rows(rows.to(torch.float32),
                                                                          self._node_masks(step, penalty, n))
-            if settings.do_sample:
+            if settings.do_sample:  # row_draws: the root row samples ``position0``, a row at depth d ``position0 + d``
+                assert row_draws is not None, "sampling on batched rows needs the request's RowDraws"
                 probs = torch.softmax(scores.to(torch.float32), dim=-1)
-                parts.append(torch.multinomial(probs, 1, generator=generator).reshape(-1))
+                parts.append(row_draws.choose(probs, step.tree.depth[:n], position0))
             else:
                 parts.append(scores.argmax(dim=-1))
         parts.extend(logits[side].argmax(dim=-1) for side in step.side_slices if side is not None)

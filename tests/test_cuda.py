@@ -77,7 +77,10 @@ def test_seeded_sampling_on_cuda_is_reproducible() -> None:
     options = dict(do_sample=True, seed=11, temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.2)
     dec = Decoder(model, None, max_tree_nodes=16, adaptive_budget=False)
     first = dec.generate(PROMPT, max_new_tokens=NEW, **options).token_ids
+    # the reused decoder's sources have learned from the first request: other trees, same output
     assert dec.generate(PROMPT, max_new_tokens=NEW, **options).token_ids == first
+    plain = Decoder(model, None, sources=[], max_tree_nodes=0)
+    assert plain.generate(PROMPT, max_new_tokens=NEW, **options).token_ids == first
 
 
 def test_sampling_law_on_cuda_chi_square() -> None:

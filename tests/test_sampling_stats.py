@@ -410,3 +410,41 @@ def test_chi_square_rejects_batched_rows_that_ignore_each_nodes_path(model, law_
     pvalue, dof, impossible = chi_square(counts, law_a)
     print(f"\n[batched rows, committed-only penalty] N={N_MUTANT} p={pvalue:.4g} impossible={impossible}")
     assert pvalue < P_THRESHOLD
+
+
+def test_batched_rows_give_one_output_per_seed_whatever_the_drafts(model, law_a: ExactLaw) -> None:
+    """On the device path a row's draw is keyed by the position it samples (``RowDraws``), so a
+    seed fixes the output: the same with a reused decoder (whose sources learned from earlier
+    requests), with fresh sources, and with no drafts at all. Drawn in row order from one stream,
+    the output changed with the tree (seen on an H200 with a reused decoder)."""
+    reused = make_decoder(model, law_a)
+    fresh = lambda: make_decoder(model, law_a)  # noqa: E731
+    plain = Decoder(model, sources=[], max_tree_nodes=0)
+    for d in (reused, plain):
+        d.row_choices = "batched"
+    run = lambda dec, s: dec.generate(PROMPT, max_new_tokens=8, do_sample=True, seed=s, **SETTING_A).token_ids  # noqa: E731
+    first = [run(reused, s) for s in range(12)]
+    assert [run(reused, s) for s in range(12)] == first
+    assert [run(plain, s) for s in range(12)] == first
+    for s in (0, 5):
+        other = fresh()
+        other.row_choices = "batched"
+        assert run(other, s) == first[s]
+    assert len({tuple(x) for x in first}) > 1, "different seeds should give different samples"
+
+
+def test_chi_square_rejects_batched_rows_that_share_noise_across_positions(model, law_a: ExactLaw,
+                                                                          monkeypatch) -> None:
+    """Teeth for the positional draws: one noise vector for every position of a step correlates
+    consecutive tokens, and the law test must see it."""
+    from specdraft.row_draws import RowDraws
+
+    choose = RowDraws.choose
+    monkeypatch.setattr(RowDraws, "choose", lambda self, probs, depths, position0: choose(
+        self, probs, [0] * len(depths), position0))
+    decoder = make_decoder(model, law_a)
+    decoder.row_choices = "batched"
+    counts, _ = sample(decoder, N_MUTANT, SETTING_A, seed0=80_000)
+    pvalue, dof, impossible = chi_square(counts, law_a)
+    print(f"\n[batched rows, one noise per step] N={N_MUTANT} p={pvalue:.4g} impossible={impossible}")
+    assert pvalue < P_THRESHOLD
