@@ -106,10 +106,10 @@ class ExactLaw:
 
     def conditional(self, seq: tuple[int, ...]) -> np.ndarray:
         if seq not in self.cond:
-            ids = torch.tensor([PROMPT + list(seq)])
+            ids = torch.tensor([PROMPT + list(seq)], device=self.model.device)
             out = self.model.generate(ids, max_new_tokens=1, do_sample=True, output_scores=True,
                                       return_dict_in_generate=True, **self.options)
-            p = torch.softmax(out.scores[0][0], dim=-1).to(torch.float64).numpy()
+            p = torch.softmax(out.scores[0][0], dim=-1).to(torch.float64).cpu().numpy()
             self.cond[seq] = p / p.sum()
         return self.cond[seq]
 
