@@ -66,23 +66,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--plain", action="store_true", help="also time plain model.generate")
     parser.add_argument("--methods", default="hf-prompt-lookup,default@stock,default",
-                        help="comma list of hf-prompt-lookup (always run: the reference), default@stock, default")
+                        help="comma list of hf-prompt-lookup (always run: the reference), default@stock, default, "
+                             "specdraft:<source>[+<source>...] (a Decoder with those sources, default kernels)")
+    parser.add_argument("--out", default=None, help="also write the per-request rows to OUT/results.json")
     args = parser.parse_args(argv)
 
     from specdraft.baseline import time_plain_generate, warmup_forward
     from specdraft.cli import _encode_prompt
     from specdraft.decoder import Decoder
     from specdraft.models import DEFAULT_MODEL, load_model
+    from specdraft.sources.registry import SOURCES, make_sources
 
     torch.set_num_threads(args.threads)
     model_name = args.model or DEFAULT_MODEL
     model, tokenizer = load_model(model_name, dtype=args.dtype, progress=False)
     wanted = [m.strip() for m in args.methods.split(",") if m.strip() != "hf-prompt-lookup"]
-    unknown = sorted(set(wanted) - {"default@stock", "default"})
+    mixes = {m: m.removeprefix("specdraft:").split("+") for m in wanted if m.startswith("specdraft:")}
+    unknown = sorted({m for m in wanted if m not in mixes and m not in ("default@stock", "default")}
+                     | {m for m, names in mixes.items() if not set(names) <= set(SOURCES)})
     if unknown:
-        parser.error(f"unknown methods {unknown}; allowed: hf-prompt-lookup, default@stock, default")
+        parser.error(f"unknown methods {unknown}; allowed: hf-prompt-lookup, default@stock, default, "
+                     f"specdraft:<sources joined by +> with sources from {sorted(SOURCES)}")
     builders = {"default@stock": lambda: Decoder(model, tokenizer, cpu_kernels="stock"),
                 "default": lambda: Decoder(model, tokenizer)}
+    builders |= {m: (lambda names=names: Decoder(model, tokenizer, sources=make_sources(names)))
+                 for m, names in mixes.items()}
     decoders = {m: builders[m]() for m in wanted}
     for m, d in decoders.items():
         print(f"{m}: {d.kernels.describe() if hasattr(d, 'kernels') else 'stock'}", file=sys.stderr)
@@ -114,8 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"plain, {ref / r['seconds']:.2f}x hf" for m, r in row.items() if m in decoders)
             + f"  identical: {'yes' if same else 'NO'}", flush=True)
     print(f"\n{model_name}, {args.dtype}, {args.threads} thread(s), {len(rows)} requests, {args.max_new_tokens} tokens max")
-    print("| method | geomean vs hf-prompt-lookup | worst request | tokens/step | one-token steps |")
-    print("|---|---:|---:|---:|---:|")
+    vs_plain = "plain" in methods
+    print("| method | geomean vs hf-prompt-lookup | worst request | tokens/step | one-token steps |"
+          + (" geomean vs plain | worst vs plain |" if vs_plain else ""))
+    print("|---|---:|---:|---:|---:|" + ("---:|---:|" if vs_plain else ""))
     for method in methods:
         ratios = [row["hf-prompt-lookup"]["seconds"] / row[method]["seconds"] for _, row, _ in rows]
         tokens = sum(row[method]["tokens"] for _, row, _ in rows)
@@ -124,8 +134,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         geo = math.exp(statistics.fmean(math.log(r) for r in ratios))
         per_step = "n/a" if method not in decoders else f"{tokens / steps:.2f}"
         share = "n/a" if method not in decoders else f"{100 * plain / steps:.0f}%"
-        print(f"| {method} | {geo:.2f}x | {min(ratios):.2f}x | {per_step} | {share} |")
+        extra = ""
+        if vs_plain:
+            against = [row["plain"]["seconds"] / row[method]["seconds"] for _, row, _ in rows]
+            extra = f" {math.exp(statistics.fmean(math.log(r) for r in against)):.2f}x | {min(against):.2f}x |"
+        print(f"| {method} | {geo:.2f}x | {min(ratios):.2f}x | {per_step} | {share} |" + extra)
     print(f"identical outputs on {sum(s for _, _, s in rows)} of {len(rows)} requests")
+    if args.out:
+        import json
+        import os
+
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as fh:
+            json.dump({"model": model_name, "dtype": args.dtype, "threads": args.threads,
+                       "max_new_tokens": args.max_new_tokens, "methods": methods,
+                       "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                       "rows": [{"request": name, "identical": same, "methods": row} for name, row, same in rows]},
+                      fh, indent=1)
     return 0
 
 
