@@ -250,6 +250,23 @@ def methods_table(run: str, datasets: list[str], methods: list[tuple[str, str]],
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
+def mix_table(run: str, dataset: str, methods: list[tuple[str, str]], page: str) -> str:
+    """Source mixes against their members on one prompt set: tokens per step, then the speed-up
+    against ``model.generate`` as median, geometric mean and worst prompt, identical outputs."""
+    data = summary(run)["datasets"][dataset]
+    cfg = summary(run)["config"]
+    lines = ["| sources | tokens / step | median | geomean | worst | identical |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for method, label in methods:
+        m = data["methods"][method]
+        lines.append(f"| {label} | {m['mean_accepted']:.2f} | {x(m['speedup_median'])} | {x(m['speedup_geomean'])} "
+                     f"| {x(m['speedup_min'])} | {m['identical']}/{m['compared']} |")
+    note = (f"{data['prompts']} {DATASETS.get(dataset, dataset)} prompts, {DTYPES.get(cfg['dtype'], cfg['dtype'])}, "
+            f"greedy, 128 new tokens, default kernels, every method in one process, interleaved per prompt. "
+            f"Speed-up against `model.generate`.  \n{runs_note([run], page)}")
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
 def cost_table(run: str, paths: list[str], page: str, ks: tuple[int, ...] = (1, 2, 3, 4, 8, 16, 32)) -> str:
     """Rows: tree width k; columns: ms per forward of each kernel path (and its ratio to its own
     one-token forward)."""
@@ -371,15 +388,22 @@ def concurrency_table(run: str, dataset: str, page: str) -> str:
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
+#: The source mixes of the merge-by-value runs, each with its members.
+MIX_METHODS = [("specdraft:suffix", "`suffix` alone"), ("specdraft:recycle", "`recycle` alone"),
+               ("default", "`prompt+trie+ngram` (the default)"),
+               ("specdraft:prompt+trie+ngram+recycle", "`prompt+trie+ngram+recycle`"),
+               ("specdraft:prompt+trie+ngram+suffix", "`prompt+trie+ngram+suffix`"),
+               ("specdraft:prompt+trie+ngram+suffix+recycle", "`prompt+trie+ngram+suffix+recycle`")]
+
+
 TABLES: dict[str, Callable[[str], str]] = {
     "host-overhead": lambda page: host_table("host-overhead", page),
     "jacobi-grid": lambda page: methods_table(
         "qwen0.5b-bf16-jacobi-grid", ["humaneval"], JACOBI_METHODS, page),
     "expect": lambda page: compare_table(EXPECT, page),
-    "mix-bfcl-bf16": lambda page: methods_table(
-        "mix-qwen0.5b-bf16-bfcl20-137f2df", ["bfcl"],
-        [("specdraft:suffix", "`suffix` alone"), ("default", "default (prompt + trie + ngram)"),
-         ("specdraft:prompt+trie+ngram+suffix", "default + `suffix`")], page),
+    "mix-bfcl-bf16": lambda page: mix_table("mix-qwen0.5b-bf16-bfcl20-137f2df", "bfcl",
+                                            [MIX_METHODS[0], MIX_METHODS[2], MIX_METHODS[4]], page),
+    "mix-mt-bf16": lambda page: mix_table("mix-qwen0.5b-bf16-mtbench40-d8c1f6f", "mtbench", MIX_METHODS, page),
     "concurrency-he-fp32": lambda page: concurrency_table("concurrency-qwen0.5b-fp32-humaneval8-a154cfe",
                                                           "humaneval", page),
     "concurrency-he-bf16": lambda page: concurrency_table("concurrency-qwen0.5b-bf16-humaneval16-fe7ce41",

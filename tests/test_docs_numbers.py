@@ -80,7 +80,7 @@ def _run_values(run: Path) -> set[str]:
     for path in run.glob("*summary.json"):
         for data in json.loads(path.read_text()).get("datasets", {}).values():
             for m in data["methods"].values():
-                for key in ("speedup_median", "speedup_min", "speedup_max",
+                for key in ("speedup_median", "speedup_geomean", "speedup_min", "speedup_max",
                             "speedup_vs_plain_median"):
                     if key in m:
                         values.add(m[key])
