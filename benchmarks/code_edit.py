@@ -69,7 +69,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma list of hf-prompt-lookup (always run: the reference), default@stock, default, "
                              "specdraft:<source>[+<source>...] (a Decoder with those sources, default kernels)")
     parser.add_argument("--out", default=None, help="also write the per-request rows to OUT/results.json")
+    parser.add_argument("--jsonl", default=None, metavar="FILE",
+                        help="only write the requests as a JSON-lines prompt file for `specdraft bench --dataset FILE` "
+                             "(which wraps them in the chat template, as this script does), then exit")
     args = parser.parse_args(argv)
+    if args.jsonl:
+        import json
+
+        with open(args.jsonl, "w") as fh:
+            for name, text in prompts(args.limit):
+                fh.write(json.dumps({"id": name, "prompt": text}) + "\n")
+        print(f"wrote {args.jsonl}")
+        return 0
 
     from specdraft.baseline import time_plain_generate, warmup_forward
     from specdraft.cli import _encode_prompt
