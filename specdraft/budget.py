@@ -35,7 +35,9 @@ Shadow verification instead of probing
     novel text is noticed at once, without paying for exploratory wide forwards. (Under sampling the
     shadow check is an estimate; it only sizes the tree, never changes what is emitted.)
     Acceptance comes in runs (a copy starts, goes on, ends), so the averages weigh the newest
-    observation heavily (``smoothing=0.5``). A shadow tree still on course after
+    observation heavily (``acceptance_smoothing=0.3``: a copy's end still shrinks the tree within a
+    few steps, while a tree merged from several sources, whose later ranks hit now and then, is not
+    cut back after every miss). A shadow tree still on course after
     :data:`SHADOW_PATIENCE` steps records what is known (the walked path accepted, the branches it
     left rejected); the nodes below the walk are recorded as the committed tokens reach them,
     never guessed as rejected, so plain steps see a long copy's full worth. Without a cost curve,
@@ -177,7 +179,9 @@ class AdaptiveBudget:
     max_nodes:
         The largest tree (draft nodes below the root) it may choose.
     smoothing:
-        Weight of the newest observation in the moving averages of acceptance and cost.
+        Weight of the newest observation in the moving average of the machine's step speed.
+    acceptance_smoothing:
+        Weight of the newest observation in a request's moving averages of acceptance by rank.
     warmup:
         Steps at the full budget before the controller starts choosing (so the cost of a wide
         step is measured; sources that need longer, like Jacobi's window, can ask for more).
@@ -194,17 +198,20 @@ class AdaptiveBudget:
 
     def __init__(self, max_nodes: int, smoothing: float = 0.5, warmup: int = 3,
                  prior_smoothing: float = 0.02, opening_cost_ratio: float = 1.5,
-                 cost_curve: Sequence[float] | None = None) -> None:
+                 cost_curve: Sequence[float] | None = None, acceptance_smoothing: float = 0.3) -> None:
         if max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if not 0.0 < acceptance_smoothing <= 1.0:
+            raise ValueError(f"acceptance_smoothing must be in (0, 1], got {acceptance_smoothing}")
         if not 0.0 < prior_smoothing <= 1.0:
             raise ValueError(f"prior_smoothing must be in (0, 1], got {prior_smoothing}")
         if not opening_cost_ratio >= 1.0:
             raise ValueError(f"opening_cost_ratio must be >= 1 (math.inf: never hold back), got {opening_cost_ratio}")
         self.max_nodes = max_nodes
         self.smoothing = smoothing
+        self.acceptance_smoothing = acceptance_smoothing
         self.prior_smoothing = prior_smoothing
         self.opening_cost_ratio = opening_cost_ratio
         self.warmup = warmup
@@ -219,6 +226,7 @@ class AdaptiveBudget:
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("_shadows", [])  # budgets pickled before shadows lived here
         state.setdefault("_offered", None)
+        state.setdefault("acceptance_smoothing", state.get("smoothing", 0.5))  # one weight for both, before
         if "costs" not in state:  # budgets pickled when costs were kept in power-of-two buckets
             costs = StepCosts(None, state.get("smoothing", 0.5))
             for bucket, seconds in sorted(state.pop("cost", {}).items()):
@@ -360,7 +368,7 @@ class AdaptiveBudget:
         """These ranks' outcomes are known: those in ``accepted`` hit, the others missed."""
         for r in ranks:
             hit = 1.0 if r in accepted else 0.0
-            self.accept_rate[r] = _moving_average(self.accept_rate[r], hit, self.smoothing)
+            self.accept_rate[r] = _moving_average(self.accept_rate[r], hit, self.acceptance_smoothing)
             self.long_run_rate[r] = _moving_average(self.long_run_rate[r], hit, self.prior_smoothing)
 
     def observe_cost(self, width: int, seconds: float) -> None:

@@ -135,7 +135,7 @@ def test_a_requests_first_step_is_plain_only_when_width_is_dear(curve, first_is_
 
 
 def test_expected_tokens_is_one_plus_rank_rates():
-    ctl = AdaptiveBudget(4, smoothing=1.0)
+    ctl = AdaptiveBudget(4, smoothing=1.0, acceptance_smoothing=1.0)
     ctl.record(BudgetDecision(4, 0, 0), 4, [0, 1], 5, 0.1)
     assert ctl.expected_tokens(0) == 1.0
     assert ctl.expected_tokens(1) == 2.0
@@ -145,7 +145,7 @@ def test_expected_tokens_is_one_plus_rank_rates():
 def test_a_plain_step_leaves_the_side_block_out():
     """A plain step runs the root alone (the decoder drops side blocks on it), so it is priced at
     width 1, not 1 + side: a costly window must not make plain decoding look as dear as drafting."""
-    ctl = AdaptiveBudget(1, smoothing=1.0, warmup=0)
+    ctl = AdaptiveBudget(1, smoothing=1.0, acceptance_smoothing=1.0, warmup=0)
     ctl.observe_cost(1, 0.1)
     ctl.observe_cost(8, 0.2)
     ctl.accept_rate[0] = 0.6  # a one-node tree commits 1.6 tokens on average
@@ -162,6 +162,7 @@ def test_max_nodes_zero_is_plain_decoding():
 
 
 @pytest.mark.parametrize("bad", [{"max_nodes": -1}, {"max_nodes": 4, "smoothing": 0.0},
+                                 {"max_nodes": 4, "acceptance_smoothing": 0.0},
                                  {"max_nodes": 4, "prior_smoothing": 0.0}, {"max_nodes": 4, "prior_smoothing": 1.5},
                                  {"max_nodes": 4, "opening_cost_ratio": 0.5}])
 def test_bad_parameters_raise(bad):
@@ -214,7 +215,7 @@ def test_a_cap_the_sources_do_not_fill_is_priced_at_the_width_it_runs_at():
     from specdraft.tree import TokenTree
 
     curve = [1.0, 2.0, 3.1, 2.1] + [2.2] * 60  # seconds of 1, 2, 3, 4, ... rows (relative)
-    ctl = AdaptiveBudget(8, warmup=0, smoothing=1.0, cost_curve=curve)
+    ctl = AdaptiveBudget(8, warmup=0, smoothing=1.0, acceptance_smoothing=1.0, cost_curve=curve)
     committed = [1, 2, 3]
     for step in range(6):  # a two-token draft that is always right
         branch = [10 + step, 11 + step]

@@ -172,7 +172,7 @@ def test_a_shadow_still_on_course_does_not_count_the_nodes_below_it_as_rejected(
     """A copy during plain steps: after the patience, the walked path counts as accepted and the
     rest of the branch is not recorded until the committed tokens reach it (it was recorded as
     rejected, which capped what plain steps could ever see at 4 tokens a step)."""
-    budget = AdaptiveBudget(8, warmup=0, smoothing=1.0)
+    budget = AdaptiveBudget(8, warmup=0, smoothing=1.0, acceptance_smoothing=1.0)
     budget.observe_cost(1, 0.1)
     answer = list(range(100, 120))
     committed = [1, 2, 3]
