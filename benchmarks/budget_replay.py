@@ -182,7 +182,14 @@ class Recording:
 
 
 def load_recordings(path: Path) -> tuple[str, list[Recording], dict[str, Any]]:
-    """The dataset name, prompts and baseline outputs a ``specdraft bench`` checkpoint holds."""
+    """The dataset name, prompts and baseline outputs a ``specdraft bench`` checkpoint holds, or a
+    recordings file ``export`` wrote (``.json`` / ``.json.gz``: token ids only, small enough to
+    keep beside a run's results, and free of pickled objects that a later version may not load)."""
+    if path.name.endswith((".json", ".json.gz")):
+        with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
+            data = json.load(f)
+        records = [Recording(r["id"], list(r["prompt_ids"]), list(r["reference"])) for r in data["records"]]
+        return data["dataset"], records, {"model": data["model"], "max_new_tokens": data["max_new_tokens"]}
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
         checkpoint = pickle.load(f)
@@ -193,9 +200,23 @@ def load_recordings(path: Path) -> tuple[str, list[Recording], dict[str, Any]]:
     return str(fingerprint.get("dataset", path.parent.name)), records, fingerprint
 
 
+def export_recordings(checkpoint: Path, out_dir: Path) -> Path:
+    """Write the prompts and baseline outputs of a ``specdraft bench`` checkpoint as
+    ``OUT_DIR/<dataset>.json.gz`` (token ids only), which ``replay`` reads like the checkpoint."""
+    dataset, records, fingerprint = load_recordings(checkpoint)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{dataset}.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"dataset": dataset, "model": fingerprint["model"], "max_new_tokens": fingerprint["max_new_tokens"],
+                   "records": [{"id": r.prompt_id, "prompt_ids": r.prompt_ids, "reference": r.reference}
+                               for r in records]}, f)
+    return path
+
+
 def replay_dataset(model: Any, records: Sequence[Recording], costs: CostTable, sources: Sequence[str],
                    max_tree_nodes: int, max_new_tokens: int, noise: float, seed: int,
-                   adaptive: bool = True, priced: bool = True) -> list[dict[str, Any]]:
+                   adaptive: bool = True, priced: bool = True,
+                   acceptance_smoothing: float | None = None) -> list[dict[str, Any]]:
     """Decode every recording in order with one Decoder (sources and budget carry across prompts,
     as in ``specdraft bench``); return per-prompt simulated times and ratios. With ``priced`` the
     budget prices widths from the cost table from the first step, as it does from the curve
@@ -205,6 +226,8 @@ def replay_dataset(model: Any, records: Sequence[Recording], costs: CostTable, s
                       adaptive_budget=adaptive, cpu_kernels="stock")
     if priced and isinstance(decoder.budget, AdaptiveBudget):
         decoder.budget.set_cost_curve(costs.seconds)
+    if acceptance_smoothing is not None and isinstance(decoder.budget, AdaptiveBudget):
+        decoder.budget.acceptance_smoothing = acceptance_smoothing
     runner = ReplayRunner(decoder.runner.vocab_size, decoder.runner.max_positions, costs, clock)
     decoder.runner = runner  # type: ignore[assignment]
     decoder.clock = clock
@@ -245,6 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     m.add_argument("--cache-len", type=int, default=200)
     m.add_argument("--threads", type=int, default=1)
     m.add_argument("--out", type=Path, required=True)
+    e = sub.add_parser("export", help="write a checkpoint's prompts and baseline outputs as <dataset>.json.gz")
+    e.add_argument("--checkpoint", type=Path, action="append", required=True)
+    e.add_argument("--out", type=Path, required=True, help="folder for the recordings files")
     r = sub.add_parser("replay", help="replay bench checkpoints on a simulated clock")
     r.add_argument("--costs", type=Path, required=True, help="a table written by `measure`")
     r.add_argument("--checkpoint", type=Path, action="append", required=True,
@@ -255,6 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--learned-prices", action="store_true",
                    help="the budget learns each width's price from the steps instead of taking the table "
                         "(what it does on cpu_kernels='stock', where nothing is measured)")
+    r.add_argument("--acceptance-smoothing", type=float, default=None,
+                   help="the budget's acceptance_smoothing (default: the library's)")
     r.add_argument("--noise", type=float, default=0.03, help="log-normal sigma of each step's simulated cost")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", type=Path, help="write per-prompt rows and summaries here (JSON)")
@@ -262,6 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "gone on another machine; the replay runs none of its weights, it reads "
                                    "only the vocabulary size and position limit)")
     args = parser.parse_args(argv)
+
+    if args.command == "export":
+        for path in args.checkpoint:
+            print(f"wrote {export_recordings(path, args.out)}")
+        return 0
 
     if args.command == "measure":
         torch.set_num_threads(args.threads)
@@ -276,13 +309,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     costs = CostTable.load(args.costs)
     sources = registry.parse_source_names(args.sources)
     model = None
-    report: dict[str, Any] = {"costs": str(args.costs), "sources": sources, "fixed": args.fixed, "datasets": {}}
+    report: dict[str, Any] = {"costs": str(args.costs), "sources": sources, "fixed": args.fixed,
+                              "acceptance_smoothing": args.acceptance_smoothing, "datasets": {}}
     for path in args.checkpoint:
         dataset, records, fingerprint = load_recordings(path)
         if model is None:
             model, _ = load_model(args.model or fingerprint["model"], dtype="float32", progress=False)
         rows = replay_dataset(model, records, costs, sources, args.max_tree_nodes, fingerprint["max_new_tokens"],
-                              args.noise, args.seed, adaptive=not args.fixed, priced=not args.learned_prices)
+                              args.noise, args.seed, adaptive=not args.fixed, priced=not args.learned_prices,
+                              acceptance_smoothing=args.acceptance_smoothing)
         summary = summarize(rows)
         report["datasets"][dataset] = {"summary": summary, "per_prompt": rows}
         print(f"{dataset:10s} median {summary['median']:.3f}x  geomean {summary['geomean']:.3f}x  "

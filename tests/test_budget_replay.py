@@ -69,11 +69,30 @@ def test_recordings_are_read_from_a_bench_checkpoint(tmp_path: Path) -> None:
     plain, packed = tmp_path / "checkpoint.pkl", tmp_path / "checkpoint.pkl.gz"
     plain.write_bytes(pickle.dumps(checkpoint))
     packed.write_bytes(gzip.compress(pickle.dumps(checkpoint)))
-    for path in (plain, packed):
+    exported = br.export_recordings(packed, tmp_path / "recordings")  # token ids only, no pickle
+    assert exported.name == "toy.json.gz"
+    for path in (plain, packed, exported):
         dataset, records, fingerprint = br.load_recordings(path)
-        assert dataset == "toy" and fingerprint["max_new_tokens"] == 2
+        assert dataset == "toy" and fingerprint["max_new_tokens"] == 2 and fingerprint["model"] == "m"
         assert [(r.prompt_id, r.prompt_ids, r.reference) for r in records] == [("q0", [1, 2, 3], [7, 8]),
                                                                               ("q1", [4, 5], [9])]
+
+
+def test_replay_sets_the_budgets_acceptance_smoothing(recorded) -> None:
+    model, records = recorded
+    seen = []
+    original = br.Decoder.generate
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.budget.acceptance_smoothing)
+        return original(self, *args, **kwargs)
+
+    br.Decoder.generate = spy
+    try:
+        br.replay_dataset(model, records, FLAT, ["prompt"], 8, NEW, noise=0.0, seed=0, acceptance_smoothing=0.7)
+    finally:
+        br.Decoder.generate = original
+    assert seen and set(seen) == {0.7}
 
 
 def test_cost_table_extrapolates_past_its_end() -> None:
