@@ -47,7 +47,7 @@ PAGES = ["README.md", "benchmarks/README.md", *sorted(
 
 MARKER = re.compile(r"<!-- table:([\w-]+) -->\n(.*?)<!-- /table -->", re.S)
 
-DATASETS = {"humaneval": "HumanEval", "mtbench": "MT-Bench", "bfcl": "BFCL"}
+DATASETS = {"humaneval": "HumanEval", "mtbench": "MT-Bench", "bfcl": "BFCL", "code-edit": "code-edit"}
 DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
 PLD = "hf-prompt-lookup"
 
@@ -267,6 +267,29 @@ def mix_table(run: str, dataset: str, methods: list[tuple[str, str]], page: str)
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
+def replay_table(run: str, configs: list[tuple[str, str]], page: str) -> str:
+    """``benchmarks/budget_replay.py replay`` outputs of one folder (``<config>.json``): per
+    configuration and prompt set, the simulated speed-up over plain decoding on the same kernels
+    (geometric mean, worst prompt) and the tokens per step."""
+    reports = {stem: json.loads((RESULTS / run / f"{stem}.json").read_text()) for stem, _ in configs}
+    sets = list(next(iter(reports.values()))["datasets"])
+    names = {"humaneval": "HumanEval 40", "mtbench": "MT-Bench 40", "code-edit": "code edits 12"}
+    lines = ["| budget, sources | " + " | ".join(names.get(d, d) for d in sets) + " |",
+             "|---|" + "---:|" * len(sets)]
+    for stem, label in configs:
+        cells = []
+        for d in sets:
+            sm = reports[stem]["datasets"][d]["summary"]
+            cells.append(f"{x(sm['geomean'])} ({x(sm['min'])}), {sm['mean_accepted']:.2f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    note = ("Replayed greedy outputs of the bfloat16 runs (`benchmarks/budget_replay.py`: the real decoder, "
+            "sources and budget; a simulated clock priced by the forward costs of `cpu_kernels=\"auto\"` "
+            "measured on the AMD EPYC Zen 5, in the file the row names). Each cell: geometric mean of the "
+            "per-prompt speed-ups over plain decoding on the same kernels (worst prompt), then tokens per "
+            f"step. Recordings, cost tables and outputs: [`{run}`]({link(run, page)}).")
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
 def cost_table(run: str, paths: list[str], page: str, ks: tuple[int, ...] = (1, 2, 3, 4, 8, 16, 32)) -> str:
     """Rows: tree width k; columns: ms per forward of each kernel path (and its ratio to its own
     one-token forward)."""
@@ -390,10 +413,26 @@ def concurrency_table(run: str, dataset: str, page: str) -> str:
 
 #: The source mixes of the merge-by-value runs, each with its members.
 MIX_METHODS = [("specdraft:suffix", "`suffix` alone"), ("specdraft:recycle", "`recycle` alone"),
-               ("default", "`prompt+trie+ngram` (the default)"),
+               ("default", "`prompt+trie+ngram` (the default until 2026-11-26)"),
                ("specdraft:prompt+trie+ngram+recycle", "`prompt+trie+ngram+recycle`"),
                ("specdraft:prompt+trie+ngram+suffix", "`prompt+trie+ngram+suffix`"),
                ("specdraft:prompt+trie+ngram+suffix+recycle", "`prompt+trie+ngram+suffix+recycle`")]
+
+
+#: The budget replays behind the default of 2026-11-26: (output file stem, label).
+REPLAY_CONFIGS = [
+    ("old-default-bf16", "earlier default: `prompt+trie+ngram`, acceptance averages 0.5, bf16 costs"),
+    ("new-default-bf16", "**default: `prompt+trie+ngram+suffix`, 0.3**, bf16 costs"),
+    ("old-sources-new-smoothing-bf16", "`prompt+trie+ngram`, 0.3, bf16 costs"),
+    ("new-sources-old-smoothing-bf16", "`prompt+trie+ngram+suffix`, 0.5, bf16 costs"),
+    ("suffix-bf16", "`suffix` alone, 0.3, bf16 costs"),
+    ("prompt-bf16", "`prompt` alone, 0.3, bf16 costs"),
+    ("new-default-fixed4-bf16", "`prompt+trie+ngram+suffix`, fixed 4 nodes, bf16 costs"),
+    ("suffix-fixed4-bf16", "`suffix` alone, fixed 4 nodes, bf16 costs"),
+    ("old-default-fp32", "earlier default, 0.5, fp32 costs"),
+    ("new-default-fp32", "**default, 0.3**, fp32 costs"),
+    ("suffix-fp32", "`suffix` alone, 0.3, fp32 costs"),
+]
 
 
 TABLES: dict[str, Callable[[str], str]] = {
@@ -404,6 +443,12 @@ TABLES: dict[str, Callable[[str], str]] = {
     "mix-bfcl-bf16": lambda page: mix_table("mix-qwen0.5b-bf16-bfcl20-137f2df", "bfcl",
                                             [MIX_METHODS[0], MIX_METHODS[2], MIX_METHODS[4]], page),
     "mix-mt-bf16": lambda page: mix_table("mix-qwen0.5b-bf16-mtbench40-d8c1f6f", "mtbench", MIX_METHODS, page),
+    "mix-he-bf16": lambda page: mix_table("mix-qwen0.5b-bf16-humaneval40-f3b9e82", "humaneval", MIX_METHODS, page),
+    "mix-code-edit-bf16": lambda page: mix_table(
+        "mix-qwen0.5b-bf16-code-edit12-f3b9e82", "code-edit",
+        [("specdraft:prompt", "`prompt` alone"), MIX_METHODS[0], MIX_METHODS[2], MIX_METHODS[4], MIX_METHODS[5]],
+        page),
+    "merge-replay": lambda page: replay_table("merge-replay-bf16-2026-11-26", REPLAY_CONFIGS, page),
     "concurrency-he-fp32": lambda page: concurrency_table("concurrency-qwen0.5b-fp32-humaneval8-a154cfe",
                                                           "humaneval", page),
     "concurrency-he-bf16": lambda page: concurrency_table("concurrency-qwen0.5b-bf16-humaneval16-fe7ce41",
