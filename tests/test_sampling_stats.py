@@ -404,11 +404,17 @@ def test_chi_square_rejects_batched_rows_that_ignore_each_nodes_path(model, law_
     tokens on the node's own path) must fail, as the node-by-node mutant does."""
     monkeypatch.setattr(Decoder, "_node_masks", staticmethod(
         lambda step, penalty, n: None if penalty is None else penalty.seen.expand(n, -1)))
-    decoder = make_decoder(model, law_a)
+    assert_batched_mutant_is_rejected(model, law_a, 70_000, "committed-only penalty")
+
+
+def assert_batched_mutant_is_rejected(model, law: ExactLaw, seed0: int, label: str) -> None:
+    """Sample through the batched rows (with whatever mutant is patched in) and require the
+    chi-square test to reject the law."""
+    decoder = make_decoder(model, law)
     decoder.row_choices = "batched"
-    counts, _ = sample(decoder, N_MUTANT, SETTING_A, seed0=70_000)
-    pvalue, dof, impossible = chi_square(counts, law_a)
-    print(f"\n[batched rows, committed-only penalty] N={N_MUTANT} p={pvalue:.4g} impossible={impossible}")
+    counts, _ = sample(decoder, N_MUTANT, SETTING_A, seed0=seed0)
+    pvalue, dof, impossible = chi_square(counts, law)
+    print(f"\n[batched rows, {label}] N={N_MUTANT} p={pvalue:.4g} impossible={impossible}")
     assert pvalue < P_THRESHOLD
 
 
@@ -442,9 +448,4 @@ def test_chi_square_rejects_batched_rows_that_share_noise_across_positions(model
     choose = RowDraws.choose
     monkeypatch.setattr(RowDraws, "choose", lambda self, probs, depths, position0: choose(
         self, probs, [0] * len(depths), position0))
-    decoder = make_decoder(model, law_a)
-    decoder.row_choices = "batched"
-    counts, _ = sample(decoder, N_MUTANT, SETTING_A, seed0=80_000)
-    pvalue, dof, impossible = chi_square(counts, law_a)
-    print(f"\n[batched rows, one noise per step] N={N_MUTANT} p={pvalue:.4g} impossible={impossible}")
-    assert pvalue < P_THRESHOLD
+    assert_batched_mutant_is_rejected(model, law_a, 80_000, "one noise per step")
