@@ -423,6 +423,10 @@ MIX_METHODS = [("specdraft:suffix", "`suffix` alone"), ("specdraft:recycle", "`r
                ("specdraft:prompt+trie+ngram+suffix+recycle", "`prompt+trie+ngram+suffix+recycle`")]
 
 
+#: The runs of the default of 2026-11-26 against its best member and the earlier sources.
+NEW_DEFAULT_METHODS = [("default", "**`prompt+trie+ngram+suffix` (the default)**"),
+                       ("specdraft:suffix", "`suffix` alone"), ("specdraft:prompt+trie+ngram", "`prompt+trie+ngram`")]
+
 #: The budget replays behind the default of 2026-11-26: (output file stem, label).
 REPLAY_CONFIGS = [
     ("old-default-bf16", "earlier default: `prompt+trie+ngram`, acceptance averages 0.5, bf16 costs"),
@@ -452,6 +456,7 @@ TABLES: dict[str, Callable[[str], str]] = {
         "mix-qwen0.5b-bf16-code-edit12-f3b9e82", "code-edit",
         [("specdraft:prompt", "`prompt` alone"), MIX_METHODS[0], MIX_METHODS[2], MIX_METHODS[4], MIX_METHODS[5]],
         page),
+    "default-he-bf16": lambda page: mix_table(NEW_BF16_HE, "humaneval", NEW_DEFAULT_METHODS, page),
     "merge-replay": lambda page: replay_table("merge-replay-bf16-2026-11-26", REPLAY_CONFIGS, page),
     "concurrency-he-fp32": lambda page: concurrency_table("concurrency-qwen0.5b-fp32-humaneval8-a154cfe",
                                                           "humaneval", page),
