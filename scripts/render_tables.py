@@ -323,12 +323,13 @@ AUTO_FP32_HE = "auto-qwen0.5b-fp32-humaneval40-e46254a"
 AUTO_BF16_MT = "auto-qwen0.5b-bf16-mtbench40-00df85b"
 #: The default of 2026-11-26 (prompt+trie+ngram+suffix, acceptance averages 0.3), no flags.
 NEW_BF16_HE = "default-qwen0.5b-bf16-humaneval40-1d0208e"
+NEW_BF16_MT = "default-qwen0.5b-bf16-mtbench40-1d0208e"
 #: Rows measured before the suffix tree joined the default say so.
 EARLIER = ", earlier default"
 
 EXPECT = [
     Row("code, HumanEval 40", NEW_BF16_HE, "humaneval", kernels="auto (default)"),
-    Row("chat, MT-Bench 40" + EARLIER, AUTO_BF16_MT, "mtbench", kernels="auto (default)"),
+    Row("chat, MT-Bench 40", NEW_BF16_MT, "mtbench", kernels="auto (default)"),
     Row("code, HumanEval 40" + EARLIER, AUTO_FP32_HE, "humaneval", kernels="auto (default)"),
     Row("code, HumanEval 40" + EARLIER, BF16_HE, "humaneval"),
     Row("chat, MT-Bench 40" + EARLIER, BF16_MT, "mtbench"),
@@ -457,6 +458,7 @@ TABLES: dict[str, Callable[[str], str]] = {
         [("specdraft:prompt", "`prompt` alone"), MIX_METHODS[0], MIX_METHODS[2], MIX_METHODS[4], MIX_METHODS[5]],
         page),
     "default-he-bf16": lambda page: mix_table(NEW_BF16_HE, "humaneval", NEW_DEFAULT_METHODS, page),
+    "default-mt-bf16": lambda page: mix_table(NEW_BF16_MT, "mtbench", NEW_DEFAULT_METHODS, page),
     "merge-replay": lambda page: replay_table("merge-replay-bf16-2026-11-26", REPLAY_CONFIGS, page),
     "concurrency-he-fp32": lambda page: concurrency_table("concurrency-qwen0.5b-fp32-humaneval8-a154cfe",
                                                           "humaneval", page),
@@ -468,6 +470,7 @@ TABLES: dict[str, Callable[[str], str]] = {
         Row("HumanEval: default", NEW_BF16_HE, "humaneval", kernels="auto"),
         Row("HumanEval: earlier default", AUTO_BF16_HE, "humaneval", kernels="auto"),
         Row("HumanEval: earlier default", AUTO_FP32_HE, "humaneval", kernels="auto"),
+        Row("MT-Bench: default", NEW_BF16_MT, "mtbench", kernels="auto"),
         Row("MT-Bench: earlier default", AUTO_BF16_MT, "mtbench", kernels="auto"),
         Row("MT-Bench: our plain decoding", AUTO_BF16_MT, "mtbench", "plain", kernels="auto")],
         page, workload="prompt set: method", show_pld=False, show_below=True),
