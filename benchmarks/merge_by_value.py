@@ -37,32 +37,20 @@ import numpy as np
 import torch
 
 from specdraft import Decoder
-from specdraft.sources.base import Context, Draft, Feedback
+from specdraft.sources.base import Context, Draft, SourceBase
 from specdraft.tree import TokenTree
 
 VOCAB = 80
 PROMPT = [5, 17, 33, 8, 41, 12]
 
 
-class _Quiet:
-    """The do-nothing part of the source protocol."""
-
-    def begin(self, context: Context) -> None:
-        pass
-
-    def end(self, context: Context) -> None:
-        pass
-
-    def observe(self, feedback: Feedback) -> None:
-        pass
-
-
-class Oracle(_Quiet):
+class Oracle(SourceBase):
     """Proposes the true continuation of ``sequence`` with the whole budget."""
 
     name = "oracle"
 
     def __init__(self, sequence: list[int]) -> None:
+        super().__init__()
         self.sequence = sequence
 
     def propose(self, context: Context, budget: int) -> Draft:
@@ -71,7 +59,7 @@ class Oracle(_Quiet):
         return Draft(branches=[true] if true and list(context.tokens) == self.sequence[:n] else [])
 
 
-class Noise(_Quiet):
+class Noise(SourceBase):
     """Proposes one branch of random tokens with the whole budget (seeded by the context length)."""
 
     name = "noise"

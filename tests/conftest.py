@@ -298,7 +298,22 @@ class RandomGuess:
         return Draft(branches=branches)
 
 
-class OracleSource:
+class PassiveSource:
+    """The three members of :class:`~specdraft.sources.base.DraftSource` that a source which
+    learns nothing leaves empty (``begin``, ``end``, ``observe``); subclasses add ``name`` and
+    ``propose``."""
+
+    def begin(self, context: Context) -> None:
+        pass
+
+    def end(self, context: Context) -> None:
+        pass
+
+    def observe(self, feedback: Feedback) -> None:
+        pass
+
+
+class OracleSource(PassiveSource):
     """Proposes the exact continuation of ``sequence`` (prompt + reference output) while the
     context is a prefix of it, using the whole budget, so long runs are accepted; its draft runs
     past EOS and past ``max_new_tokens`` whenever ``sequence`` does. With ``decoy`` it also
@@ -312,15 +327,6 @@ class OracleSource:
         self.vocab_size = vocab_size
         self.name = name
         self.proposed_lengths: list[int] = []
-
-    def begin(self, context: Context) -> None:
-        pass
-
-    def end(self, context: Context) -> None:
-        pass
-
-    def observe(self, feedback: Feedback) -> None:
-        pass
 
     def propose(self, context: Context, budget: int) -> Draft:
         n = len(context.tokens)

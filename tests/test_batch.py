@@ -28,7 +28,7 @@ from specdraft.batch_budget import Ask, BatchBudget
 from specdraft.sources import FrequencyTrie, JacobiLookahead, MultiLevelNGram, SuffixTree, TokenRecycling
 from specdraft.sources.base import Context, Draft, Feedback
 
-from conftest import (FAST, RandomGuess, SideBlockToy, generation_config_override, reference_greedy,
+from conftest import (FAST, PassiveSource, RandomGuess, SideBlockToy, generation_config_override, reference_greedy,
                       tiny_model)
 from test_greedy_identity import prompts
 
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 CASES = [("llama", "sdpa"), ("qwen2_swa", "sdpa"), ("gemma3", "sdpa"), ("gpt2", "eager"), ("mistral", "eager")]
 
 
-class Oracles:
+class Oracles(PassiveSource):
     """Knows several requests' answers: drafts the true continuation of whichever one the context
     is a prefix of (a batch's requests share it, as a shared source would be)."""
 
@@ -45,15 +45,6 @@ class Oracles:
 
     def __init__(self, sequences: Sequence[Sequence[int]]) -> None:
         self.sequences = [list(s) for s in sequences]
-
-    def begin(self, context: Context) -> None:
-        pass
-
-    def end(self, context: Context) -> None:
-        pass
-
-    def observe(self, feedback: Feedback) -> None:
-        pass
 
     def propose(self, context: Context, budget: int) -> Draft:
         tokens = list(context.tokens)

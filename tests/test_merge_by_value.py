@@ -11,27 +11,18 @@ from hypothesis import strategies as st
 
 from specdraft import Decoder
 from specdraft.calibration import AcceptanceCalibration
-from specdraft.sources.base import Context, Draft, Feedback
+from specdraft.sources.base import Context, Draft
 from specdraft.tree import TokenTree
 
-from conftest import FAST, VOCAB, OracleSource, generation_config_override, reference_greedy, tiny_model
+from conftest import FAST, VOCAB, OracleSource, PassiveSource, generation_config_override, reference_greedy, tiny_model
 
 
-class NoiseSource:
+class NoiseSource(PassiveSource):
     """Proposes one branch of random tokens using the whole budget: never (or hardly ever) right."""
 
     def __init__(self, seed: int = 0, name: str = "noise") -> None:
         self.seed = seed
         self.name = name
-
-    def begin(self, context: Context) -> None:
-        pass
-
-    def end(self, context: Context) -> None:
-        pass
-
-    def observe(self, feedback: Feedback) -> None:
-        pass
 
     def propose(self, context: Context, budget: int) -> Draft:
         rng = np.random.default_rng([self.seed, len(context.tokens)])

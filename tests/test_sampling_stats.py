@@ -39,8 +39,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import specdraft.decoder
 from specdraft import Decoder, PromptLookup, TokenRecycling
 from specdraft.sources import SuffixTree
-from specdraft.sources.base import Context, Draft, Feedback
+from specdraft.sources.base import Context, Draft
 
+from conftest import PassiveSource
 from _verifier_variants import bonus_from_p_verify, committed_context_verify, specinfer_verify
 
 VOCAB = 10
@@ -122,7 +123,7 @@ class ExactLaw:
             self._walk(seq + (int(t),), prob * p[t])
 
 
-class TableSource:
+class TableSource(PassiveSource):
     """A draft source reading a fixed table: for each context, the ``width`` most likely next
     tokens, each continued greedily for ``depth`` tokens (an "oracle" that makes the tree wide
     and deep and gets accepted often -- exactly the situation the mutants get wrong)."""
@@ -131,15 +132,6 @@ class TableSource:
 
     def __init__(self, law: ExactLaw, width: int = 3, depth: int = 2) -> None:
         self.law, self.width, self.depth = law, width, depth
-
-    def begin(self, context: Context) -> None:
-        pass
-
-    def observe(self, feedback: Feedback) -> None:
-        pass
-
-    def end(self, context: Context) -> None:
-        pass
 
     def propose(self, context: Context, budget: int) -> Draft:
         seq = tuple(context.tokens[len(PROMPT):])
