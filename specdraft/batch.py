@@ -36,14 +36,13 @@ from .batch_budget import Ask, BatchBudget
 from .batch_runner import BatchRunner, Region, Segment
 from .budget import AdaptiveBudget, BudgetDecision, StepOutcome
 from .packed_attention import packed_attention_for
-from .row_draws import RowDraws
+from .row_draws import RowDraws, request_draws
 from .sampling import NodeScorer, PenaltyPrefix, SamplingSettings
 from .sources.base import Draft, DraftSource, SideBlock
 from .stats import GenerationStats, SourceStats
 from .step import Request, Step, finish_sources, path_tokens, request_ids
 from .stopping import StopRule
 from .tree import TokenTree
-from .verify import multinomial_draw
 
 #: The most prompt rows one batched forward carries: a long prompt is prefilled in chunks of this
 #: size across steps, so the running requests keep decoding while it fills.
@@ -142,8 +141,7 @@ class _Running:
     drafts: list[Draft] | None = None
     full: TokenTree | None = None  # this step's full tree (the budget checks a prefix of it)
     sides: list[SideBlock | None] | None = None
-    generator: torch.Generator | None = None
-    draw: Any = None
+    draw: Any = None  # the node-by-node walk's sampling draw
     row_draws: RowDraws | None = None  # the batched rows' positional noise (sampling on a device)
     penalty: PenaltyPrefix | None = None
     unmarked: list[int] = field(default_factory=list)
@@ -390,10 +388,8 @@ class BatchLoop:
         """The prompt is in the cache: set up the request's sampling stream and penalty where its
         logits live, and verify the prefill's last row on a root-only tree (step 0)."""
         device = logits.device
-        run.generator = torch.Generator(device=device).manual_seed(int(run.seed)) if run.seed is not None else None
-        run.draw = multinomial_draw(run.generator)
         run.batched = self.decoder._batched_rows(device)
-        run.row_draws = RowDraws(device, run.seed) if run.batched and run.settings.do_sample else None
+        run.draw, run.row_draws = request_draws(device, run.seed, run.batched, run.settings.do_sample)
         if run.settings.needs_prefix:
             run.penalty = PenaltyPrefix(logits.shape[-1], device, run.request.committed)
             run.penalty.add(run.request.committed)

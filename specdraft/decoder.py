@@ -41,7 +41,7 @@ from .batch_runner import BatchRunner
 from .budget import AdaptiveBudget, Budget, BudgetDecision, FixedBudget, StepOutcome
 from .calibration import AcceptanceCalibration
 from .kernel_costs import choose_kernels
-from .row_draws import RowDraws
+from .row_draws import RowDraws, request_draws
 from .runner import ModelRunner
 from .sampling import NodeScorer, PenaltyPrefix, SamplingSettings, resolve_settings
 from .sources.base import Context, Draft, DraftSource, Feedback, SideBlock, source_option
@@ -57,7 +57,7 @@ from .step import step_input as _step_input
 from .stopping import StopRule
 from .topk import top_k_ids
 from .tree import TokenTree
-from .verify import Verdict, multinomial_draw, verify_greedy, verify_sampling, walk_choices
+from .verify import Verdict, verify_greedy, verify_sampling, walk_choices
 
 #: Cache slots reserved per request beyond prompt + new tokens + tree: room for side blocks (a
 #: request that needs more grows its cache once, by doubling).
@@ -352,11 +352,8 @@ class Decoder:
                 logits = self.runner.prefill(request.committed, capacity)[None]
             stats.prefill_time = self.clock() - started
             device = logits.device
-            # the sampling stream lives where the logits do (CUDA refuses a CPU generator)
-            generator = torch.Generator(device=device).manual_seed(int(seed)) if seed is not None else None
-            draw = multinomial_draw(generator)
             batched = self._batched_rows(device)
-            row_draws = RowDraws(device, seed) if batched and settings.do_sample else None
+            draw, row_draws = request_draws(device, seed, batched, settings.do_sample)
             penalty = PenaltyPrefix(logits.shape[-1], device, request.committed) if settings.needs_prefix else None
             if penalty is not None:
                 penalty.add(self.runner.prefill_ids)

@@ -23,7 +23,9 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["RowDraws", "position_seed"]
+from .verify import Draw, multinomial_draw
+
+__all__ = ["RowDraws", "position_seed", "request_draws"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -62,3 +64,16 @@ class RowDraws:
         by_depth = {d: self.noise(position0 + d, vocab) for d in sorted(set(depths))}
         noise = torch.stack([by_depth[d] for d in depths])
         return (probs.to(torch.float32) / noise).argmax(dim=-1)
+
+
+def request_draws(device: torch.device, seed: int | None, batched: bool,
+                  do_sample: bool) -> tuple[Draw, RowDraws | None]:
+    """A request's random draws, made where its logits live (CUDA refuses a CPU generator): the
+    node-by-node walk's draw (one ``torch.multinomial`` per committed token from a generator
+    seeded with ``seed``; ``None``: torch's global stream) and, when every row is chosen at once
+    and the request samples, its :class:`RowDraws`. Batched rows never call the walk's draw, so
+    no generator is made for them."""
+    if batched:
+        return multinomial_draw(None), (RowDraws(device, seed) if do_sample else None)
+    generator = torch.Generator(device=device).manual_seed(int(seed)) if seed is not None else None
+    return multinomial_draw(generator), None
