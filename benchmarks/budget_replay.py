@@ -1,6 +1,6 @@
 """Replay recorded greedy outputs through the real ``Decoder`` on a simulated clock.
 
-Why: the adaptive budget (``specdraft/budget.py``) decides from measured step costs, so its
+Why: the adaptive budget (``specdraft/budget/``) decides from measured step costs, so its
 effect on speed could so far only be seen in hours-long benchmark runs, where machine noise is as
 large as the differences between two controller policies. Under greedy decoding, though, the
 output of every prompt is fixed (it equals ``model.generate``), and a step's cost depends only on
@@ -49,8 +49,9 @@ import numpy as np
 import torch
 
 from specdraft.sources import registry
-from specdraft.budget import AdaptiveBudget
 from specdraft.decoder import Decoder
+from specdraft.model.kv_store import KVStore
+from specdraft.model.runner import ForwardOutput, Segment
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,24 +85,25 @@ class CostTable:
 
 def measure_costs(model_path: str, dtype: str, max_width: int, repeats: int, cache_len: int) -> list[float]:
     """Median seconds of a forward of ``q`` chained tokens over a ``cache_len`` cache, through the
-    real :class:`~specdraft.runner.ModelRunner` (mask building included); widths interleaved across
+    real :class:`~specdraft.model.runner.ModelRunner` (mask building included); widths interleaved across
     repeats so drift hits them alike."""
     from specdraft.models import load_model
-    from specdraft.runner import ModelRunner
+    from specdraft.model.runner import ModelRunner, Segment
 
     model, _ = load_model(model_path, dtype=dtype, progress=False)
     runner = ModelRunner(model)
-    runner.prefill(list(range(100, 100 + cache_len)))
+    region = runner.store.allocate(cache_len + max_width + 1)
+    runner.forward([Segment(region, list(range(100, 100 + cache_len)), np.arange(cache_len), None, [cache_len - 1])])
+    runner.store.keep_all(region)
     times: dict[int, list[float]] = {q: [] for q in range(1, max_width + 1)}
     for _ in range(repeats):
         for q in times:
-            block = np.tril(np.ones((q, q), dtype=bool))
+            segment = Segment(region, list(range(500, 500 + q)), cache_len + np.arange(q),
+                              np.tril(np.ones((q, q), dtype=bool)), range(q))
             started = time.perf_counter()
-            runner.forward(list(range(500, 500 + q)), np.arange(q), block)
+            runner.forward([segment])
             times[q].append(time.perf_counter() - started)
-            runner.compact([0])  # keep the root only, then drop it too: the cache stays cache_len long
-            runner.cache.truncate(cache_len)
-            runner.cache_len = cache_len
+            runner.store.keep(region, [])  # drop the rows: the cache stays cache_len long
     return [statistics.median(times[q]) for q in sorted(times)]
 
 
@@ -127,9 +129,10 @@ class SimulatedClock:
 
 
 class ReplayRunner:
-    """Stands in for :class:`~specdraft.runner.ModelRunner`: the model's greedy choice at a tree
-    node of depth ``d`` is the recorded token ``d`` places after the root, and a forward of ``q``
-    tokens costs ``costs(q)`` on ``clock``. Set :attr:`sequence` (prompt + recorded output) first."""
+    """Stands in for :class:`~specdraft.model.runner.ModelRunner`: the model's greedy choice at a row
+    of position ``p`` is the recorded token at ``p + 1``, and a forward of ``q`` rows costs
+    ``costs(q)`` on ``clock``. Set :attr:`sequence` (prompt + recorded output) first; one request at
+    a time."""
 
     def __init__(self, vocab_size: int, max_positions: int | None, costs: CostTable, clock: SimulatedClock) -> None:
         self.vocab_size = vocab_size
@@ -137,39 +140,31 @@ class ReplayRunner:
         self.costs = costs
         self.clock = clock
         self.sequence: list[int] = []
-        self.cache_len = 0
-        self._last_q = 0
         self.widths: list[int] = []
-        self.prefill_ids: torch.Tensor | None = None
-        self.rider_tensors: list[torch.Tensor] = []
+        self.store = KVStore()
+        self.device = torch.device("cpu")
 
-    def prefill(self, token_ids: Sequence[int], capacity: int = 0) -> torch.Tensor:
-        self.prefill_ids = torch.as_tensor(list(token_ids), dtype=torch.long)
-        self.cache_len = len(token_ids)
-        self._last_q = 1  # as ModelRunner: the prompt's last token is the first step's root
-        self.clock.advance(self.costs(len(token_ids)))
-        logits = torch.zeros(self.vocab_size)
-        logits[self.sequence[len(token_ids)]] = 1.0
-        return logits
+    def check_batches(self) -> None:
+        """A replay runs any layout."""
 
-    def forward(self, tokens: Sequence[int], offsets: np.ndarray, block_mask: np.ndarray,
-                riders: Sequence[np.ndarray] = ()) -> torch.Tensor:
-        q = len(tokens)
-        self.rider_tensors = [torch.from_numpy(np.asarray(r)) for r in riders]
+    def forward(self, segments: Sequence[Segment], riders: Sequence[np.ndarray] = ()) -> ForwardOutput:
+        q = sum(len(s.tokens) for s in segments)
+        self.store.take_moves()
         self.clock.advance(self.costs(q))
         self.widths.append(q)
-        root_at = self.cache_len  # the root is committed token number cache_len (0-based)
         last = len(self.sequence) - 1
-        targets = [self.sequence[min(root_at + 1 + int(d), last)] for d in offsets]
-        logits = torch.zeros(q, self.vocab_size)
-        logits[torch.arange(q), torch.as_tensor(targets)] = 1.0
-        self.cache_len += q
-        self._last_q = q
-        return logits
-
-    def compact(self, keep: Sequence[int]) -> None:
-        self.cache_len += len(keep) - self._last_q
-        self._last_q = 0
+        targets, logit_spans, id_spans, kept, at = [], [], [], 0, 0
+        for seg in segments:
+            targets += [self.sequence[min(int(seg.positions[r]) + 1, last)] for r in seg.logit_rows]
+            logit_spans.append(slice(kept, kept + len(seg.logit_rows)))
+            id_spans.append(slice(at, at + len(seg.tokens)))
+            kept += len(seg.logit_rows)
+            at += len(seg.tokens)
+            seg.region.pending = len(seg.tokens)
+        logits = torch.zeros(len(targets), self.vocab_size)
+        logits[torch.arange(len(targets)), torch.as_tensor(targets, dtype=torch.long)] = 1.0
+        ids = torch.as_tensor([t for seg in segments for t in seg.tokens], dtype=torch.long)
+        return ForwardOutput(logits, logit_spans, ids, id_spans, [torch.from_numpy(np.asarray(r)) for r in riders])
 
 
 @dataclass
@@ -224,10 +219,10 @@ def replay_dataset(model: Any, records: Sequence[Recording], costs: CostTable, s
     clock = SimulatedClock(noise, seed)
     decoder = Decoder(model, None, sources=registry.make_sources(list(sources)), max_tree_nodes=max_tree_nodes,
                       adaptive_budget=adaptive, cpu_kernels="stock")
-    if priced and isinstance(decoder.budget, AdaptiveBudget):
+    if priced and decoder.budget.adaptive:
         decoder.budget.set_cost_curve(costs.seconds)
-    if acceptance_smoothing is not None and isinstance(decoder.budget, AdaptiveBudget):
-        decoder.budget.acceptance_smoothing = acceptance_smoothing
+    if acceptance_smoothing is not None:
+        decoder.budget.acceptance.fast = acceptance_smoothing
     runner = ReplayRunner(decoder.runner.vocab_size, decoder.runner.max_positions, costs, clock)
     decoder.runner = runner  # type: ignore[assignment]
     decoder.clock = clock

@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.widths = [int(w) for w in args.widths.split(",") if w.strip()]
     args.paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    from specdraft.cpu_kernels import CPU_KERNELS
+    from specdraft.kernels.cpu_kernels import CPU_KERNELS
 
     bad = [p for p in args.paths if p not in CPU_KERNELS]
     if bad:
@@ -65,8 +65,8 @@ def measure(model, paths: list[str], widths: list[int], cache_len: int, repeats:
     import numpy as np
     import torch
 
-    from specdraft.cpu_kernels import check_cpu_kernels, packed_model
-    from specdraft.runner import ModelRunner
+    from specdraft.kernels.cpu_kernels import check_cpu_kernels, packed_model
+    from specdraft.model.runner import ModelRunner, Segment
 
     for path in paths:
         check_cpu_kernels(model, path)
@@ -75,19 +75,19 @@ def measure(model, paths: list[str], widths: list[int], cache_len: int, repeats:
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, min(vocab, 30000), cache_len).tolist()
     runner = ModelRunner(model)
-    runner.prefill(prompt)
-    runner.compact([0])
+    region = runner.store.allocate(cache_len + max(widths) + 1)
+    runner.forward([Segment(region, prompt, np.arange(cache_len), None, [cache_len - 1])])
+    runner.store.keep_all(region)
     times: dict[str, dict[int, list[float]]] = {p: {k: [] for k in widths} for p in paths}
 
     def one(path: str, k: int) -> float:
         tokens = rng.integers(100, min(vocab, 30000), k).tolist()
-        offsets = np.arange(k)
-        mask = np.tril(np.ones((k, k), dtype=bool))
+        segment = Segment(region, tokens, cache_len + np.arange(k), np.tril(np.ones((k, k), dtype=bool)), range(k))
         start = time.perf_counter()
         with contexts[path]():
-            runner.forward(tokens, offsets, mask)
+            runner.forward([segment])
         seconds = time.perf_counter() - start
-        runner.compact([])  # back to cache_len
+        runner.store.keep(region, [])  # back to cache_len
         return seconds
 
     with torch.inference_mode():

@@ -90,7 +90,7 @@ def forward_curve(model: torch.nn.Module, context: int, widths: list[int], repea
     """Median ms of one cached forward of k rows over a ``context``-token cache."""
     from transformers import DynamicCache
 
-    from specdraft.compat import cache_keyword
+    from specdraft.model.compat import cache_keyword
 
     keyword = cache_keyword(model)  # ``past_key_values`` before transformers 5.x renamed it ``cache``
     device = model.device

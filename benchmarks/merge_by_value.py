@@ -18,7 +18,7 @@ Two measurements of the merge (:meth:`specdraft.tree.TokenTree.from_drafts`):
     python benchmarks/merge_by_value.py --out DIR      # also DIR/results.json
 
 Run it on two checkouts (each with its own copy of this script) for a before/after comparison;
-a checkout without :mod:`specdraft.calibration` is timed with the merge's defaults.
+a checkout without :mod:`specdraft.budget.acceptance` is timed with the merge's defaults.
 """
 
 from __future__ import annotations
@@ -120,13 +120,11 @@ def sample_drafts(rng: np.random.Generator, sources: int) -> list[list[list[int]
 def merge_time(sources: int, nodes: int, calls: int) -> dict[str, float]:
     """Median microseconds per merge, with the decoder's rate function when there is one."""
     try:
-        from specdraft.calibration import AcceptanceCalibration
-    except ImportError:  # a checkout from before calibration
+        from specdraft.budget.acceptance import AcceptanceTracker
+    except ImportError:  # a checkout from before the acceptance tracker
         rate = None
     else:
-        cal = AcceptanceCalibration(sources)
-        cal.start_request(1)
-        rate = cal.rates(1)
+        rate = AcceptanceTracker(nodes, sources).start().source_rates
     rng = np.random.default_rng(0)
     cases = [sample_drafts(rng, sources) for _ in range(64)]
     times = []

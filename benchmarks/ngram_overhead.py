@@ -159,7 +159,7 @@ def measure_forward_ms(model_name: str, prompt: list[int], tree: int) -> float:
     import torch
     from transformers import DynamicCache
 
-    from specdraft.compat import cache_keyword
+    from specdraft.model.compat import cache_keyword
     from specdraft.models import load_model
 
     torch.set_num_threads(1)

@@ -4,9 +4,10 @@ Draft sources guess the next tokens, their guesses merge into one token tree, th
 tree in one forward pass and an exact verifier keeps the longest path the model agrees with.
 """
 
-from .batch import BatchOutput, BatchRequest, BatchResult
+from .batching import BatchRequest
 from .decoder import Decoder, GenerationOutput
-from .runner import UnsupportedModelError
+from .engine import BatchOutput, BatchResult
+from .model.runner import UnsupportedModelError
 from .sampling import SamplingSettings, UnsupportedOptionError
 from .sources import Context, Draft, DraftSource, Feedback, PromptLookup, SideBlock
 from .sources import MultiLevelNGram

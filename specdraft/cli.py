@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 from .errors import UsageError
 from .bench.runner import first_difference
-from .cpu_kernels import CPU_KERNELS
+from .kernels.cpu_kernels import CPU_KERNELS
 from .prompts import encode_prompt
 from .sources import registry
 from .sources.registry import DEFAULT_SOURCES, SOURCES, make_sources

@@ -60,3 +60,12 @@ class StopRule:
             if hit(k):
                 return k
         return len(new)
+
+
+def eos_ids(model: Any) -> list[int]:
+    """The end-of-sequence ids of ``model``'s generation config (none when it sets none)."""
+    cfg = getattr(model, "generation_config", None)
+    eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]

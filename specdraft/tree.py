@@ -45,16 +45,6 @@ def prior_rate(source_index: int, depth: int, rank: int) -> float:
     return 0.5 / (1 + rank)
 
 
-def combined_rate(proposers: Sequence[tuple[int, int]], depth: int, rate: RateFn) -> float:
-    """The conditional acceptance rate of a node proposed by several ``(source, rank)`` pairs: a
-    noisy-or of their rates (agreement is evidence: a node two sources propose is worth at least
-    what the better one alone says), clipped to ``(0, 1)``."""
-    miss = 1.0
-    for source_index, rank in proposers:
-        miss *= 1.0 - rate(source_index, depth, rank)
-    return min(max(1.0 - miss, _RATE_FLOOR), _RATE_CEIL)
-
-
 class TokenTree:
     """Flat arrays ``tokens``, ``parents``, ``depth`` plus a bit set of proposing sources per node.
 
@@ -77,17 +67,6 @@ class TokenTree:
         self.full: TokenTree | None = None
         self._children: list[dict[int, int]] = [{}]
 
-    def __setstate__(self, state: tuple[dict | None, dict]) -> None:
-        """Unpickle, also a tree pickled before ``proposers`` and ``full`` existed (a budget's
-        shadow trees in a saved benchmark checkpoint): no proposers recorded, built whole."""
-        _, slots = state
-        for name, value in slots.items():
-            setattr(self, name, value)
-        if "proposers" not in slots:
-            self.proposers = [()] * len(self.tokens)
-        if "full" not in slots:
-            self.full = None
-
     def __len__(self) -> int:
         return len(self.tokens)
 
@@ -104,38 +83,6 @@ class TokenTree:
         """Children of ``node`` in insertion order (for a merged tree: best first)."""
         return list(self._children[node].values())
 
-    def add_branch(self, branch: Sequence[int], source_index: int = 0, max_new_nodes: int | None = None) -> int:
-        """Insert ``branch`` below the root, reusing existing nodes for its shared prefix.
-
-        At most ``max_new_nodes`` new nodes are created; the rest of the branch is cut, which keeps
-        the tree prefix-closed. Returns the number of nodes created.
-        """
-        if source_index < 0 or source_index >= 62:
-            raise ValueError(f"source_index must be in [0, 62), got {source_index}")
-        bit = 1 << source_index
-        node, created = 0, 0
-        for token in branch:
-            token = int(token)
-            nxt = self._children[node].get(token)
-            if nxt is None:
-                if max_new_nodes is not None and created >= max_new_nodes:
-                    break
-                nxt = len(self.tokens)
-                self.tokens.append(token)
-                self.parents.append(node)
-                self.depth.append(self.depth[node] + 1)
-                self.sources.append(0)
-                self.proposers.append(())
-                self._children.append({})
-                self._children[node][token] = nxt
-                created += 1
-            if not self.sources[nxt] & bit:
-                rank = sum(1 for c in self._children[node].values() if c != nxt and self.sources[c] & bit)
-                self.proposers[nxt] += ((source_index, rank),)
-                self.sources[nxt] |= bit
-            node = nxt
-        return created
-
     @classmethod
     def from_drafts(cls, root_token: int, branches_per_source: Sequence[Sequence[Sequence[int]]], max_nodes: int,
                     rate: RateFn | None = None) -> "TokenTree":
@@ -144,7 +91,8 @@ class TokenTree:
 
         ``rate`` gives each source's conditional acceptance rate by depth and sibling rank
         (:data:`RateFn`); without one, :func:`prior_rate`. A node several sources propose combines
-        their rates (:func:`combined_rate`) and names them all in ``sources``. Ties (equal
+        their rates by a noisy-or (agreement is evidence: a node two sources propose is worth at
+        least what the better one alone says) and names them all in ``sources``. Ties (equal
         values) go to the node met first when the sources' branches are read in turns (first
         branch of every source, then the second, ...), so equal sources share the budget and
         the result is deterministic. The first ``n`` nodes never depend on ``max_nodes``: a
@@ -152,41 +100,29 @@ class TokenTree:
         """
         if max_nodes < 0:
             raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
-        rate = prior_rate if rate is None else rate
         tree = cls(root_token)
         if max_nodes == 0:
             return tree
         # The frontier is expanded lazily: a node's children are made from the branches passing
         # through it only once it is selected, so the tails of branches that never make the cut
-        # cost nothing. An entry is (k, source, branch), k the branch's place when the sources'
-        # branches are read in turns; a node's tie-break is (smallest k through it, depth), packed
-        # in one int, the order in which reading the branches in turns would first meet it (a
-        # unique key, so the heap never compares further).
-        width = len(branches_per_source)
-        entries = [(r * width + s, s, branches[r]) for r in range(max((len(b) for b in branches_per_source), default=0))
-                   for s, branches in enumerate(branches_per_source) if r < len(branches) and len(branches[r])]
-        if width > 62 and any(entry[1] >= 62 for entry in entries):
-            raise ValueError(f"at most 62 sources can be merged (a node's sources are a 62-bit set), got {width}")
-        memo: dict[tuple[int, int, int], float] = {}
-        log = math.log
-        push, pop = heapq.heappush, heapq.heappop
-        floor, ceil = _RATE_FLOOR, _RATE_CEIL
+        # cost nothing. A node's tie-break is (smallest k through it, depth) packed in one int,
+        # k a branch's place when the sources' branches are read in turns: the order in which
+        # reading the branches in turns would first meet it (a unique key, so the heap never
+        # compares further). Heap items: (-log value, tie-break, token, parent, entries through
+        # it, proposers, source bits).
+        rate_of = _memoized(prior_rate if rate is None else rate)
+        log, push, pop = math.log, heapq.heappush, heapq.heappop
         tokens, parents, depths, sources, proposed, children = (tree.tokens, tree.parents, tree.depth, tree.sources,
                                                                 tree.proposers, tree._children)
-        # heap items: (-log value, tie-break, token, parent's index, entries through it, proposers, bits)
         heap: list[tuple[float, int, int, int, list, tuple, int]] = []
-        # expand the node just selected (the root first): push its children, made from the branches
-        # through it, unless the tree is full already
-        index, depth, neg, passing = 0, 0, 0.0, entries
+        # expand the node just selected (the root first): push its children, unless the tree is full
+        index, depth, neg, passing = 0, 0, 0.0, _entries(branches_per_source)
         while True:
             if len(passing) == 1:  # one branch's tail (the common case): one child, no grouping
                 k, source, branch = passing[0]
                 if len(branch) > depth:
-                    key = (source, depth + 1, 0)
-                    r = memo.get(key)
-                    if r is None:
-                        r = memo[key] = rate(source, depth + 1, 0)
-                    q = floor if r < floor else ceil if r > ceil else r
+                    r = rate_of(source, depth + 1, 0)
+                    q = _RATE_FLOOR if r < _RATE_FLOOR else _RATE_CEIL if r > _RATE_CEIL else r
                     child_neg, child_key = neg - log(q), (k << 32) | (depth + 1)
                     if not heap or child_neg < heap[0][0] or (child_neg == heap[0][0] and child_key < heap[0][1]):
                         # it beats the whole frontier: select it now (what a push and a pop would do)
@@ -204,35 +140,7 @@ class TokenTree:
                         continue
                     push(heap, (child_neg, child_key, int(branch[depth]), index, passing, ((source, 0),), 1 << source))
             else:
-                groups: dict[int, list] = {}
-                ranks: dict[int, int] = {}
-                for entry in passing:
-                    k, source, branch = entry
-                    if len(branch) <= depth:
-                        continue
-                    token = branch[depth]
-                    group = groups.get(token)
-                    if group is None:
-                        group = groups[token] = [k, [], [], 0]
-                    if not group[3] >> source & 1:
-                        rank = ranks.get(source, 0)
-                        ranks[source] = rank + 1
-                        group[2].append((source, rank))
-                        group[3] |= 1 << source
-                    group[1].append(entry)
-                child_depth = depth + 1
-                for token, (k, through, proposers, bits) in groups.items():
-                    miss = 1.0
-                    for source, rank in proposers:
-                        key = (source, child_depth, rank)
-                        r = memo.get(key)
-                        if r is None:
-                            r = memo[key] = rate(source, child_depth, rank)
-                        miss *= 1.0 - r
-                    q = 1.0 - miss
-                    q = floor if q < floor else ceil if q > ceil else q
-                    push(heap, (neg - log(q), (k << 32) | child_depth, int(token), index, through, tuple(proposers),
-                                bits))
+                _push_groups(heap, passing, depth, index, neg, rate_of)
             if not heap or len(tokens) > max_nodes:
                 break
             # select the most valuable node of the frontier
@@ -306,3 +214,61 @@ class TokenTree:
 
     def __repr__(self) -> str:
         return f"TokenTree(root={self.tokens[0]}, nodes={len(self.tokens)}, branches={len(self.branches())})"
+
+
+def _entries(branches_per_source: Sequence[Sequence[Sequence[int]]]) -> list[tuple[int, int, Sequence[int]]]:
+    """Every non-empty branch as (k, source, branch), k its place when the sources' branches are
+    read in turns (first branch of every source, then the second, ...)."""
+    width = len(branches_per_source)
+    longest = max((len(b) for b in branches_per_source), default=0)
+    entries = [(r * width + s, s, branches[r]) for r in range(longest)
+               for s, branches in enumerate(branches_per_source) if r < len(branches) and len(branches[r])]
+    if width > 62 and any(entry[1] >= 62 for entry in entries):
+        raise ValueError(f"at most 62 sources can be merged (a node's sources are a 62-bit set), got {width}")
+    return entries
+
+
+def _memoized(rate: RateFn) -> Callable[[int, int, int], float]:
+    """``rate`` remembered per (source, depth, rank) for one merge (the merge asks again and again)."""
+    memo: dict[tuple[int, int, int], float] = {}
+
+    def rate_of(source: int, depth: int, rank: int) -> float:
+        key = (source, depth, rank)
+        r = memo.get(key)
+        if r is None:
+            r = memo[key] = rate(source, depth, rank)
+        return r
+
+    return rate_of
+
+
+def _push_groups(heap: list, passing: list, depth: int, index: int, neg: float,
+                 rate_of: Callable[[int, int, int], float]) -> None:
+    """Push the children of node ``index`` (at ``depth``, value ``-neg`` in log space) made from
+    the branches ``passing`` through it: one child per distinct next token, proposed by every
+    source whose branch carries it (its rate: their noisy-or, agreement being evidence)."""
+    groups: dict[int, list] = {}
+    ranks: dict[int, int] = {}
+    for entry in passing:
+        k, source, branch = entry
+        if len(branch) <= depth:
+            continue
+        token = branch[depth]
+        group = groups.get(token)
+        if group is None:
+            group = groups[token] = [k, [], [], 0]
+        if not group[3] >> source & 1:
+            rank = ranks.get(source, 0)
+            ranks[source] = rank + 1
+            group[2].append((source, rank))
+            group[3] |= 1 << source
+        group[1].append(entry)
+    child_depth = depth + 1
+    for token, (k, through, proposers, bits) in groups.items():
+        miss = 1.0
+        for source, rank in proposers:
+            miss *= 1.0 - rate_of(source, child_depth, rank)
+        q = 1.0 - miss  # clipped to (0, 1): a log of 0 is undefined, a rate of 1 would tie a node with its parent
+        q = _RATE_FLOOR if q < _RATE_FLOOR else _RATE_CEIL if q > _RATE_CEIL else q
+        heapq.heappush(heap, (neg - math.log(q), (k << 32) | child_depth, int(token), index, through,
+                              tuple(proposers), bits))

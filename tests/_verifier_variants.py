@@ -3,7 +3,7 @@
 Each has the signature of :func:`specdraft.verify.verify_sampling` --
 ``(tree, logits, scorer, prefix, draw) -> Verdict`` -- so it can be enumerated exactly by
 ``test_verify_exact.py`` and injected into the decoder by ``test_sampling_stats.py``
-(``monkeypatch.setattr(specdraft.decoder, "verify_sampling", ...)``).
+(``monkeypatch.setattr(specdraft.engine.settle, "verify_sampling", ...)``).
 
 * :func:`specinfer_verify` -- SpecInfer's multi-round rejection with point-mass (one-hot) drafts,
   written the way the papers state it: at each node, for each child ``c`` in order, accept with

@@ -31,11 +31,11 @@ from hypothesis import HealthCheck, settings
 # remains for modules that want to be explicit).
 torch.set_num_threads(1)
 
-# Kernel-cost measurements (``cpu_kernels="auto"``, specdraft.kernel_costs) are cached in the user's
+# Kernel-cost measurements (``cpu_kernels="auto"``, specdraft.kernels.kernel_costs) are cached in the user's
 # cache directory; the tests' go to a directory of their own, gone with the machine's temp files.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specdraft-tests-cache-")
 
-from specdraft.budget import AdaptiveBudget, BudgetDecision
+from specdraft.budget import Budget, Grant
 from specdraft.sources import Context, Draft, Feedback, SideBlock
 
 #: Vocabulary size of every tiny model.
@@ -204,7 +204,7 @@ def reference_merge(sources: Sequence[Sequence[Sequence[int]]], budget: int, rat
     puts a node before its parent. Returns (path -> set of sources, the selected paths in order)."""
     import math
 
-    from specdraft.tree import combined_rate, prior_rate
+    from specdraft.tree import prior_rate
 
     rate = prior_rate if rate is None else rate
     met: list[tuple[int, ...]] = []
@@ -228,7 +228,7 @@ def reference_merge(sources: Sequence[Sequence[Sequence[int]]], budget: int, rat
     def cost(seq: tuple[int, ...]) -> float:
         total = 0.0
         for k in range(1, len(seq) + 1):
-            total -= math.log(combined_rate(proposers[seq[:k]], k, rate))
+            total -= math.log(_noisy_or(proposers[seq[:k]], k, rate))
         return total
 
     order = sorted(met, key=lambda seq: (cost(seq), met.index(seq)))[:budget]
@@ -344,15 +344,100 @@ class OracleSource(PassiveSource):
         return Draft(branches=branches)
 
 
-class AlternatingBudget(AdaptiveBudget):
-    """An adaptive budget that forces a plain step (0 nodes) every other step, so a test sees both
-    kinds of step in one short generation; it still learns as the real controller does."""
+def _noisy_or(proposers, depth: int, rate) -> float:
+    """The merge's rate of a node several ``(source, rank)`` pairs proposed, clipped to (0, 1)."""
+    miss = 1.0
+    for source_index, rank in proposers:
+        miss *= 1.0 - rate(source_index, depth, rank)
+    return min(max(1.0 - miss, 1e-6), 1.0 - 1e-6)
 
-    def choose(self, side_tokens: int = 0) -> BudgetDecision:
-        decision = super().choose(side_tokens)
-        if self.steps % 2:
-            return BudgetDecision(0, 1.0, 0.0)
-        return BudgetDecision(self.max_nodes, decision.expected_tokens, decision.expected_cost)
+
+def add_branch(tree, branch) -> int:
+    """Insert ``branch`` below the root of ``tree`` in the order given (a hand-built tree, as in a
+    paper's figure), reusing the nodes of a shared prefix; returns the nodes created."""
+    node, created = 0, 0
+    for token in branch:
+        token = int(token)
+        child = tree.child(node, token)
+        if child is None:
+            child = len(tree.tokens)
+            tree.tokens.append(token)
+            tree.parents.append(node)
+            tree.depth.append(tree.depth[node] + 1)
+            tree.sources.append(1)
+            tree.proposers.append(((0, 0),))
+            tree._children.append({})
+            tree._children[node][token] = child
+            created += 1
+        node = child
+    return created
+
+
+class OneSequence:
+    """One sequence over a :class:`~specdraft.model.runner.ModelRunner`, driven as the engine drives
+    a request alone (one region at row 0): prefill, tree forwards, keeping a path."""
+
+    def __init__(self, model, capacity: int = 256) -> None:
+        from specdraft.model.runner import ModelRunner
+
+        self.runner = ModelRunner(model)
+        self.region = self.runner.store.allocate(capacity)
+
+    @property
+    def mask_kind(self) -> str:
+        return self.runner.mask_kind
+
+    @property
+    def cache_len(self) -> int:
+        return self.region.length + self.region.pending
+
+    @property
+    def cache(self):
+        """The committed rows' keys and values, per layer (pending moves applied first)."""
+        self.runner.store.compact_now()
+        return self.runner.store.region_layers(self.region)
+
+    def prefill(self, tokens):
+        """Put ``tokens`` in the cache (all committed); the last one's logits (``None`` for none)."""
+        from specdraft.model.runner import Segment
+
+        if not tokens:
+            return None
+        n = len(tokens)
+        out = self.runner.forward([Segment(self.region, list(tokens), np.arange(self.region.length,
+                                                                                 self.region.length + n),
+                                           None, [n - 1])])
+        self.runner.store.keep_all(self.region)
+        return out.logits[0]
+
+    def forward(self, tokens, offsets, block):
+        """Run ``tokens`` at ``offsets`` after the cached ones with ``block`` among them; their logits."""
+        from specdraft.model.runner import Segment
+
+        segment = Segment(self.region, list(tokens), np.asarray(offsets) + self.region.length, np.asarray(block),
+                          range(len(tokens)))
+        return self.runner.forward([segment]).logits
+
+    def compact(self, keep) -> None:
+        """Keep the rows ``keep`` of the last forward; drop the rest."""
+        self.runner.store.keep(self.region, list(keep))
+
+
+class AlternatingBudget(Budget):
+    """A budget that forces a plain step (0 nodes) every other step and the full tree on the others,
+    so a test sees both kinds of step in one short generation; it still learns as the real one does."""
+
+    def __init__(self, max_nodes: int, num_sources: int = 1, **options) -> None:
+        super().__init__(max_nodes, num_sources, **options)
+        self.calls = 0
+
+    def allocate(self, asks):
+        if not any(a.decoding for a in asks):  # a prompt's forward: no tree to size
+            return [Grant(0, False)] * len(asks)
+        self.calls += 1
+        if self.calls % 2 == 0:
+            return [Grant(0, False)] * len(asks)
+        return [Grant(min(a.offered, self.max_nodes), True) if a.decoding else Grant(0, False) for a in asks]
 
 
 class SideBlockToy:

@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
-import specdraft.attention as attention
+import specdraft.model.attention as attention
 from specdraft import Decoder, PromptLookup
-from specdraft.attention import (AttentionBackendError, merge_partial_attention, select_attention,
+from specdraft.model.attention import (AttentionBackendError, merge_partial_attention, select_attention,
                                  tree_flash_attention)
-from specdraft.runner import ModelRunner
 from specdraft.tree import TokenTree
+from conftest import OneSequence
 
 V = 64
 COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -97,7 +97,7 @@ def test_tree_logits_match_sdpa_through_the_registry(arch, dtype):
     tree = TokenTree.from_drafts(7, [[[1, 2, 3, 4], [1, 5], [9, 8, 7, 6, 5, 4]], [[2, 3]]], 16)
 
     def tree_logits():
-        runner = ModelRunner(model)
+        runner = OneSequence(model)
         runner.prefill(list(range(3, 23)))  # 20 cached tokens: longer than the sliding windows
         return runner.forward(tree.tokens, tree.position_offsets(), tree.ancestor_mask())
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdraft import Decoder, PromptLookup, UnsupportedOptionError
-from specdraft.runner import UnsupportedModelError
+from specdraft.model.runner import UnsupportedModelError
 from specdraft.sources import Draft
 from specdraft.stopping import StopRule
 

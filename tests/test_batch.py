@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdraft import Decoder, PromptLookup
-from specdraft.batch import BatchRequest
-from specdraft.batch_budget import Ask, BatchBudget
+from specdraft import BatchRequest
+from specdraft.budget import Ask, Budget
 from specdraft.sources import FrequencyTrie, JacobiLookahead, MultiLevelNGram, SuffixTree, TokenRecycling
 from specdraft.sources.base import Context, Draft, Feedback
 
@@ -68,11 +68,10 @@ def _sources(kind: str, oracle_sequences):
 def _skip_legacy_causal_buffer(model) -> None:
     """Older transformers' GPT-2 eager attention masks by a causal buffer by cache position: the
     batched decoder refuses it (tested below), so the identity property has nothing to test."""
-    from specdraft.batch_runner import BatchRunner
-    from specdraft.runner import UnsupportedModelError
+    from specdraft.model.runner import ModelRunner, UnsupportedModelError
 
     try:
-        BatchRunner(model)
+        ModelRunner(model).check_batches()
     except UnsupportedModelError as exc:
         pytest.skip(f"batched decoding refuses this model here: {exc}")
 
@@ -80,8 +79,7 @@ def _skip_legacy_causal_buffer(model) -> None:
 def test_a_legacy_causal_buffer_is_refused_with_the_way_out() -> None:
     import torch
 
-    from specdraft.batch_runner import BatchRunner
-    from specdraft.runner import UnsupportedModelError
+    from specdraft.model.runner import ModelRunner, UnsupportedModelError
 
     model = tiny_model("gpt2", "eager")
     legacy = [b for _, b in model.named_buffers() if b.dtype == torch.bool and b.dim() == 4]
@@ -89,7 +87,12 @@ def test_a_legacy_causal_buffer_is_refused_with_the_way_out() -> None:
         model = __import__("copy").deepcopy(model)
         model.transformer.h[0].attn.register_buffer("bias", torch.ones(1, 1, 8, 8, dtype=torch.bool).tril())
     with pytest.raises(UnsupportedModelError, match="attn_implementation='sdpa'"):
-        BatchRunner(model)
+        ModelRunner(model).check_batches()
+    with pytest.raises(UnsupportedModelError, match="attn_implementation='sdpa'"):
+        Decoder(model, None, sources=[], max_tree_nodes=0).generate_batch([[1, 2], [3, 4]], max_new_tokens=2)
+    # one request at a time keeps its rows at the end of the cache, which the buffer assumes
+    assert Decoder(model, None, sources=[], max_tree_nodes=0).generate_batch([[1, 2], [3, 4]], max_new_tokens=2,
+                                                                            concurrency=1)[1].token_ids
 
 
 def _answers(model, prompts_, limits):
@@ -121,7 +124,7 @@ def test_batched_greedy_equals_each_requests_own_generate(case, requests, concur
         assert out.stats.new_tokens == len(out.token_ids) == sum(out.stats.accept_lengths)
         assert all(1 <= a for a in out.stats.accept_lengths)
     assert result.stats.new_tokens == sum(len(o.token_ids) for o in result)
-    assert dec._batch_runner.regions == []  # every region went back
+    assert dec.runner.store.regions == []  # every region went back
 
 
 def test_the_oracle_batch_really_speculates_and_shares_forwards() -> None:
@@ -272,20 +275,31 @@ def test_requests_that_end_at_once_and_bad_input() -> None:
         dec.generate_batch([[1]], num_beams=2)
 
 
+def priced_budget(max_nodes: int, curve: list[float], **options) -> Budget:
+    """A budget past its warm-up, whose prices come from ``curve``."""
+    budget = Budget(max_nodes, warmup=0, cost_curve=curve, **options)
+    budget.observe_step(1, curve[0])
+    return budget
+
+
+def nodes(budget: Budget, asks: list[Ask]) -> list[int]:
+    return [grant.nodes for grant in budget.allocate(asks)]
+
+
 def test_the_budget_widens_trees_for_few_requests_and_shrinks_them_for_many() -> None:
     """On a curve where 1-8 rows cost about one row and every row past that its own price, one
     request gets a wide tree, sixteen get none: batched speculation never pays more per token than
     batched plain decoding is expected to."""
     curve = [1.0] * 8 + [1.0 + 0.9 * (w - 8) for w in range(9, 129)]
-    budget = BatchBudget(16, cost_curve=curve)
+    budget = priced_budget(16, curve)
     rates = [0.6] * 16
-    assert budget.allocate([Ask(rates, 16, 0, 1)]) == [7]  # 8 rows, all at the price of one
-    many = budget.allocate([Ask(rates, 16, 0, 1) for _ in range(16)])
+    assert nodes(budget, [Ask(rates, 16, 0, 1)]) == [7]  # 8 rows, all at the price of one
+    many = nodes(budget, [Ask(rates, 16, 0, 1) for _ in range(16)])
     assert many == [0] * 16
-    few = budget.allocate([Ask(rates, 16, 0, 1) for _ in range(4)])
+    few = nodes(budget, [Ask(rates, 16, 0, 1) for _ in range(4)])
     assert sum(few) == 4 and max(few) - min(few) <= 1
-    assert budget.allocate([Ask([0.0] * 16, 16, 0, 1)]) == [0]  # drafts that never hit: plain decoding
-    assert budget.allocate([Ask(rates, 16, 0, 0, decoding=False), Ask(rates, 3, 0, 1)]) == [0, 3]
+    assert nodes(budget, [Ask([0.0] * 16, 16, 0, 1)]) == [0]  # drafts that never hit: plain decoding
+    assert nodes(budget, [Ask(rates, 16, 0, 0, decoding=False), Ask(rates, 3, 0, 1)]) == [0, 3]
 
 
 def test_batch_on_a_simulated_device_matches_the_cpu() -> None:
@@ -330,22 +344,21 @@ def test_per_request_attention_equals_the_masked_forward(arch: str) -> None:
     masked forward over every region, and the model is back on ``sdpa`` afterwards."""
     import torch
 
-    from specdraft.batch_runner import BatchRunner, Segment
-    from specdraft.packed_attention import PACKED_NAME, packed_attention_for
+    from specdraft.model.packed_attention import PACKED_NAME, packed_attention_for
+    from specdraft.model.runner import ModelRunner, Segment
 
     model = tiny_model(arch)
     prompts_ = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15]]
 
     def logits(packed: bool) -> torch.Tensor:
-        runner = BatchRunner(model)
-        regions = [runner.allocate(24) for _ in prompts_]
+        runner = ModelRunner(model)
+        regions = [runner.store.allocate(24) for _ in prompts_]
 
         def segments(step: int) -> list[Segment]:
             out = []
             for region, p in zip(regions, prompts_):
                 if step == 0:
-                    out.append(Segment(region, p, np.arange(len(p)), np.tril(np.ones((len(p), len(p)), bool)),
-                                       range(len(p))))
+                    out.append(Segment(region, p, np.arange(len(p)), None, range(len(p))))
                 else:  # a root and two siblings, a tree step
                     block = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=bool)
                     out.append(Segment(region, [3, 4, 5], region.length + np.array([0, 1, 1]), block, range(3)))
@@ -355,10 +368,10 @@ def test_per_request_attention_equals_the_masked_forward(arch: str) -> None:
             assert used in (None, packed)
             if packed:
                 assert model.config._attn_implementation == PACKED_NAME
-            first = runner.forward_segments(segments(0))
+            first = runner.forward(segments(0)).logits
             for region in regions:
-                runner.keep_all(region)
-            second = runner.forward_segments(segments(1))
+                runner.store.keep_all(region)
+            second = runner.forward(segments(1)).logits
         return torch.cat([first, second])
 
     from contextlib import nullcontext
@@ -370,17 +383,17 @@ def test_per_request_attention_equals_the_masked_forward(arch: str) -> None:
 def test_attention_priced_per_row_and_position_shrinks_trees_over_long_contexts() -> None:
     """A row's attention over its request's context is part of what a tree node costs: the same
     acceptance buys a wide tree over a short context and a narrow one over a long context."""
-    from specdraft.attention_cost import attention_seconds
+    from specdraft.kernels.attention_cost import attention_seconds
 
     curve = [0.01] * 16 + [0.01 * (1 + 0.5 * (w - 16)) for w in range(17, 65)]
-    budget = BatchBudget(16, cost_curve=curve, attention_seconds=1e-6)  # 0.1 one-row forwards per 1k positions
+    budget = priced_budget(16, curve, attention_seconds=1e-6)  # 0.1 one-row forwards per 1k positions
     rates = [0.5] * 16
-    short = budget.allocate([Ask(rates, 16, 0, 1, context=100) for _ in range(2)])
-    long = budget.allocate([Ask(rates, 16, 0, 1, context=20_000) for _ in range(2)])
+    short = nodes(budget, [Ask(rates, 16, 0, 1, context=100) for _ in range(2)])
+    long = nodes(budget, [Ask(rates, 16, 0, 1, context=20_000) for _ in range(2)])
     assert sum(long) < sum(short)
     assert attention_seconds(tiny_model("llama")) >= 0.0
     with pytest.raises(ValueError, match="attention_seconds"):
-        BatchBudget(4, attention_seconds=-1.0)
+        Budget(4, attention_seconds=-1.0)
 
 
 def test_stop_strings_per_request_match_the_one_request_decoder(tiny_dir) -> None:

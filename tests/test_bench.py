@@ -16,7 +16,6 @@ from typing import Any, Sequence
 import pytest
 import torch
 
-from specdraft.budget import AdaptiveBudget, FixedBudget
 from specdraft import cli
 from specdraft.bench import datasets as ds
 from specdraft.bench.methods import (BASELINE, DEFAULT, HF_PROMPT_LOOKUP, MethodError, MethodResult, PlainGenerate,
@@ -302,7 +301,7 @@ def test_methods_take_source_settings_in_brackets(tiny) -> None:
     (jacobi,) = method.sources
     assert (jacobi.window, jacobi.ngram, jacobi.max_candidates) == (3, 4, 2)
     mixed = build_method(names[2], *tiny)
-    assert mixed.sources[1].max_candidates == 1 and isinstance(mixed.decoder.budget, FixedBudget)
+    assert mixed.sources[1].max_candidates == 1 and not mixed.decoder.budget.adaptive
     with pytest.raises(MethodError, match=r"jacobi\[window=0\].*window must be an int >= 1, got 0"):
         parse_methods("jacobi[window=0]")
     with pytest.raises(MethodError, match="unexpected keyword argument 'widht'"):
@@ -454,7 +453,7 @@ def test_fixed_suffix_turns_the_adaptive_budget_off():
                                                          num_hidden_layers=1, num_attention_heads=2))
     fixed = build_method("specdraft:prompt@fixed", model, None, 8)
     adaptive = build_method("specdraft:prompt", model, None, 8)
-    assert isinstance(fixed.decoder.budget, FixedBudget) and isinstance(adaptive.decoder.budget, AdaptiveBudget)
+    assert not fixed.decoder.budget.adaptive and adaptive.decoder.budget.adaptive
     assert fixed.name == "specdraft:prompt@fixed"
 
 

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdraft.budget import AdaptiveBudget, BudgetDecision
+from _budget_driver import OneRequest
+from specdraft.budget import Ask, Budget, Grant
 
 # Step cost in seconds by forward width, shaped like Qwen-0.5B fp32 on this CPU (README of models):
 # any multi-token forward costs about twice a one-token step.
@@ -28,25 +29,31 @@ def _bucket(width: int) -> int:
 
 
 def simulate(curve: dict[int, float], accept_len, steps: int, max_nodes: int = 32, available: int | None = None,
-             seed: int = 0) -> list[BudgetDecision]:
+             seed: int = 0) -> list[Grant]:
     """Drive the controller as the decoder does: each step the sources offer ``available`` nodes
     (default: all ``max_nodes``) laid out as one chain, of which the first ``accept_len(step)``
     are right; the controller checks a prefix of them, pays for that width, and learns from the
     full chain (the decoder's shadow verification)."""
     rng = random.Random(seed)
-    ctl = AdaptiveBudget(max_nodes)
-    ctl.start_request()
+    ctl = OneRequest(Budget(max_nodes))
     decisions = []
     offered = max_nodes if available is None else available
     for step in range(steps):
-        d = ctl.choose(0)
+        d = ctl.choose(offered)
         right = min(offered, accept_len(step, rng))
-        built = min(d.nodes, offered)
-        width = 1 + built
-        ctl.observe_cost(width, curve[_bucket(width)])
-        ctl.observe_acceptance(offered, list(range(right)))
+        width = 1 + d.nodes
+        ctl.budget.observe_step(width, curve[_bucket(width)])
+        ctl.observe_chain(offered, right)
         decisions.append(d)
     return decisions
+
+
+def priced(max_nodes: int, curve: dict[int, float], **options) -> OneRequest:
+    """A budget past its warm-up that has seen a step of every width of ``curve``."""
+    ctl = OneRequest(Budget(max_nodes, warmup=0, **options))
+    for width, seconds in curve.items():
+        ctl.budget.observe_step(width, seconds)
+    return ctl
 
 
 def test_shrinks_to_plain_decoding_when_nothing_is_accepted():
@@ -95,92 +102,97 @@ def test_a_request_starts_from_the_long_run_acceptance_not_the_tail_of_the_last_
     """A new prompt owes nothing to how the last answer ended: after a copy that ran the tree wide,
     the next request opens with plain steps when this decoder's traffic rarely accepts drafts
     (carrying the fast averages over made such requests open with failing wide trials)."""
-    ctl = AdaptiveBudget(32, warmup=0)
-    for width, seconds in CPU_FP32.items():
-        ctl.observe_cost(width, seconds)
+    ctl = priced(32, CPU_FP32)
     for _ in range(10):  # ten requests of novel text: drafts never accepted
         ctl.start_request()
         for _ in range(20):
-            ctl.observe_acceptance(32, [])
+            ctl.observe_chain(32, 0)
     ctl.start_request()  # ... then one that ends in a copy
     for _ in range(3):
-        ctl.observe_cost(1, CPU_FP32[1])
-        ctl.observe_acceptance(32, list(range(32)))
-    assert ctl.choose().nodes >= 31  # during the copy: the whole tree
+        ctl.budget.observe_step(1, CPU_FP32[1])
+        ctl.observe_chain(32, 32)
+    assert ctl.choose(32).nodes >= 31  # during the copy: the whole tree
     ctl.start_request()
-    assert ctl.choose().nodes == 0  # the next request: plain steps until its own drafts pay
-    ctl.observe_cost(1, CPU_FP32[1])
-    assert ctl.choose().nodes == 0  # (not only its first step, which is held back anyway, see below)
-    assert 0 < ctl.long_run_rate[0] < 0.1  # the copy is in the long-run averages, weighed as one of many
+    assert ctl.choose(32).nodes == 0  # the next request: plain steps until its own drafts pay
+    ctl.budget.observe_step(1, CPU_FP32[1])
+    ctl.observe_chain(32, 0)
+    assert ctl.choose(32).nodes == 0  # (not only its first step, which is held back anyway, see below)
+    assert 0 < ctl.budget.acceptance.long_run_ranks[0] < 0.1  # the copy is in the long run, weighed as one of many
 
 
 @pytest.mark.parametrize("curve, first_is_plain", [(CPU_FP32, True), (FLAT, False)], ids=["costly-width", "flat"])
 def test_a_requests_first_step_is_plain_only_when_width_is_dear(curve, first_is_plain):
     """Before a request has shown anything, a wide step that costs twice a plain one is a gamble a
     short answer cannot win back: the first step stays plain. Where width is nearly free it does not."""
-    ctl = AdaptiveBudget(32, warmup=0)
-    for width, seconds in curve.items():
-        ctl.observe_cost(width, seconds)
+    ctl = priced(32, curve)
     for _ in range(5):
-        ctl.observe_acceptance(32, list(range(8)))  # the long run says: the first 8 ranks hit
+        ctl.observe_chain(32, 8)  # the long run says: the first 8 ranks hit
     ctl.start_request()
-    first = ctl.choose()
+    first = ctl.choose(32)
     assert (first.nodes == 0) == first_is_plain
-    ctl.observe_cost(1 if first.nodes == 0 else 1 + first.nodes, curve[_bucket(1 + first.nodes)])
-    assert ctl.choose().nodes >= 7  # from the second step on the averages decide
-    never = AdaptiveBudget(32, warmup=0, opening_cost_ratio=math.inf)
-    never.costs, never.long_run_rate = ctl.costs, list(ctl.long_run_rate)
+    ctl.budget.observe_step(1 + first.nodes, curve[_bucket(1 + first.nodes)])
+    ctl.observe_chain(32, 8)
+    assert ctl.choose(32).nodes >= 7  # from the second step on the averages decide
+    never = OneRequest(Budget(32, warmup=0, opening_cost_ratio=math.inf))
+    never.budget.costs = ctl.budget.costs
+    never.budget.acceptance.long_run_ranks = list(ctl.budget.acceptance.long_run_ranks)
     never.start_request()
-    assert never.choose().nodes >= 7
+    assert never.choose(32).nodes >= 7
 
 
-def test_expected_tokens_is_one_plus_rank_rates():
-    ctl = AdaptiveBudget(4, smoothing=1.0, acceptance_smoothing=1.0)
-    ctl.record(BudgetDecision(4, 0, 0), 4, [0, 1], 5, 0.1)
-    assert ctl.expected_tokens(0) == 1.0
-    assert ctl.expected_tokens(1) == 2.0
-    assert ctl.expected_tokens(4) == 3.0
+def test_rank_rates_follow_what_the_full_tree_would_have_committed():
+    ctl = OneRequest(Budget(4, acceptance_smoothing=1.0))
+    ctl.observe_chain(4, 2)
+    assert ctl.rates == [1.0, 1.0, 0.0, 0.0]  # 1 + 2 tokens expected from a tree of 2 or more nodes
 
 
 def test_a_plain_step_leaves_the_side_block_out():
-    """A plain step runs the root alone (the decoder drops side blocks on it), so it is priced at
+    """A plain step runs the root alone (the engine drops side blocks on it), so it is priced at
     width 1, not 1 + side: a costly window must not make plain decoding look as dear as drafting."""
-    ctl = AdaptiveBudget(1, smoothing=1.0, acceptance_smoothing=1.0, warmup=0)
-    ctl.observe_cost(1, 0.1)
-    ctl.observe_cost(8, 0.2)
-    ctl.accept_rate[0] = 0.6  # a one-node tree commits 1.6 tokens on average
+    ctl = OneRequest(Budget(1, smoothing=1.0, acceptance_smoothing=1.0, warmup=0))
+    ctl.budget.observe_step(1, 0.1)
+    ctl.budget.observe_step(8, 0.2)
+    ctl.request.rank_rates[0] = 0.6  # a one-node tree commits 1.6 tokens on average
+    ctl.request.tree_steps = 1  # past the opening
     # 6 side tokens: drafting costs width 8 (0.2 s) for 1.6 tokens; plain costs width 1 (0.1 s)
-    decision = ctl.choose(side_tokens=6)
-    assert decision.nodes == 0 and decision.expected_cost == 0.1
-    assert ctl.choose(side_tokens=0).nodes == 1  # without side tokens the draft is cheap and pays
-    assert AdaptiveBudget.width(0, 6) == 1 and AdaptiveBudget.width(3, 6) == 10
+    assert ctl.choose(1, side=6) == Grant(0, False)
+    assert ctl.choose(1, side=0) == Grant(1, True)  # without side tokens the draft is cheap and pays
+
+
+def test_the_warm_up_and_a_fixed_budget_give_the_full_tree_with_its_side_blocks():
+    """Jacobi's window needs steps before its drafts mean anything: during the warm-up (and with a
+    fixed budget) every request gets its full tree, side blocks included, even an empty tree."""
+    warm = OneRequest(Budget(8, warmup=3))
+    assert warm.choose(5, side=4) == Grant(5, True) and warm.choose(0, side=4) == Grant(0, True)
+    fixed = OneRequest(Budget(8, adaptive=False, warmup=0))
+    fixed.budget.observe_step(1, 0.1)
+    assert fixed.choose(12, side=4) == Grant(8, True)
 
 
 def test_max_nodes_zero_is_plain_decoding():
-    ctl = AdaptiveBudget(0)
-    assert ctl.choose().nodes == 0
+    assert OneRequest(Budget(0)).choose(5, side=3) == Grant(0, False)
 
 
 @pytest.mark.parametrize("bad", [{"max_nodes": -1}, {"max_nodes": 4, "smoothing": 0.0},
                                  {"max_nodes": 4, "acceptance_smoothing": 0.0},
                                  {"max_nodes": 4, "prior_smoothing": 0.0}, {"max_nodes": 4, "prior_smoothing": 1.5},
-                                 {"max_nodes": 4, "opening_cost_ratio": 0.5}])
+                                 {"max_nodes": 4, "opening_cost_ratio": 0.5}, {"max_nodes": 4, "warmup": -1},
+                                 {"max_nodes": 4, "attention_seconds": -1.0}])
 def test_bad_parameters_raise(bad):
     with pytest.raises(ValueError):
-        AdaptiveBudget(**bad)
+        Budget(**bad)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=80),
        st.integers(0, 40), st.integers(0, 6))
 def test_choice_always_within_bounds(stream, max_nodes, side):
-    ctl = AdaptiveBudget(max_nodes)
+    ctl = OneRequest(Budget(max_nodes))
     for offered, accepted in stream:
-        d = ctl.choose(side)
-        assert 0 <= d.nodes <= max_nodes
-        built = min(offered, d.nodes)
-        ctl.observe_cost(1 + built + side, 0.01 * (1 + (built > 0)))
-        ctl.observe_acceptance(min(offered, max_nodes), list(range(min(accepted, offered))))
+        d = ctl.choose(min(offered, max_nodes), side)
+        assert 0 <= d.nodes <= min(offered, max_nodes)
+        ctl.budget.observe_step(1 + d.nodes + (side if d.side_blocks else 0), 0.01 * (1 + (d.nodes > 0)))
+        ctl.observe_chain(min(offered, max_nodes), min(accepted, offered))
 
 
 def test_decoder_with_adaptive_budget_stays_exact():
@@ -207,24 +219,13 @@ def test_decoder_with_adaptive_budget_stays_exact():
     assert len(sizes) > 1  # the controller really varied the tree
 
 
-def test_a_cap_the_sources_do_not_fill_is_priced_at_the_width_it_runs_at():
-    """When the sources offered only 2 nodes last step, a budget of 7 runs a 3-row forward, which on
-    MKL-like kernels costs more than an 8-row one: it is priced as the dearest of the two, so two
-    sure hits (3 tokens) do not buy a 3.1-step forward."""
-    from specdraft.budget import StepOutcome
-    from specdraft.tree import TokenTree
-
+def test_a_narrow_offer_is_priced_at_the_width_it_runs_at():
+    """When the sources offer only 2 nodes, the forward has 3 rows, which on MKL-like kernels can
+    cost more than 8: two sure hits (3 tokens) do not buy a 3.1-step forward, but do buy a 2.9-step one."""
     curve = [1.0, 2.0, 3.1, 2.1] + [2.2] * 60  # seconds of 1, 2, 3, 4, ... rows (relative)
-    ctl = AdaptiveBudget(8, warmup=0, smoothing=1.0, acceptance_smoothing=1.0, cost_curve=curve)
-    committed = [1, 2, 3]
-    for step in range(6):  # a two-token draft that is always right
-        branch = [10 + step, 11 + step]
-        decision = ctl.choose()
-        tree = TokenTree.from_drafts(committed[-1], [[branch]], decision.nodes)
-        start = len(committed)
-        committed += branch + [99] if decision.nodes >= 2 else branch[:1]
-        ctl.observe(StepOutcome(decision, tree, [[branch]], committed, start, len(tree), 0.1))
-    assert ctl.accept_rate[:2] == [1.0, 1.0] and ctl._offered == 2
-    assert ctl.choose().nodes == 0  # 3 tokens for 3.1 steps: plain is better
-    ctl.set_cost_curve([1.0, 2.0, 2.9, 2.1] + [2.2] * 60)
-    assert ctl.choose().nodes >= 2  # 3 tokens for 2.9 steps: worth it
+    budget = Budget(8, warmup=0, smoothing=1.0, acceptance_smoothing=1.0, cost_curve=curve)
+    budget.observe_step(1, 1.0)
+    ask = Ask([1.0] * 8, 2, 0, 1)
+    assert budget.allocate([ask]) == [Grant(0, False)]  # 3 tokens for 3.1 steps: plain is better
+    budget.set_cost_curve([1.0, 2.0, 2.9, 2.1] + [2.2] * 60)
+    assert budget.allocate([ask]) == [Grant(2, True)]  # 3 tokens for 2.9 steps: worth it

@@ -12,7 +12,7 @@ did not check would have been accepted 5-6 tokens at a time. Two things together
   every step, went back to normal; since the controller only measures what it runs, those prices
   stayed.
 
-Here a budget is driven as the decoder drives it (real token trees, one ``StepOutcome`` per step)
+Here a budget is driven as the engine drives it (real token trees, one allocation and one observation per step)
 on a simulated clock: novel text first, then requests whose answers copy blocks of their prompts
 with small edits, with log-normal noise on every step, a stretch where the machine runs 3.5x
 slower, and one 8x outlier.
@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from specdraft.budget import AdaptiveBudget, StepOutcome
+from _budget_driver import OneRequest
+from specdraft.budget import Budget
 from specdraft.tree import TokenTree
 
 #: Milliseconds of a forward of k rows, float32 stock kernels, Qwen2.5-Coder-0.5B, AMD EPYC (AVX2):
@@ -109,11 +110,11 @@ class RequestRun:
     late_plain: int
 
 
-def run_request(budget: AdaptiveBudget, answer: Answer, machine: BusyMachine, rng: random.Random) -> RequestRun:
-    """Decode ``answer`` as the decoder would: each step a copy source drafts 20 tokens (right for
+def run_request(budget: Budget, answer: Answer, machine: BusyMachine, rng: random.Random) -> RequestRun:
+    """Decode ``answer`` as the engine would: each step a copy source drafts 20 tokens (right for
     ``copyable`` of them) and a second source one junk branch; the budget's prefix of the merged
-    tree is checked, the step is timed on ``machine``, and the budget learns from a StepOutcome."""
-    budget.start_request()
+    tree is checked, the step is timed on ``machine``, and the budget learns from the full tree."""
+    ctl = OneRequest(budget)
     committed = [VOCAB + 1] * 40  # the prompt
     pos = steps = plain = late_plain = 0
     stretch_step = 0  # steps since the current copyable stretch began
@@ -122,8 +123,9 @@ def run_request(budget: AdaptiveBudget, answer: Answer, machine: BusyMachine, rn
         copy = [answer.tokens[pos + j] if j < right else VOCAB + 2 + rng.randrange(VOCAB) for j in range(20)]
         junk = [VOCAB + 2 + rng.randrange(VOCAB) for _ in range(6)]
         branches = [[copy], [junk]]
-        decision = budget.choose(0)
-        tree = TokenTree.from_drafts(committed[-1], branches, decision.nodes)
+        full = TokenTree.from_drafts(committed[-1], branches, MAX_NODES)
+        decision = ctl.choose(full.num_draft_nodes)
+        tree = full.prefix(decision.nodes)
         node = accepted = 0
         while pos + accepted < len(answer.tokens):
             child = tree.child(node, answer.tokens[pos + accepted])
@@ -133,7 +135,8 @@ def run_request(budget: AdaptiveBudget, answer: Answer, machine: BusyMachine, rn
         n = min(accepted + 1, len(answer.tokens) - pos)
         start = len(committed)
         committed += answer.tokens[pos : pos + n]
-        budget.observe(StepOutcome(decision, tree, branches, committed, start, len(tree), machine.seconds(len(tree))))
+        budget.observe_step(len(tree), machine.seconds(len(tree)))
+        ctl.observe(full, committed, start)
         stretch_step = stretch_step + 1 if right >= 4 else 0
         if decision.nodes == 0 and stretch_step > 6:
             late_plain += 1  # a plain step well inside a stretch whose drafts pay
@@ -153,8 +156,7 @@ BUSY = [(1, 610), (2, 640), (1, 660), (0, 620)]
 @pytest.mark.parametrize("curve", [False, True], ids=["learned-prices", "measured-curve"])
 def test_copies_after_novel_text_on_a_busy_machine_are_taken_up(seed: int, slow_from: int, curve: bool) -> None:
     rng = random.Random(seed)
-    budget = AdaptiveBudget(MAX_NODES,
-                            cost_curve=[forward_ms(w) for w in range(1, 65)] if curve else None)
+    budget = Budget(MAX_NODES, cost_curve=[forward_ms(w) for w in range(1, 65)] if curve else None)
     machine = BusyMachine(seed=seed, slow_steps=range(slow_from, slow_from + 40), outlier_step=slow_from + 60)
     novel_runs = [run_request(budget, novel(rng), machine, rng) for _ in range(3)]
     copy_runs = [run_request(budget, code_edit(rng), machine, rng) for _ in range(9)]
@@ -172,35 +174,36 @@ def test_a_shadow_still_on_course_does_not_count_the_nodes_below_it_as_rejected(
     """A copy during plain steps: after the patience, the walked path counts as accepted and the
     rest of the branch is not recorded until the committed tokens reach it (it was recorded as
     rejected, which capped what plain steps could ever see at 4 tokens a step)."""
-    budget = AdaptiveBudget(8, warmup=0, smoothing=1.0, acceptance_smoothing=1.0)
-    budget.observe_cost(1, 0.1)
+    budget = Budget(8, warmup=0, smoothing=1.0, acceptance_smoothing=1.0)
+    budget.observe_step(1, 0.1)
+    ctl = OneRequest(budget)
     answer = list(range(100, 120))
     committed = [1, 2, 3]
     for step in range(8):
         branch = answer[step : step + 8]
-        decision = budget.choose()
-        tree = TokenTree.from_drafts(committed[-1], [[branch]], decision.nodes)
+        full = TokenTree.from_drafts(committed[-1], [[branch]], 8)
         start = len(committed)
-        committed.append(answer[step])
-        budget.observe(StepOutcome(decision, tree, [[branch]], committed, start, len(tree), 0.1))
+        committed.append(answer[step])  # a plain step: one token
+        ctl.observe(full, committed, start)
         if step == 3:  # the first shadow waited 3 steps: 4 nodes known, 4 not yet
-            assert budget.accept_rate[:4] == [1.0] * 4
-            assert budget.accept_rate[4:] == [None] * 4
-    assert budget.accept_rate == [1.0] * 8  # the rest as the walk reached it: never a miss
+            assert ctl.rates[:4] == [1.0] * 4
+            assert ctl.rates[4:] == [None] * 4
+    assert ctl.rates == [1.0] * 8  # the rest as the walk reached it: never a miss
 
 
 def test_a_uniform_slowdown_does_not_change_the_chosen_tree() -> None:
     """Prices are relative to the present one-token step: a machine running 3x slower for a while
     makes every width dearer alike."""
     for curve in (None, [forward_ms(w) for w in range(1, 65)]):
-        budget = AdaptiveBudget(MAX_NODES, warmup=0, cost_curve=curve)
+        budget = Budget(MAX_NODES, warmup=0, cost_curve=curve)
         for width in (1, 5, 9, 17, 33):
-            budget.observe_cost(width, forward_ms(width) / 1000)
-        budget.observe_cost(1, forward_ms(1) / 1000)
-        budget.observe_acceptance(MAX_NODES, list(range(6)))
-        before = budget.choose()
+            budget.observe_step(width, forward_ms(width) / 1000)
+        budget.observe_step(1, forward_ms(1) / 1000)
+        ctl = OneRequest(budget)
+        ctl.observe_chain(MAX_NODES, 6)
+        before, seconds_before = ctl.choose(MAX_NODES), budget.costs.seconds(1)
         for _ in range(5):
-            budget.observe_cost(1, 3 * forward_ms(1) / 1000)
-        after = budget.choose()
+            budget.observe_step(1, 3 * forward_ms(1) / 1000)
+        after = ctl.choose(MAX_NODES)
         assert before.nodes == after.nodes and before.nodes > 0
-        assert after.expected_cost == pytest.approx(3 * before.expected_cost, rel=0.05)
+        assert budget.costs.seconds(1) == pytest.approx(3 * seconds_before, rel=0.05)

@@ -11,7 +11,7 @@ import pytest
 
 from specdraft import cli
 from specdraft.cli import SOURCES, UsageError, main, parse_source_names
-from specdraft.fp16_linear import fbgemm_problem
+from specdraft.kernels.fp16_linear import fbgemm_problem
 from specdraft.sources.registry import DEFAULT_SOURCES
 
 

@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from specdraft import Decoder, PromptLookup
-from specdraft.cpu_kernels import (CpuKernelError, PackedLinear, check_cpu_kernels, packed_dtype_problem,
+from specdraft.kernels.cpu_kernels import (CpuKernelError, PackedLinear, check_cpu_kernels, packed_dtype_problem,
                                    packed_kernels_available, packed_model)
-from specdraft.fp16_linear import Fp16Linear, fbgemm_problem
+from specdraft.kernels.fp16_linear import Fp16Linear, fbgemm_problem
 
 from conftest import FAST, full_logits, reference_greedy, tiny_model
 from test_greedy_identity import build_sources, oracle_sequence, prompts, source_specs

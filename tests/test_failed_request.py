@@ -178,8 +178,10 @@ def test_one_source_failing_to_end_does_not_leave_the_others_running(model) -> N
     with pytest.raises(RuntimeError, match="end failed"):
         dec.generate(PROMPTS[0], max_new_tokens=8)
     assert all(_live(s) == 0 for s in sources.values())
-    dec.sources[:1] = []
-    assert dec.generate(PROMPTS[0], max_new_tokens=8).token_ids == reference_greedy(model, PROMPTS[0], 8)
+    with pytest.raises(RuntimeError, match="end failed"):  # the decoder was released: it runs again
+        dec.generate(PROMPTS[0], max_new_tokens=8)
+    healthy = Decoder(model, sources=list(sources.values()), max_tree_nodes=12, adaptive_budget=False)
+    assert healthy.generate(PROMPTS[0], max_new_tokens=8).token_ids == reference_greedy(model, PROMPTS[0], 8)
 
 
 def test_a_source_without_abort_gets_end(model) -> None:

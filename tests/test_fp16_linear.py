@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from specdraft import Decoder, PromptLookup
-from specdraft.cpu_kernels import CpuKernelError, packed_model
-from specdraft.fp16_linear import Fp16Linear, exact_fp16_weight, fbgemm_problem
+from specdraft.kernels.cpu_kernels import CpuKernelError, packed_model
+from specdraft.kernels.fp16_linear import Fp16Linear, exact_fp16_weight, fbgemm_problem
 
 from conftest import FAST, reference_greedy, tiny_model
 
@@ -167,7 +167,7 @@ def test_weights_no_longer_exact_after_a_change_are_refused() -> None:
 
 
 def test_two_kinds_in_flight_on_one_model_get_a_clear_error() -> None:
-    from specdraft.cpu_kernels import packed_kernels_available
+    from specdraft.kernels.cpu_kernels import packed_kernels_available
 
     if not packed_kernels_available():
         pytest.skip("torch built without oneDNN")

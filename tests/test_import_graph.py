@@ -83,8 +83,9 @@ def _without_package_faces(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 def test_the_graph_is_read() -> None:
     graph = import_graph()
-    assert "specdraft.tree" in graph["specdraft.decoder"]
+    assert "specdraft.engine" in graph["specdraft.decoder"]
     assert "specdraft.sources.registry" in graph["specdraft.decoder"]
+    assert "specdraft.tree" in graph["specdraft.engine.drafting"]
 
 
 def test_no_import_cycle() -> None:
@@ -102,14 +103,75 @@ def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+#: The public faces: what a user imports, and the front ends built on them.
+FACADE = {"specdraft", "specdraft.decoder", "specdraft.batching", "specdraft.cli", "specdraft.bench.command",
+          "specdraft.bench.methods", "specdraft.bench.runner", "specdraft.bench.concurrency"}
+
+
 def test_the_decoder_knows_its_parts_and_they_do_not_know_it() -> None:
+    """The engine, the model side, the budget, the kernels, the sources and the shared vocabulary
+    (tree, verifier, sampling) never import the public facade or the front ends: data flows one
+    way, from the decoder down."""
     graph = _without_package_faces(import_graph())
-    front = {"specdraft.decoder", "specdraft.cli", "specdraft.bench.command", "specdraft.bench.methods",
-             "specdraft.bench.runner"}
-    parts = [m for m in graph if m.startswith("specdraft.sources.") or m in (
-        "specdraft.verify", "specdraft.runner", "specdraft.budget", "specdraft.tree", "specdraft.sampling")]
+    parts = [m for m in graph if m.split(".")[1:2] and m.split(".")[1] in
+             ("engine", "model", "budget", "kernels", "sources")
+             or m in ("specdraft.verify", "specdraft.tree", "specdraft.sampling", "specdraft.stopping")]
+    assert len(parts) > 20
     for module in parts:
-        assert not _reaches(graph, module) & front, f"{module} imports {sorted(_reaches(graph, module) & front)}"
+        reached = _reaches(graph, module) | graph[module]
+        assert not reached & FACADE, f"{module} imports {sorted(reached & FACADE)}"
     # and the bench never imports the CLI
     for module in (m for m in graph if m.startswith("specdraft.bench")):
         assert "specdraft.cli" not in _reaches(graph, module), module
+
+
+def test_the_engine_does_not_import_the_package_face() -> None:
+    """``from specdraft import X`` (or ``from .. import X``) inside the engine would run the public
+    face, which imports the decoder, which imports the engine: a circle hidden by Python's caching."""
+    graph = import_graph()
+    inside = [m for m in graph if m.startswith(("specdraft.engine", "specdraft.model", "specdraft.budget",
+                                                 "specdraft.kernels"))]
+    for module in inside:
+        assert "specdraft" not in graph[module], f"{module} imports the package face"
+
+
+#: Private attributes of third-party objects the package may touch (torch's module and tensor internals).
+_FOREIGN_PRIVATE = {"_version", "_parameters", "_buffers"}
+
+
+def _own_private_names(tree: ast.AST) -> set[str]:
+    """Private names a module defines: functions, classes, assigned attributes and names, slots."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)  # __slots__ entries
+    return {n for n in names if n.startswith("_")}
+
+
+def test_no_module_reaches_into_another_modules_private_names() -> None:
+    """Outside the decoder, a module reads only what another module makes public: no
+    ``from .x import _name`` and no ``thing._attribute`` of a name the module does not define."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        if module == "specdraft.decoder":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        own = _own_private_names(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("specdraft")):
+                found += [f"{module}:{node.lineno} imports {a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and node.attr not in own and node.attr not in _FOREIGN_PRIVATE \
+                    and not ast.unparse(node).startswith("torch."):
+                found.append(f"{module}:{node.lineno} reaches {ast.unparse(node)}")
+    assert not found, "\n".join(found)

@@ -16,12 +16,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specdraft import Decoder, PromptLookup
-from specdraft.step import step_input as _step_input
+from specdraft.engine.layout import tree_rows
 from specdraft.sources import Context, DraftSource, Feedback, JacobiLookahead
 from specdraft.sources.jacobi import NGramPool, window_side_block
 from specdraft.tree import TokenTree
 
-from conftest import (FAST, VOCAB, AlternatingBudget, OracleSource, RandomGuess, SideBlockToy, assert_float32_logits_match,
+from conftest import (FAST, VOCAB, AlternatingBudget, add_branch, OracleSource, RandomGuess, SideBlockToy, assert_float32_logits_match,
                       full_logits, generation_config_override, reference_greedy, tiny_model)
 
 
@@ -125,8 +125,9 @@ def test_step_mask_is_figure_2b() -> None:
     assert draft.branches == [[70, 71, 72], [60, 61, 62]]  # most recently generated first
     tree = TokenTree(7)  # the figure lays the branches out one after the other (the merge orders by value)
     for branch in draft.branches:
-        tree.add_branch(branch)
-    tokens, offsets, block, slices = _step_input(tree, [draft.side_block])
+        add_branch(tree, branch)
+    rows = tree_rows(tree, [draft.side_block])
+    tokens, offsets, block, slices = rows.tokens, rows.offsets, rows.block, rows.side_slices
     assert tokens == [7, 70, 71, 72, 60, 61, 62, 11, 12, 13, 14, 20, 21, 22, 23, 24, 30, 31, 32, 33, 34]
     assert offsets.tolist() == FIGURE_2B_POSITIONS
     np.testing.assert_array_equal(block, parse_figure(FIGURE_2B))

@@ -16,9 +16,9 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from specdraft import Decoder, PromptLookup
-from specdraft import cpu_kernels as ck
-from specdraft import kernel_costs as kc
-from specdraft.cpu_kernels import CpuKernelError, MixedLinear, packed_model
+from specdraft.kernels import cpu_kernels as ck
+from specdraft.kernels import kernel_costs as kc
+from specdraft.kernels.cpu_kernels import CpuKernelError, MixedLinear, packed_model
 
 from conftest import FAST, reference_greedy, tiny_model
 from test_cpu_kernels import KINDS, _assert_unchanged, _first_difference_is_a_tie, _snapshot, model_for, needs_onednn
@@ -94,8 +94,8 @@ def test_the_cheapest_path_per_width(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dec.budget.costs.curve is not None and dec.budget.costs.shape(1) == 1.0
     assert dec.budget.costs.shape(8) == 0.5  # priced from the curve, not learned
     assert f"stock at 1 rows, {kind} at 2-64+ rows" in choice.describe()
-    assert "GiB" in choice.describe() and choice.extra_bytes == dec._packed.nbytes > 0
-    assert all(isinstance(layer, MixedLinear) for layer in dec._packed.layers.values())
+    assert "GiB" in choice.describe() and choice.extra_bytes == dec.packed_weights.nbytes > 0
+    assert all(isinstance(layer, MixedLinear) for layer in dec.packed_weights.layers.values())
 
 
 def test_stock_everywhere_when_nothing_is_cheaper(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,7 +105,7 @@ def test_stock_everywhere_when_nothing_is_cheaper(monkeypatch: pytest.MonkeyPatc
     kind = kc.runnable_paths(model)[0][0]
     with_costs(monkeypatch, lambda m: fake_costs(m, tuple(False for _ in ROWS), kind))
     dec = Decoder(model, sources=[PromptLookup()])
-    assert dec._packed is None and dec.kernels.kind == "stock" and dec.kernels.curve == [1.0] * len(ROWS)
+    assert dec.packed_weights is None and dec.kernels.kind == "stock" and dec.kernels.curve == [1.0] * len(ROWS)
     assert "stock is cheapest" in dec.kernels.describe()
 
 
@@ -115,9 +115,9 @@ def test_stock_opts_out_and_float64_measures_nothing(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(kc, "measure", no_measuring)
     dec = Decoder(model_for("packed", "llama"), sources=[PromptLookup()], cpu_kernels="stock")
-    assert dec._packed is None and dec.kernels.curve is None and dec.kernels.describe() == "stock"
+    assert dec.packed_weights is None and dec.kernels.curve is None and dec.kernels.describe() == "stock"
     auto64 = Decoder(tiny_model("llama"), sources=[PromptLookup()])  # float64: no packed path takes it
-    assert auto64._packed is None and auto64.kernels.curve is None
+    assert auto64.packed_weights is None and auto64.kernels.curve is None
     assert "no packed path" in auto64.kernels.describe()
 
 
@@ -133,7 +133,7 @@ def test_packing_is_refused_when_memory_is_short(monkeypatch: pytest.MonkeyPatch
     with_costs(monkeypatch, lambda m: fake_costs(m, tuple(True for _ in ROWS), "packed"))
     with pytest.warns(RuntimeWarning, match="stays on stock kernels"):
         dec = Decoder(model, sources=[PromptLookup()])
-    assert dec._packed is None and "GiB more memory" in dec.kernels.describe()
+    assert dec.packed_weights is None and "GiB more memory" in dec.kernels.describe()
     prompt = [3, 4, 5, 3, 4, 5, 3]
     assert dec.generate(prompt, max_new_tokens=10).token_ids == reference_greedy(model, prompt, 10)
 

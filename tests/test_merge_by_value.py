@@ -1,6 +1,6 @@
 """The merge by expected value: a mix of sources does about as well as its best member, whatever
 the order they are listed in, because each source's acceptance is learned online
-(:mod:`specdraft.calibration`) and the tree is filled best first (:meth:`TokenTree.from_drafts`)."""
+(:mod:`specdraft.budget.acceptance`) and the tree is filled best first (:meth:`TokenTree.from_drafts`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdraft import Decoder
-from specdraft.calibration import AcceptanceCalibration
+from specdraft.budget import AcceptanceTracker, RequestAcceptance
 from specdraft.sources.base import Context, Draft
 from specdraft.tree import TokenTree
 
@@ -50,61 +50,62 @@ def test_mix_with_noise_listed_first_accepts_nearly_as_much_as_the_oracle_alone(
     assert mix >= 0.8 * alone, (mix, alone)
 
 
-def _observe_steps(calibration: AcceptanceCalibration, request_id: int, steps: int) -> None:
+def _observe_steps(tracker: AcceptanceTracker, request: RequestAcceptance, steps: int) -> None:
     """Source 0 proposes a wrong branch, source 1 the right one, step after step."""
     truth = list(range(10, 10 + 5 * steps + 8))
+    committed = [0]
     at = 0
     for _ in range(steps):
         right = truth[at:at + 4]
         wrong = [t + 100 for t in right]
-        tree = TokenTree.from_drafts(truth[at - 1] if at else 0, [[wrong], [right]], 6,
-                                     calibration.rates(request_id))
-        cut = tree.prefix(6)
-        committed = right + [truth[at + 4]]
-        calibration.observe(request_id, cut, committed)
+        full = TokenTree.from_drafts(committed[-1], [[wrong], [right]], 6, request.source_rates)
+        start = len(committed)
+        committed += right + [truth[at + 4]]
+        tracker.observe(request, full, committed, start)
         at += 5
 
 
 def test_calibration_learns_which_source_is_accepted() -> None:
-    cal = AcceptanceCalibration(2)
-    assert cal.rate(0, 1) == cal.rate(1, 1)  # no evidence yet: equal
-    cal.start_request(1)
-    _observe_steps(cal, 1, 12)
+    tracker = AcceptanceTracker(6, 2)
+    assert tracker.source_rate(0, 1) == tracker.source_rate(1, 1)  # no evidence yet: equal
+    request = tracker.start()
+    _observe_steps(tracker, request, 12)
     for depth in (1, 2, 3, 4):
-        assert cal.rate(1, depth, request_id=1) > 0.9
-        assert cal.rate(1, depth) > 0.9  # the long-run average learned it too
-    assert cal.rate(0, 1, request_id=1) < 0.05 and cal.rate(0, 1) < 0.1
+        assert tracker.source_rate(1, depth, request=request) > 0.9
+        assert tracker.source_rate(1, depth) > 0.9  # the long-run average learned it too
+    assert tracker.source_rate(0, 1, request=request) < 0.05 and tracker.source_rate(0, 1) < 0.1
     # the rejected source's deeper nodes were never in the running (their parent was rejected):
     # no evidence about them
-    assert cal.rate(0, 2) == AcceptanceCalibration(2).rate(0, 2)
+    assert tracker.source_rate(0, 2) == AcceptanceTracker(6, 2).source_rate(0, 2)
     # a new request starts from the long-run averages, and the merge now puts source 1 first
-    cal.start_request(2)
-    tree = TokenTree.from_drafts(0, [[[90, 91, 92]], [[1, 2, 3]]], 3, cal.rates(2))
+    tree = TokenTree.from_drafts(0, [[[90, 91, 92]], [[1, 2, 3]]], 3, tracker.start().source_rates)
     assert tree.branches() == [[1, 2, 3]]
 
 
 def test_calibration_waits_for_the_tokens_below_a_long_walk() -> None:
     # a deep full tree whose walk outlasts the step's tokens: its deeper nodes are recorded when
     # the next steps commit their tokens, not counted as misses
-    cal = AcceptanceCalibration(1, fast=1.0)
-    cal.start_request(7)
-    tree = TokenTree.from_drafts(0, [[[1, 2, 3, 4, 5, 6]]], 6, cal.rates(7))
-    cal.observe(7, tree.prefix(1), [1, 2])  # a one-node check; the walk is at node "2"
-    assert cal.rate(0, 3, request_id=7) == 0.5  # not known yet
-    cal.observe(7, TokenTree(2), [3, 4, 9])
-    assert cal.rate(0, 3, request_id=7) == 1.0 and cal.rate(0, 4, request_id=7) == 1.0
-    assert cal.rate(0, 5, request_id=7) == 0.0  # "5" was proposed, "9" came
+    tracker = AcceptanceTracker(6, 1, source_fast=1.0)
+    request = tracker.start()
+    full = TokenTree.from_drafts(0, [[[1, 2, 3, 4, 5, 6]]], 6, request.source_rates)
+    committed = [0, 1, 2]
+    tracker.observe(request, full, committed, 1)  # a step that committed two tokens; the walk is at node "2"
+    assert tracker.source_rate(0, 3, request=request) == 0.5  # not known yet
+    committed += [3, 4, 9]
+    tracker.observe(request, TokenTree(2), committed, 3)
+    assert tracker.source_rate(0, 3, request=request) == 1.0 and tracker.source_rate(0, 4, request=request) == 1.0
+    assert tracker.source_rate(0, 5, request=request) == 0.0  # "5" was proposed, "9" came
 
 
 def test_calibration_rejects_bad_settings() -> None:
-    with pytest.raises(ValueError, match="fast"):
-        AcceptanceCalibration(2, fast=0.0)
+    with pytest.raises(ValueError, match="source_fast"):
+        AcceptanceTracker(4, 2, source_fast=0.0)
     with pytest.raises(ValueError, match="slow"):
-        AcceptanceCalibration(2, slow=1.5)
+        AcceptanceTracker(4, 2, source_slow=1.5)
     with pytest.raises(ValueError, match="num_sources"):
-        AcceptanceCalibration(-1)
+        AcceptanceTracker(4, -1)
     with pytest.raises(ValueError, match="source_index"):
-        AcceptanceCalibration(2).rate(2, 1)
+        AcceptanceTracker(4, 2).source_rate(2, 1)
 
 
 _tok = st.integers(0, 5)
@@ -117,11 +118,15 @@ _drafts = st.lists(st.lists(st.lists(_tok, max_size=6), max_size=4), max_size=4)
 def test_calibrated_merge_keeps_the_prefix_property(drafts, budget, history) -> None:
     """Whatever calibration has learned, the tree of budget n is the first n nodes of the full
     tree (nodes, order and attribution), and cutting the full tree gives the same."""
-    cal = AcceptanceCalibration(len(drafts) or 1)
-    cal.start_request(1)
+    tracker = AcceptanceTracker(30, len(drafts) or 1)
+    request = tracker.start()
+    sequence = [0]
     for old, committed in history:  # some learning first, from arbitrary steps
-        cal.observe(1, TokenTree.from_drafts(0, old[: cal.num_sources], 30, cal.rates(1)), committed)
-    rates = cal.rates(1)
+        full = TokenTree.from_drafts(sequence[-1], old[: tracker.num_sources], 30, request.source_rates)
+        start = len(sequence)
+        sequence += committed
+        tracker.observe(request, full, sequence, start)
+    rates = request.source_rates
     full = TokenTree.from_drafts(0, drafts, 10_000, rates)
     tree = TokenTree.from_drafts(0, drafts, budget, rates)
     n = len(tree)

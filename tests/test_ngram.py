@@ -463,7 +463,7 @@ def test_ngram_drafts_are_accepted_when_the_output_repeats() -> None:
     prompt = [17, 23, 5, 41, 17, 23, 5]
     ref = reference_greedy(model, prompt, 60)
     source = MultiLevelNGram()
-    out = Decoder(model, sources=[source], max_tree_nodes=16).generate(prompt, max_new_tokens=60)
+    out = Decoder(model, sources=[source], max_tree_nodes=16, adaptive_budget=False).generate(prompt, max_new_tokens=60)
     assert out.token_ids == ref
     stats = out.stats.per_source["ngram"]
     assert stats.accepted > 0 and out.stats.steps < len(ref)

@@ -57,8 +57,8 @@ def test_greedy_identity_on_default_model_packed_kernels(model_and_tokenizer, pr
     default; whatever mix of paths per width this machine measured): equal to stock
     ``model.generate`` except at such a tie."""
     from specdraft import Decoder, PromptLookup
-    from specdraft.cpu_kernels import packed_kernels_available, packed_model
-    from specdraft.fp16_linear import fbgemm_problem
+    from specdraft.kernels.cpu_kernels import packed_kernels_available, packed_model
+    from specdraft.kernels.fp16_linear import fbgemm_problem
 
     if kind == "packed" and not packed_kernels_available():
         pytest.skip("torch built without oneDNN")

@@ -1,4 +1,4 @@
-"""The positional draws of the device path (:mod:`specdraft.row_draws`): each row's choice has
+"""The positional draws of the device path (:mod:`specdraft.engine.row_draws`): each row's choice has
 its row's law, rows sampling one position share noise, and the seed alone fixes the noise."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from scipy import stats as scipy_stats
 
-from specdraft.row_draws import RowDraws, position_seed
+from specdraft.engine.row_draws import RowDraws, position_seed
 
 PROBS = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0])
 

@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from specdraft import Decoder, Draft, PromptLookup, SideBlock
-from specdraft.compat import cache_keyword
-from specdraft.runner import ModelRunner, UnsupportedModelError
+from specdraft.model.compat import cache_keyword
+from specdraft.model.runner import ModelRunner, UnsupportedModelError
 from specdraft.tree import TokenTree
 
-from conftest import (FAST, SLIDING_WINDOW, VOCAB, AlternatingBudget, OracleSource, RandomGuess, SideBlockToy,
-                      _config, assert_float32_logits_match, check_side_records, full_logits, generation_config_override,
+from conftest import (FAST, SLIDING_WINDOW, VOCAB, AlternatingBudget, OneSequence, OracleSource, RandomGuess,
+                      SideBlockToy, _config, assert_float32_logits_match, check_side_records, full_logits, generation_config_override,
                       reference_greedy, tiny_model)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -35,24 +35,20 @@ def _ids(case):
     return f"{case[0]}-{case[1]}"
 
 
-def layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
 @torch.inference_mode()
 def fresh_cache(model, tokens) -> list[tuple[torch.Tensor, torch.Tensor]]:
     cache = DynamicCache()
     model(input_ids=torch.tensor([list(tokens)]), use_cache=True, **{cache_keyword(model): cache})
-    return layers(cache)
+    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def assert_cache_matches(model, runner: ModelRunner, tokens) -> None:
+def assert_cache_matches(model, runner: OneSequence, tokens) -> None:
     """The runner's cache holds exactly the keys/values of a fresh forward of ``tokens`` (float64)."""
     eager = model.config._attn_implementation == "eager"
     tol = dict(rtol=1e-5, atol=1e-6) if eager else dict(rtol=1e-10, atol=1e-10)
     assert runner.cache_len == len(tokens)
     expected = fresh_cache(model, tokens)
-    got = layers(runner.cache)
+    got = runner.cache
     assert len(got) == len(expected)
     for (k, v), (ek, ev) in zip(got, expected):
         assert k.shape == ek.shape and v.shape == ev.shape
@@ -95,7 +91,7 @@ def test_tree_logits_equal_per_branch_logits(case) -> None:
     model = tiny_model(*case)
     rng = np.random.default_rng(11)
     prompt = rng.integers(0, VOCAB, size=14).tolist()  # longer than every sliding window
-    runner = ModelRunner(model)
+    runner = OneSequence(model)
     runner.prefill(prompt[:-1])
     assert runner.cache_len == len(prompt) - 1
     tree = random_tree(rng, prompt[-1], n_branches=5, max_depth=6, max_nodes=20)
@@ -113,7 +109,7 @@ def test_compaction_invariant_over_several_steps(case) -> None:
     model = tiny_model(*case)
     rng = np.random.default_rng(5)
     seq = rng.integers(0, VOCAB, size=9).tolist()
-    runner = ModelRunner(model)
+    runner = OneSequence(model)
     runner.prefill(seq[:-1])
     for step, choose in enumerate(["last_leaf", "first_branch", "root_only", "middle", "last_leaf", "last_leaf"]):
         tree = random_tree(rng, seq[-1], n_branches=4, max_depth=5, max_nodes=14)
@@ -149,7 +145,7 @@ def test_compaction_property(data, case, prompt_len, steps) -> None:
     model = tiny_model(*case)
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
     seq = rng.integers(0, VOCAB, size=prompt_len).tolist()
-    runner = ModelRunner(model)
+    runner = OneSequence(model)
     runner.prefill(seq[:-1])
     for _ in range(steps):
         tree = random_tree(rng, seq[-1], n_branches=int(rng.integers(0, 5)), max_depth=int(rng.integers(1, 7)),
@@ -168,7 +164,7 @@ def test_compaction_property(data, case, prompt_len, steps) -> None:
 def test_prefill_of_nothing_then_forward() -> None:
     for arch in ("llama", "gemma3"):
         model = tiny_model(arch)
-        runner = ModelRunner(model)
+        runner = OneSequence(model)
         runner.prefill([])
         assert runner.cache_len == 0
         tree = TokenTree.from_drafts(7, [[[3, 4], [5]]], 10)
@@ -177,11 +173,10 @@ def test_prefill_of_nothing_then_forward() -> None:
 
 
 def test_compact_rejects_bad_keep() -> None:
-    runner = ModelRunner(tiny_model("llama"))
+    runner = OneSequence(tiny_model("llama"))
     runner.prefill([1, 2, 3])
     with pytest.raises(ValueError, match="keep"):
-        runner.compact([0, 1])  # the prefill's forward ends with one root: only [0] can be kept
-    runner.compact([0])  # the prompt's last token is the first step's root: keeping it keeps the prompt
+        runner.compact([0])  # a prompt is committed whole by its prefill: no row of it is pending
     assert runner.cache_len == 3
     runner.forward([4, 5], np.array([0, 1]), np.tril(np.ones((2, 2), dtype=bool)))
     with pytest.raises(ValueError, match="keep"):
@@ -194,7 +189,7 @@ def test_compact_rejects_bad_keep() -> None:
 
 def test_forward_past_the_context_raises() -> None:
     model = tiny_model("llama", max_position_embeddings=16)
-    runner = ModelRunner(model)
+    runner = OneSequence(model)
     runner.prefill(list(range(3, 17)))  # 14 tokens: positions 0..13
     runner.forward([1, 2], np.array([0, 1]), np.tril(np.ones((2, 2), dtype=bool)))  # positions 14, 15
     runner.compact([0, 1])
@@ -320,7 +315,7 @@ def capture_masks(model, fn):
 @pytest.mark.parametrize("attn, kind", [("sdpa", "bool"), ("eager", "additive")])
 def test_mask_kind(arch, attn, kind) -> None:
     model = tiny_model(arch, attn)
-    runner = ModelRunner(model)
+    runner = OneSequence(model)
     assert runner.mask_kind == kind
     runner.prefill(list(range(3, 15)))
     tree = TokenTree.from_drafts(4, [[[5, 6, 7], [8]]], 10)
@@ -357,7 +352,7 @@ def test_mask_kind(arch, attn, kind) -> None:
 
 def test_lone_root_without_window_uses_the_models_own_mask() -> None:
     model = tiny_model("llama")
-    runner = ModelRunner(model)
+    runner = OneSequence(model)
     runner.prefill([3, 4, 5])
     masks = capture_masks(model, lambda: runner.forward([6], np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=bool)))
     assert masks == [None]

@@ -36,7 +36,7 @@ import torch
 from scipy import stats as scipy_stats
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-import specdraft.decoder
+import specdraft.engine.settle
 from specdraft import Decoder, PromptLookup, TokenRecycling
 from specdraft.sources import SuffixTree
 from specdraft.sources.base import Context, Draft
@@ -244,7 +244,7 @@ def test_sampled_decoding_with_transformers_defaults_chi_square(model, law_defau
 def test_specinfer_multi_round_rejection_passes_the_same_harness(model, law_a: ExactLaw, monkeypatch) -> None:
     """The correct SpecInfer-style verifier (accept/reject coin flips, bonus from the residual)
     injected into the decoder passes too (fewer samples: this documents, not duplicates)."""
-    monkeypatch.setattr(specdraft.decoder, "verify_sampling", specinfer_verify)
+    monkeypatch.setattr(specdraft.engine.settle, "verify_sampling", specinfer_verify)
     counts, _ = sample(make_decoder(model, law_a), N_MUTANT, SETTING_A, seed0=20_000)
     pvalue, dof, impossible = chi_square(counts, law_a)
     print(f"\n[specinfer] N={N_MUTANT} p={pvalue:.4g} dof={dof}")
@@ -309,7 +309,7 @@ def test_learning_source_same_random_stream_as_model_generate(model, law_a: Exac
 @pytest.mark.parametrize("mutant", [bonus_from_p_verify, committed_context_verify],
                          ids=["bonus-from-unreduced-p", "warp-with-committed-context-only"])
 def test_chi_square_rejects_a_wrong_verifier(model, law_a: ExactLaw, monkeypatch, mutant) -> None:
-    monkeypatch.setattr(specdraft.decoder, "verify_sampling", mutant)
+    monkeypatch.setattr(specdraft.engine.settle, "verify_sampling", mutant)
     counts, mean_accepted = sample(make_decoder(model, law_a), N_MUTANT, SETTING_A, seed0=30_000)
     pvalue, dof, impossible = chi_square(counts, law_a)
     print(f"\n[{mutant.__name__}] N={N_MUTANT} p={pvalue:.4g} dof={dof} impossible={impossible} "
@@ -394,8 +394,10 @@ def test_batched_row_choices_keep_the_plain_sampling_law(model, law_a: ExactLaw)
 def test_chi_square_rejects_batched_rows_that_ignore_each_nodes_path(model, law_a: ExactLaw, monkeypatch) -> None:
     """Teeth for the batched path: penalising every row with the committed tokens only (not the
     tokens on the node's own path) must fail, as the node-by-node mutant does."""
-    monkeypatch.setattr(Decoder, "_node_masks", staticmethod(
-        lambda step, penalty, n: None if penalty is None else penalty.seen.expand(n, -1)))
+    import specdraft.engine.step
+
+    monkeypatch.setattr(specdraft.engine.step, "_node_masks",
+                        lambda step, request, n: None if request.penalty is None else request.penalty.seen.expand(n, -1))
     assert_batched_mutant_is_rejected(model, law_a, 70_000, "committed-only penalty")
 
 
@@ -435,7 +437,7 @@ def test_chi_square_rejects_batched_rows_that_share_noise_across_positions(model
                                                                           monkeypatch) -> None:
     """Teeth for the positional draws: one noise vector for every position of a step correlates
     consecutive tokens, and the law test must see it."""
-    from specdraft.row_draws import RowDraws
+    from specdraft.engine.row_draws import RowDraws
 
     choose = RowDraws.choose
     monkeypatch.setattr(RowDraws, "choose", lambda self, probs, depths, position0: choose(

@@ -21,7 +21,7 @@ from collections import Counter
 
 import numpy as np
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -512,88 +512,47 @@ TestJacobiMachine.settings = MACHINE
 # ==================================================================================================
 
 
-class TreeMachine(RuleBasedStateMachine):
-    """TokenTree.add_branch against a dict ``path -> source bits`` (creation order kept), and
-    TokenTree.from_drafts against an unbudgeted merge cut to its first ``max_nodes`` nodes."""
-
-    @initialize(root=st.integers(0, 4))
-    def setup(self, root) -> None:
-        self.tree = TokenTree(root)
-        self.paths: dict[tuple[int, ...], int] = {(): 0}  # insertion-ordered: node i = i-th key
-
-    @rule(branch=st.lists(st.integers(0, 4), max_size=6), source=st.integers(0, 5),
-          cap=st.one_of(st.none(), st.integers(0, 4)))
-    def add_branch(self, branch, source, cap) -> None:
-        created = self.tree.add_branch(branch, source, cap)
-        made = 0
-        for i in range(1, len(branch) + 1):
-            path = tuple(branch[:i])
-            if path not in self.paths:
-                if cap is not None and made >= cap:
-                    break
-                self.paths[path] = 0
-                made += 1
-            self.paths[path] |= 1 << source
-        assert created == made
-        assert cap is None or created <= cap
-
-    @rule(root=st.integers(0, 4),
-          drafts=st.lists(st.lists(st.lists(st.integers(0, 4), max_size=5), max_size=4), max_size=4),
-          budget=st.integers(0, 12))
-    def from_drafts(self, root, drafts, budget) -> None:
-        tree = TokenTree.from_drafts(root, drafts, budget)
-        full = TokenTree.from_drafts(root, drafts, 10**6)
-        assert tree.num_draft_nodes == min(budget, full.num_draft_nodes)
-        n = len(tree)
-        assert (tree.tokens, tree.parents, tree.depth, tree.sources) == \
-               (full.tokens[:n], full.parents[:n], full.depth[:n], full.sources[:n])
-        self._check(tree)
-        # every node lies on some source's branch, and its bits name exactly the sources whose
-        # branches pass through it (in the unbudgeted tree, every prefix of every branch)
-        for i in range(1, len(full)):
-            path = tuple(full.tokens[j] for j in full.path_to(i))
-            bits = sum(1 << s for s, branches in enumerate(drafts)
-                       if any(tuple(b[: len(path)]) == path for b in branches))
-            assert full.sources[i] == bits
-
-    def _check(self, tree: TokenTree) -> None:
-        n = len(tree)
-        assert tree.parents[0] == -1 and tree.depth[0] == 0
-        seen: set = set()
-        for i in range(1, n):
-            p = tree.parents[i]
-            assert 0 <= p < i, "not topologically ordered"
-            assert tree.depth[i] == tree.depth[p] + 1
-            assert tree.child(p, tree.tokens[i]) == i
-            assert (p, tree.tokens[i]) not in seen, "two siblings carry the same token"
-            seen.add((p, tree.tokens[i]))
-        ancestors = np.zeros((n, n), dtype=bool)
-        for i in range(n):
-            j = i
-            while j >= 0:
-                ancestors[i, j] = True
-                j = tree.parents[j]
-        assert np.array_equal(tree.ancestor_mask(), ancestors)
-        assert np.array_equal(tree.position_offsets(), np.asarray(tree.depth))
-        for i in range(1, n):
-            assert sorted(tree.children(i)) == [j for j in range(n) if tree.parents[j] == i]
-
-    @invariant()
-    def equals_the_model(self) -> None:
-        if not hasattr(self, "tree"):
-            return
-        paths = list(self.paths)
-        assert len(self.tree) == len(paths)
-        for i in range(len(self.tree)):
-            path = tuple(self.tree.tokens[j] for j in self.tree.path_to(i))
-            assert path == paths[i], "nodes are not in creation order"
-            assert all(path[:k] in self.paths for k in range(len(path))), "not prefix-closed"
-            if i:
-                assert self.tree.sources[i] == self.paths[path]
-        leaves = sorted(p for p in paths if p and not any(q[: len(p)] == p and len(q) > len(p) for q in paths))
-        assert sorted(tuple(b) for b in self.tree.branches()) == leaves
-        self._check(self.tree)
+def _check_tree(tree: TokenTree) -> None:
+    """Structural invariants of any token tree."""
+    n = len(tree)
+    assert tree.parents[0] == -1 and tree.depth[0] == 0
+    seen: set = set()
+    for i in range(1, n):
+        p = tree.parents[i]
+        assert 0 <= p < i, "not topologically ordered"
+        assert tree.depth[i] == tree.depth[p] + 1
+        assert tree.child(p, tree.tokens[i]) == i
+        assert (p, tree.tokens[i]) not in seen, "two siblings carry the same token"
+        seen.add((p, tree.tokens[i]))
+    ancestors = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            ancestors[i, j] = True
+            j = tree.parents[j]
+    assert np.array_equal(tree.ancestor_mask(), ancestors)
+    assert np.array_equal(tree.position_offsets(), np.asarray(tree.depth))
+    for i in range(1, n):
+        assert sorted(tree.children(i)) == [j for j in range(n) if tree.parents[j] == i]
 
 
-TestTreeMachine = TreeMachine.TestCase
-TestTreeMachine.settings = MACHINE
+@settings(MACHINE)
+@given(root=st.integers(0, 4),
+       drafts=st.lists(st.lists(st.lists(st.integers(0, 4), max_size=5), max_size=4), max_size=4),
+       budget=st.integers(0, 12))
+def test_from_drafts_is_the_full_merge_cut_to_its_budget(root, drafts, budget) -> None:
+    """TokenTree.from_drafts against an unbudgeted merge cut to its first ``budget`` nodes; every
+    node's bits name exactly the sources whose branches pass through it."""
+    tree = TokenTree.from_drafts(root, drafts, budget)
+    full = TokenTree.from_drafts(root, drafts, 10**6)
+    assert tree.num_draft_nodes == min(budget, full.num_draft_nodes)
+    n = len(tree)
+    assert (tree.tokens, tree.parents, tree.depth, tree.sources) == \
+           (full.tokens[:n], full.parents[:n], full.depth[:n], full.sources[:n])
+    _check_tree(tree)
+    _check_tree(full)
+    for i in range(1, len(full)):
+        path = tuple(full.tokens[j] for j in full.path_to(i))
+        bits = sum(1 << s for s, branches in enumerate(drafts)
+                   if any(tuple(b[: len(path)]) == path for b in branches))
+        assert full.sources[i] == bits

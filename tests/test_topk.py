@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdraft.topk import BLOCK, top_k_ids
+from specdraft.engine.topk import BLOCK, top_k_ids
 
 
 @settings(max_examples=60, deadline=None)

@@ -115,8 +115,7 @@ class ArcticSuffix(SourceBase[_Request]):
         self._sync(self.request_state(feedback.context), feedback.context)
 
     def end(self, context: Context) -> None:
-        with self._states_lock:
-            known = context.request_id in self._states
+        known = self.peek_state(context.request_id) is not None
         if known:
             with self._lock:
                 self._cache.stop_request(context.request_id)

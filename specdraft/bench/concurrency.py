@@ -128,7 +128,7 @@ def run_concurrency(model: Any, tokenizer: Any, prompts: Sequence[list[int]], le
     """Run every method at every level (see the module docstring); write ``concurrency.json`` and
     ``concurrency.md`` to ``out_dir`` and return the summary."""
     from specdraft.decoder import Decoder
-    from specdraft.step import eos_ids
+    from specdraft.stopping import eos_ids
 
     eos = set(eos_ids(model))
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else \

@@ -45,7 +45,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
-from ..compat import cache_keyword
+from ..model.compat import cache_keyword
 from .checkpoint import dumps_with_locks
 
 __all__ = ["BASELINE", "DEFAULT", "HF_PROMPT_LOOKUP", "PLAIN", "PACKED_SUFFIX", "KERNEL_SUFFIXES", "plain_reference", "MethodError", "MethodResult", "Method", "PlainGenerate",

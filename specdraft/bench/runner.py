@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..runner import context_limit
+from ..model.runner import context_limit
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .compare import first_difference
 from .datasets import PromptRecord

@@ -273,6 +273,12 @@ class SourceBase(Generic[State]):
         with self._states_lock:
             return self._states.get(request_id)
 
+    def pop_state(self, request_id: int) -> State | None:
+        """Take a request's state out (``None`` if it has none): for subclasses that finish a
+        request their own way (undoing what it taught shared state) before dropping its state."""
+        with self._states_lock:
+            return self._states.pop(request_id, None)
+
     def begin(self, context: Context) -> None:
         with collector_paused():  # a state indexes the whole prompt: many objects, none garbage
             made = self.new_state(context)

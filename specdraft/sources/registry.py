@@ -38,8 +38,8 @@ SOURCES: dict[str, Callable[..., Any]] = {
 }
 
 #: The default combination, the measured best on a CPU (see docs/defaults.md): prompt lookup, the
-#: frequency trie, the multi-level n-gram and the suffix tree (which joined once the tree was
-#: merged by value: mixed in, it can no longer crowd out the others). Jacobi lookahead is left
+#: frequency trie, the multi-level n-gram and the suffix tree (merged by value, so none crowds out
+#: the others). Jacobi lookahead is left
 #: out because its window costs width every step, which a CPU forward does not have spare; Token
 #: Recycling because mixed in it gained 0-1.5% for a top-k read of every tree row.
 DEFAULT_SOURCES: tuple[str, ...] = ("prompt", "trie", "ngram", "suffix")

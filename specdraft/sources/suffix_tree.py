@@ -567,8 +567,7 @@ class SuffixTree(SourceBase[_Request]):
         self._sync(feedback.context)
 
     def end(self, context: Context) -> None:
-        with self._states_lock:
-            state = self._states.get(context.request_id)
+        state = self.peek_state(context.request_id)
         if state is not None and state.cache_id is not None:
             with self._lock:
                 if state.cache_id in self._global:
@@ -590,8 +589,7 @@ class SuffixTree(SourceBase[_Request]):
         of the evicted responses as fit come back (the youngest), and a request still running whose
         admission evicted this one's response will not bring it back. Unknown ids are ignored.
         """
-        with self._states_lock:
-            state = self._states.pop(context.request_id, None)
+        state = self.pop_state(context.request_id)
         if state is None or state.cache_id is None:
             return
         cache_id = state.cache_id

@@ -461,8 +461,7 @@ class TokenRecycling(SourceBase[_Undo]):
         last) and then Q fails, Q puts P's content back -- draft statistics only, never output.
         Requests not begun, and unknown ids, are ignored.
         """
-        with self._states_lock:
-            undo = self._states.pop(context.request_id, None)
+        undo = self.pop_state(context.request_id)
         if undo is None:
             return
         with self._lock:

@@ -4,7 +4,7 @@ Why a backend of our own
     FlashAttention kernels take no arbitrary mask, and transformers' ``flash_attention_2``
     integration misreads a 4D tree mask as padding (silently wrong logits). So the peers either
     fall back to a single branch or fork the kernel. We split the attention of the new tokens in
-    two instead (lookahead decoding paper, section 3.4 / DESIGN.md):
+    two instead (lookahead decoding paper, section 3.4):
 
     (a) every new token against the **cached prefix**: no mask is needed there (every tree node
         sees the whole prefix), so a real flash kernel does it and returns the log-sum-exp;

@@ -2,9 +2,9 @@
 
 On an accelerator a sampling step draws a token for *every* row of the tree on the device and reads
 them all back at once (one read per step; the verifier then walks the tree over those draws).
-Drawn from one random stream in row order, the draw that a committed token gets depended on how
-many rows the drafts had put before it, so a seeded request gave another sample whenever the
-sources had learned something (the same seed on a reused decoder: found on an H200).
+Drawn from one random stream in row order, the draw a committed token gets would depend on how
+many rows the drafts put before it, so a seed would give another sample whenever the sources had
+learned something.
 
 Here the noise for the token at absolute position ``t`` is a function of ``(seed, t)`` alone, and
 a row's choice is the exponential race ``argmax_j p_j / E_j`` with ``E_j ~ Exp(1)`` i.i.d., which
@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from .verify import Draw, multinomial_draw
+from ..verify import Draw, multinomial_draw
 
 __all__ = ["RowDraws", "position_seed", "request_draws"]
 

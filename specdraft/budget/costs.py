@@ -1,4 +1,4 @@
-"""What a step of each forward width costs, as a price relative to a one-token step.
+"""What a forward costs, as a price relative to a one-row forward: width, and attention over context.
 
 The adaptive budget (:mod:`specdraft.budget`) compares widths: a tree is worth checking when the
 tokens it is expected to commit beat its price in one-token steps. It needs *relative* prices, and
@@ -27,6 +27,14 @@ So the cost of a step is split into two numbers:
 
 Each width is priced on its own: kernels do not follow powers of two (FBGEMM streams weights in
 blocks of six rows; MKL on AMD makes 2-3 rows dearer than 4).
+
+Attention
+    The curve prices a forward's linear layers, nearly all of a one-request step on a CPU. Every
+    row also attends over its own request's context, and with long contexts or several requests
+    that is a good part of a forward. So a forward of rows ``r_i`` over contexts ``c_i`` costs
+    ``shape(sum r_i) + attention * sum r_i c_i`` one-row forwards, where ``attention`` is the
+    measured seconds of a row of attention per cached position
+    (:mod:`specdraft.kernels.attention_cost`) over the seconds of a one-row forward.
 """
 
 from __future__ import annotations
@@ -57,16 +65,23 @@ def check_curve(curve: Sequence[float]) -> list[float]:
 
 
 class StepCosts:
-    """Seconds of a step by forward width: ``level * shape(width)`` (see the module docstring).
+    """Seconds of a step by forward width: ``level * shape(width)``, plus attention (see the
+    module docstring).
 
-    ``curve`` is the measured cost of a forward of 1, 2, ... rows (any unit; it is normalised by
-    its first entry); ``None`` learns the shape from the steps themselves.
+    ``curve`` is the measured cost of a forward of 1, 2, ... rows in seconds (it is normalised by
+    its first entry); ``None`` learns the shape from the steps themselves. ``attention_seconds``
+    is a row's attention per cached position (0: not priced).
     """
 
-    def __init__(self, curve: Sequence[float] | None = None, smoothing: float = 0.5) -> None:
+    def __init__(self, curve: Sequence[float] | None = None, smoothing: float = 0.5,
+                 attention_seconds: float = 0.0) -> None:
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if not attention_seconds >= 0.0:
+            raise ValueError(f"attention_seconds must be >= 0, got {attention_seconds}")
         self.weight = smoothing  # (not named smoothing: copies of a budget holding it must pickle alike)
+        self.attention_seconds = float(attention_seconds)
+        self._one_row_seconds: float | None = None
         self.curve: list[float] | None = None
         self.level: float | None = None  # seconds of a one-token step now
         self.learned: dict[int, float] = {}  # width -> shape, learned (no curve)
@@ -78,9 +93,11 @@ class StepCosts:
         """Price widths from ``curve`` from now on (``None``: learn them from the steps)."""
         if curve is None:
             self.curve = None
+            self._one_row_seconds = None
             return
         values = check_curve(curve)
         self.curve = [c / values[0] for c in values]
+        self._one_row_seconds = values[0]
 
     @property
     def known(self) -> bool:
@@ -110,6 +127,18 @@ class StepCosts:
     def shapes(self, upto: int) -> list[float]:
         """``[shape(1), ..., shape(upto)]`` (the budget prices every width at once)."""
         return [self.shape(w) for w in range(1, upto + 1)]
+
+    def attention_price(self) -> float:
+        """A row's attention per cached position, in one-row forwards (0 when unknown)."""
+        if not self.attention_seconds:
+            return 0.0
+        unit = self._one_row_seconds or self.seconds(1)
+        return self.attention_seconds / unit if unit else 0.0
+
+    def price(self, width: int, row_columns: int = 0) -> float:
+        """A forward of ``width`` rows whose rows attend over ``row_columns`` cached positions in
+        all (the sum over rows), in one-row forwards."""
+        return self.shape(width) + self.attention_price() * row_columns
 
     def seconds(self, width: int) -> float | None:
         """Estimated seconds of a step of ``width`` rows now; ``None`` before any measurement."""

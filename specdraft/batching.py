@@ -1,0 +1,99 @@
+"""What a caller hands in and reads out around the engine: per-request settings, and text as it
+commits (held back while a character is incomplete)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Sequence
+
+from .engine.loop import Batch
+from .engine.outputs import BatchOutput, BatchResult, BatchStats
+
+
+@dataclass
+class BatchRequest:
+    """One request of a batch with its own settings. Fields left ``None`` take the values given to
+    :meth:`~specdraft.decoder.Decoder.generate_batch` (and from there the model's generation
+    config, as in :meth:`~specdraft.decoder.Decoder.generate`)."""
+
+    prompt: Any
+    max_new_tokens: int | None = None
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: Sequence[str] | str | None = None
+
+
+def text_pieces(chunks: Iterable[tuple[int, list[int]]], tokenizer: Any, finished: Any = lambda index: False
+                ) -> Iterator[tuple[int, str]]:
+    """``(index, new text)`` for ``(index, token ids)`` chunks as they commit. A request's text is
+    held back while it ends in an incomplete character (a multi-byte character split across
+    tokens), unless ``finished(index)`` says the request is over; whatever is left is given at the
+    end."""
+    tokens: dict[int, list[int]] = {}
+    shown: dict[int, int] = {}
+    for index, chunk in chunks:
+        mine = tokens.setdefault(index, [])
+        mine.extend(chunk)
+        text = tokenizer.decode(mine, skip_special_tokens=True)
+        if text.endswith("\ufffd") and not finished(index):
+            continue
+        if len(text) > shown.get(index, 0):
+            yield index, text[shown.get(index, 0):]
+            shown[index] = len(text)
+    for index, mine in tokens.items():
+        text = tokenizer.decode(mine, skip_special_tokens=True)
+        if len(text) > shown.get(index, 0):
+            yield index, text[shown.get(index, 0):]
+
+
+class BatchStream:
+    """What :meth:`~specdraft.decoder.Decoder.stream_batch` returns: iterate it for ``(request
+    index, new text)`` pairs as tokens commit (``(index, token ids)`` without a tokenizer; text is
+    held back while a character is incomplete). :meth:`cancel` ends one request, the others go
+    on; after the iteration, :attr:`outputs` and :attr:`stats` hold the results."""
+
+    def __init__(self, batch: Batch, tokenizer: Any) -> None:
+        self._batch = batch
+        self._tokenizer = tokenizer
+        self._iterator: Iterator | None = None
+
+    def cancel(self, index: int) -> None:
+        self._batch.cancel(index)
+
+    @property
+    def outputs(self) -> list[BatchOutput | None]:
+        return self._batch.outputs
+
+    @property
+    def stats(self) -> BatchStats:
+        return self._batch.stats
+
+    def result(self) -> BatchResult:
+        """Run what is left and return every request's output (the same as ``generate_batch``)."""
+        for _ in self:
+            pass
+        return BatchResult([o for o in self._batch.outputs if o is not None], self._batch.stats)
+
+    def __iter__(self):
+        if self._iterator is None:
+            self._iterator = self._pieces()
+        return self._iterator
+
+    def __next__(self):
+        return next(iter(self))
+
+    def close(self) -> None:
+        """Stop now: every running request ends as cancelled (its sources finish normally)."""
+        if self._iterator is not None:
+            self._iterator.close()
+
+    def _pieces(self):
+        if self._tokenizer is None:
+            yield from self._batch
+            return
+        yield from text_pieces(self._batch, self._tokenizer, lambda index: self._batch.outputs[index] is not None)

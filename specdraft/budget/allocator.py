@@ -1,0 +1,197 @@
+"""The budget: how many of each request's draft nodes a forward checks, for one request or many.
+
+Speculation pays only when the extra rows of a forward buy enough accepted tokens. On a small CPU
+a multi-row forward can cost several one-row ones, and on novel text drafts rarely hit, so a fixed
+tree can make decoding slower than plain decoding. The Ant paper calls the best width the
+"critical decoding length" and picks it offline; here both sides are measured online and the
+choice is made again at every step, for every request in the forward at once.
+
+The rule
+    Each request's full tree is merged best first (:mod:`specdraft.tree`), so a tree of ``n``
+    nodes is the first ``n`` nodes of the full one and is expected to commit ``1 + sum_{r<n} p_r``
+    tokens, ``p_r`` the request's acceptance of rank ``r`` (:mod:`specdraft.budget.acceptance`).
+    A forward's cost is priced from the machine's cost model (:mod:`specdraft.budget.costs`): its
+    total width on the measured kernel curve, plus each row's attention over its request's
+    context. Every request pays its root row (or its prompt chunk) whatever happens; the rows left
+    over go, best first, to the next node of whichever request has the highest ``p`` for it (a
+    request's first node also brings its side blocks' rows), and the allocation kept is the
+    prefix of that order with the most expected tokens per unit of cost. With no node at all the
+    step is plain decoding, so speculation is chosen only where it is expected to beat it. For one
+    request this is the width ``n`` maximising ``(1 + sum p_r) / cost(width(n))``; for many, few
+    requests widen their trees where rows are cheap and many shrink them towards plain decoding.
+
+Two guards
+    *Warm-up*: for the first ``warmup`` steps of a decoder (and until any step has been priced)
+    every request gets its full tree, side blocks included, so wide steps get measured and sources
+    that need a few steps before their drafts mean anything (Jacobi fills its window) get them.
+    *Opening*: a request's first tree step stays plain when its share of the forward would cost
+    more than ``opening_cost_ratio`` times the forward without it: nothing of the request has been
+    seen yet, and on a short answer a failed wide step is not won back. Where width is nearly free
+    (bf16 on a CPU, GPUs) the rule never fires.
+
+``adaptive=False`` gives every request its full tree every step (for benchmarks of fixed budgets).
+The budget changes only which drafts are checked, never how they are verified, so output stays
+exactly lossless whatever it decides.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from .acceptance import AcceptanceTracker
+from .costs import StepCosts
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What one request brings to a step's allocation: its acceptance by rank, the draft nodes its
+    sources offered (its full tree), its side-block rows (they ride with a tree), the rows it
+    needs whatever the budget says (its root, or a prompt chunk), whether it is decoding, the
+    cached positions its rows attend over, and whether this is its first tree step."""
+
+    rates: Sequence[float | None]
+    offered: int
+    side_rows: int
+    fixed_rows: int
+    decoding: bool = True
+    context: int = 0
+    opening: bool = False
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What one request gets: draft nodes to check, and whether its side blocks ride along."""
+
+    nodes: int
+    side_blocks: bool
+
+
+_NOTHING = Grant(0, False)
+
+
+class Budget:
+    """The allocator (see the module docstring), with the cost model and the acceptance tracker it
+    reads. One per decoder: everything it learns carries from request to request."""
+
+    def __init__(self, max_nodes: int, num_sources: int = 0, adaptive: bool = True,
+                 cost_curve: Sequence[float] | None = None, attention_seconds: float = 0.0, warmup: int = 3,
+                 opening_cost_ratio: float = 1.5, smoothing: float = 0.5, acceptance_smoothing: float = 0.3,
+                 prior_smoothing: float = 0.02) -> None:
+        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 0:
+            raise ValueError(f"max_nodes must be an int >= 0, got {max_nodes!r}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+        if not opening_cost_ratio >= 1.0:
+            raise ValueError(f"opening_cost_ratio must be >= 1 (math.inf: never hold back), got {opening_cost_ratio}")
+        self.max_nodes = max_nodes
+        self.adaptive = adaptive
+        self.warmup = warmup
+        self.opening_cost_ratio = opening_cost_ratio
+        self.costs = StepCosts(cost_curve, smoothing, attention_seconds)
+        self.acceptance = AcceptanceTracker(max_nodes, num_sources, fast=acceptance_smoothing, slow=prior_smoothing)
+        #: steps priced so far (the warm-up counts them)
+        self.steps = 0
+
+    def set_cost_curve(self, curve: Sequence[float] | None) -> None:
+        """Price widths from ``curve`` from now on (``None``: learn them from the steps)."""
+        self.costs.set_curve(curve)
+
+    def observe_step(self, width: int, seconds: float) -> None:
+        """A decoding step of ``width`` rows took ``seconds`` (drafting and verifying included)."""
+        self.costs.observe(width, seconds)
+        self.steps += 1
+
+    # -- the allocation ---------------------------------------------------------------------
+
+    def allocate(self, asks: Sequence[Ask]) -> list[Grant]:
+        """Draft nodes (and side blocks) for each request this step."""
+        offered = [min(a.offered, self.max_nodes) if a.decoding else 0 for a in asks]
+        if self.max_nodes == 0:
+            return [_NOTHING] * len(asks)
+        if not self.adaptive or self.steps < self.warmup or not self.costs.known:
+            return [Grant(n, True) if a.decoding else _NOTHING for a, n in zip(asks, offered)]
+        nodes = self._best_prefix(asks, offered)
+        return self._opening(asks, nodes)
+
+    def _best_prefix(self, asks: Sequence[Ask], offered: list[int]) -> list[int]:
+        """Nodes per request: the prefix of the best-first order with the most tokens per cost.
+
+        A request's ranks are offered in runs along the upper concave hull of its expected tokens
+        (rank rates need not fall with rank: a source whose nodes miss can sit between two that
+        hit, and the hit behind a miss is worth taking both), steepest run first across requests;
+        nodes are taken one at a time (equal requests share the rows) and every prefix is priced,
+        so for one request every tree size is tried."""
+        attention = self.costs.attention_price()
+        width = sum(a.fixed_rows for a in asks)
+        row_columns = sum(a.fixed_rows * a.context for a in asks)
+        tokens = float(sum(1 for a in asks if a.decoding))
+        best_rate = tokens / (self.costs.shape(width) + attention * row_columns) if tokens else 0.0
+        runs = [_hull_runs(a.rates, offered[i]) if offered[i] > 0 else [] for i, a in enumerate(asks)]
+        # ties go to the request with the fewest nodes so far, so equal requests share the rows
+        heap = [(-r[0][0], 0, i, 0) for i, r in enumerate(runs) if r]
+        heapq.heapify(heap)
+        taken = [0] * len(asks)
+        picks: list[int] = []
+        best = 0
+        while heap:  # one node at a time, at the slope of the run it belongs to
+            _, _, i, k = heapq.heappop(heap)
+            ask = asks[i]
+            rows = 1 + (ask.side_rows if taken[i] == 0 else 0)
+            width += rows
+            row_columns += rows * ask.context
+            tokens += ask.rates[taken[i]] or 0.0
+            taken[i] += 1
+            picks.append(i)
+            rate = tokens / (self.costs.shape(width) + attention * row_columns)
+            if rate > best_rate * (1 + 1e-9):
+                best_rate, best = rate, len(picks)
+            if taken[i] == runs[i][k][1]:
+                k += 1
+            if k < len(runs[i]):
+                heapq.heappush(heap, (-runs[i][k][0], taken[i], i, k))
+        nodes = [0] * len(asks)
+        for i in picks[:best]:
+            nodes[i] += 1
+        return nodes
+
+    def _opening(self, asks: Sequence[Ask], nodes: list[int]) -> list[Grant]:
+        """Grants, with the opening rule applied to requests at their first tree step."""
+        width = sum(a.fixed_rows + (n + a.side_rows if n else 0) for a, n in zip(asks, nodes))
+        row_columns = sum((a.fixed_rows + (n + a.side_rows if n else 0)) * a.context for a, n in zip(asks, nodes))
+        grants = []
+        for a, n in zip(asks, nodes):
+            if n and a.opening and math.isfinite(self.opening_cost_ratio):
+                extra = n + a.side_rows
+                with_it = self.costs.price(width, row_columns)
+                without = self.costs.price(width - extra, row_columns - extra * a.context)
+                if with_it > self.opening_cost_ratio * without:
+                    width -= extra
+                    row_columns -= extra * a.context
+                    n = 0
+            grants.append(Grant(n, n > 0))
+        return grants
+
+
+def _hull_runs(rates: Sequence[float | None], offered: int) -> list[tuple[float, int]]:
+    """``(slope, end)`` of each run of ranks along the upper concave hull of a request's expected
+    extra tokens ``S(n) = sum_{r<n} p_r`` (``n <= offered``), steepest first; runs that add nothing
+    are left out."""
+    sums = [0.0]
+    for r in rates[:offered]:
+        sums.append(sums[-1] + (r or 0.0))
+    hull = [0]
+    for n in range(1, len(sums)):
+        while len(hull) >= 2 and (sums[hull[-1]] - sums[hull[-2]]) * (n - hull[-1]) \
+                <= (sums[n] - sums[hull[-1]]) * (hull[-1] - hull[-2]):
+            hull.pop()
+        hull.append(n)
+    runs = []
+    for a, b in zip(hull, hull[1:]):
+        slope = (sums[b] - sums[a]) / (b - a)
+        if slope <= 0.0:
+            break
+        runs.append((slope, b))
+    return runs

@@ -1,0 +1,152 @@
+"""Draft: every source guesses for a request, and the guesses merge into its full tree.
+
+The sources never see the model or each other: each gets the request's context and a node budget
+and returns a :class:`~specdraft.sources.base.Draft`; the merge ranks every node by its expected
+value (the request's learned source rates, :mod:`specdraft.budget.acceptance`) and keeps the best
+``max_tree_nodes``. That full tree is what the budget sizes (it checks a prefix of it) and what
+the acceptance tracker learns from. After the step, each source hears what was committed
+(:meth:`Drafter.feed_back`).
+
+A source's own draft is never edited: branches are cut on a copy so a step never commits past
+the token limit, and token ids outside the model's vocabulary raise, naming the source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..sources.base import Draft, DraftSource, Feedback, SideBlock, source_option
+from ..tree import TokenTree
+from .readback import Readback, TopRows
+from .request import LiveRequest, PendingStep
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A request's drafts for one step: every source's draft, the side blocks that fit, and the
+    merged full tree."""
+
+    drafts: list[Draft]
+    sides: list[SideBlock | None]
+    full: TokenTree
+
+    @property
+    def side_rows(self) -> int:
+        return sum(len(s.tokens) for s in self.sides if s is not None)
+
+
+class Drafter:
+    """The sources of a decoder, and what the engine asks of them. ``sources`` is the decoder's own
+    list: a source added or removed there takes part from the next request on."""
+
+    def __init__(self, sources: list[DraftSource], max_tree_nodes: int, vocab_size: int,
+                 max_positions: int | None) -> None:
+        self.sources = sources
+        self.max_tree_nodes = max_tree_nodes
+        self.vocab_size = vocab_size
+        self.max_positions = max_positions
+
+    @property
+    def names(self) -> list[str]:
+        """Each source's name, made unique (``name#2`` for a second source of one name)."""
+        return _unique_names([s.name for s in self.sources])
+
+    @property
+    def wants_top(self) -> list[bool]:
+        """Which sources read the model's top-k at every row (Token Recycling)."""
+        return [source_option(s, "top_k") > 0 for s in self.sources]
+
+    @property
+    def top_k(self) -> int:
+        """The largest k a source asks for (0: no top-k is read)."""
+        return max([source_option(s, "top_k") for s in self.sources], default=0)
+
+    @property
+    def warmup_steps(self) -> int:
+        """Steps the slowest source needs before its drafts mean anything (Jacobi fills its window)."""
+        return max([0] + [source_option(s, "warmup_steps") for s in self.sources])
+
+    def begin(self, request: LiveRequest) -> None:
+        """The request's first draft: the sources read its prompt now, after its first token is
+        out (a request's first token never waits for them)."""
+        prompt = request.prompt_context()
+        for source in self.sources:
+            source.begin(prompt)
+            request.begun.append(source)
+
+    def propose(self, request: LiveRequest) -> Proposal:
+        """Every source's draft for ``request`` and their merge into its full tree."""
+        if not request.begun and self.sources:
+            self.begin(request)
+        context = request.context()
+        depth_limit = request.spec.max_new_tokens - len(request.output) - 1  # the bonus token takes the last slot
+        drafts = [self._propose(source, context, depth_limit) for source in self.sources]
+        full = TokenTree.from_drafts(request.root, [d.branches for d in drafts], self.max_tree_nodes,
+                                     request.acceptance.source_rates)
+        return Proposal(drafts, self._fitting_sides(drafts, request.region.length), full)
+
+    def _propose(self, source: DraftSource, context, depth_limit: int) -> Draft:
+        draft = source.propose(context, self.max_tree_nodes)
+        side = draft.side_block
+        for tokens in [*draft.branches, side.tokens if side is not None else []]:
+            bad = [t for t in tokens if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"draft source {source.name!r} proposed token ids {bad[:5]} outside the model's "
+                                 f"vocabulary [0, {self.vocab_size})")
+        if self.max_tree_nodes == 0 or depth_limit < 1:
+            return Draft(side_block=side)
+        return Draft(branches=[list(b[:depth_limit]) for b in draft.branches if len(b)], side_block=side)
+
+    def _fitting_sides(self, drafts: Sequence[Draft], cache_len: int) -> list[SideBlock | None]:
+        """The side blocks that fit after ``cache_len`` cached positions: one reaching past the
+        model's context is left out, and its source gets ``side_logits=None`` for the step."""
+        sides: list[SideBlock | None] = []
+        for draft in drafts:
+            side = draft.side_block
+            if side is not None and side.tokens and self.max_positions is not None \
+                    and cache_len + max(side.positions) >= self.max_positions:
+                side = None
+            sides.append(side)
+        return sides
+
+    def feed_back(self, request: LiveRequest, step: PendingStep, tokens: list[int], logits: torch.Tensor,
+                  readback: Readback, top: TopRows | None) -> None:
+        """Tell every source what the step committed, with its side block's logits and argmax and,
+        for sources that asked (``top_k``), the top-k of every row."""
+        after = request.context()
+        for source, side, argmax, wants_top in zip(self.sources, step.side_slices, readback.side_argmax,
+                                                   self.wants_top):
+            side_logits = logits[side].to(torch.float32) if side is not None else None
+            mine = top if wants_top else None
+            source.observe(Feedback(committed=list(tokens), context=after, side_logits=side_logits,
+                                    top_ids=mine.ids if mine is not None else None,
+                                    row_tokens=mine.row_tokens if mine is not None else None, side_argmax=argmax))
+
+    def finish(self, request: LiveRequest, failed: bool) -> None:
+        """End every begun source, or, when the request failed, ``abort`` those that can undo what it
+        taught them (see :class:`~specdraft.sources.base.DraftSource`). Every source is finished even
+        if one raises; the first such error is raised afterwards (unless the request already failed,
+        whose own error then stands)."""
+        context = request.context()
+        error: BaseException | None = None
+        for source in request.begun:
+            finish = getattr(source, "abort", None) if failed else None
+            try:
+                (finish or source.end)(context)
+            except Exception as exc:  # noqa: BLE001 - finish the others first
+                error = error or exc
+        request.begun = []
+        if error is not None and not failed:
+            raise error
+
+
+def _unique_names(names: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return out

@@ -1,0 +1,78 @@
+"""The engine: the parts a decoder keeps from call to call, and the one way requests run through them.
+
+An :class:`Engine` holds the model runner and its KV store, the draft sources (through a
+:class:`~specdraft.engine.drafting.Drafter`), the budget with everything it has learned, and the
+CPU kernels swapped in around each forward. Every call, one request or many, is a
+:class:`~specdraft.engine.loop.Batch` run through the same :class:`~specdraft.engine.step.Step`.
+One call runs at a time (the engine owns its KV store); a second caller fails fast.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Iterator, Sequence
+
+import torch
+
+from ..budget import Budget
+from ..model.packed_attention import packed_attention_for
+from ..model.runner import ModelRunner
+from ..stats import GenerationStats
+from .drafting import Drafter
+from .loop import Batch
+from .request import RequestSpec
+
+
+class Engine:
+    """See the module docstring. ``kernels`` makes the context entered around each forward (the
+    packed CPU weights swapped in, or nothing); ``text`` turns token ids into the output's text
+    (``None`` without a tokenizer)."""
+
+    def __init__(self, runner: ModelRunner, drafter: Drafter, budget: Budget,
+                 kernels: Callable[[], ContextManager[Any]] = nullcontext,
+                 text: Callable[[Sequence[int]], str | None] = lambda ids: None) -> None:
+        self.runner = runner
+        self.drafter = drafter
+        self.budget = budget
+        self.kernels = kernels
+        self.text = text
+        #: The timer behind the statistics and the budget's step costs. A replay of recorded outputs
+        #: on a simulated clock (``benchmarks/budget_replay.py``) swaps it, with the runner.
+        self.clock: Callable[[], float] = time.perf_counter
+        #: how each step chooses every tree row's token: "auto" (all rows at once on an
+        #: accelerator, node by node on a CPU), "batched" or "walk"; see :meth:`batched_rows`
+        self.row_choices: str = "auto"
+        self._busy = threading.Lock()
+
+    def run(self, specs: Sequence[RequestSpec], concurrency: int, stats: Sequence[GenerationStats | None] = ()
+            ) -> Batch:
+        """A batch of ``specs``, ``concurrency`` at a time; iterate it to run it. ``stats[i]``, if
+        given, is filled with request ``i``'s statistics as it runs."""
+        return Batch(self, specs, concurrency, stats, self.text, hold=lambda: self.held(concurrency))
+
+    def batched_rows(self, device: torch.device) -> bool:
+        """Whether each step chooses every tree row's token on the device at once (one read per
+        step) rather than walking node by node (a read per node visited). On a CPU a read costs
+        nothing and the walk touches only the rows it visits, so it stays the cheaper; elsewhere
+        one read per step is what keeps the device busy."""
+        if self.row_choices not in ("auto", "batched", "walk"):
+            raise ValueError(f"row_choices must be 'auto', 'batched' or 'walk', got {self.row_choices!r}")
+        if self.row_choices == "auto":
+            return device.type != "cpu"
+        return self.row_choices == "batched"
+
+    @contextmanager
+    def held(self, concurrency: int) -> Iterator[None]:
+        """Hold the engine for one call. Several requests at once attend per request
+        (:mod:`specdraft.model.packed_attention`); one request alone needs nothing of it."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this Decoder is busy with another request or batch (a stream not yet exhausted or "
+                               "closed, or another thread); finish or close it first, or use one Decoder per thread")
+        try:
+            with packed_attention_for(self.runner.model) if concurrency > 1 else nullcontext():
+                yield
+        finally:
+            self._busy.release()
+

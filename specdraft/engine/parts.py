@@ -1,0 +1,25 @@
+"""What the step uses of the engine, as a protocol: the step and the settling depend on it, not on
+the engine that runs them (which would make the engine and its step import each other)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Protocol
+
+import torch
+
+from ..budget import Budget
+from ..model.runner import ModelRunner
+from .drafting import Drafter
+
+
+class Parts(Protocol):
+    """The model runner, the sources (through the drafter), the budget, the clock, the kernels
+    context entered around each forward, and where rows are chosen."""
+
+    runner: ModelRunner
+    drafter: Drafter
+    budget: Budget
+    clock: Callable[[], float]
+    kernels: Callable[[], ContextManager[Any]]
+
+    def batched_rows(self, device: torch.device) -> bool: ...

@@ -1,0 +1,162 @@
+"""A request as the engine sees it: what was asked (:class:`RequestSpec`) and where it stands
+(:class:`LiveRequest`), plus the step in flight for it (:class:`PendingStep`).
+
+Every request, alone or in a batch, goes through the same states: admitted with a region of the
+KV store, its prompt prefilled (in one forward, or in chunks beside other requests' steps), its
+first token verified on the prompt's last row (the *prompt step*: a root-only tree, as
+``model.generate`` takes its first token from the prefill), then tree steps until a stop rule,
+a failure or a cancellation ends it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import numpy as np
+import torch
+
+from ..budget import RequestAcceptance
+from ..model.kv_store import Region
+from ..sampling import NodeScorer, PenaltyPrefix, SamplingSettings
+from ..sources.base import Context, Draft, DraftSource, TokenView
+from ..stats import GenerationStats
+from ..stopping import StopRule
+from ..tree import TokenTree
+from .readback import ReadSlots, TopRows
+from .row_draws import RowDraws
+from ..verify import Draw
+
+#: Request ids, unique in the process: sources shared by several decoders (or by the requests of a
+#: batch) keep per-request state under them.
+request_ids = itertools.count(1)
+
+StepKind = Literal["prompt", "tree"]
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request, checked and resolved: prompt ids, sampling settings, stop rule and seed."""
+
+    prompt_ids: Sequence[int]
+    settings: SamplingSettings
+    stop: StopRule
+    seed: int | None
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.stop.max_new_tokens
+
+
+@dataclass
+class PendingStep:
+    """A request's step between its lay-out and its settling.
+
+    ``kind`` is ``"prompt"`` for the prompt step (the prefill's last row verified on a root-only
+    tree: no drafts, nothing to learn) and ``"tree"`` for a drafted step. ``tree`` is the checked
+    tree, ``full`` the full tree it was cut from (what the budget and the merge learn from);
+    ``side_slices[s]`` are source ``s``'s side-block rows of the forward's output for this request
+    (``None``: none this step); ``slots`` say where this request's answers sit in the step's read.
+    """
+
+    kind: StepKind
+    tree: TokenTree
+    full: TokenTree
+    drafts: list[Draft]
+    side_slices: list[slice | None]
+    width: int
+    slots: ReadSlots | None = None
+    #: each node's path tokens on the device, ``[nodes, depth]`` (repetition penalty, batched rows)
+    path_tokens: torch.Tensor | None = None
+
+
+@dataclass
+class LiveRequest:
+    """One admitted request between steps."""
+
+    index: int
+    spec: RequestSpec
+    committed: list[int]
+    prompt_length: int
+    request_id: int
+    region: Region
+    stats: GenerationStats
+    acceptance: RequestAcceptance
+    scorer: NodeScorer
+    admitted: float
+    #: prompt tokens in the cache
+    prefilled: int = 0
+    #: whether every tree row's choice is made on the device at once (see Engine.batched_rows)
+    batched: bool = False
+    #: the node-by-node walk's sampling draw, and the batched rows' positional noise
+    draw: Draw | None = None
+    row_draws: RowDraws | None = None
+    penalty: PenaltyPrefix | None = None
+    #: committed tokens the device's penalty mask does not hold yet (they ride the next upload)
+    unmarked: list[int] = field(default_factory=list)
+    #: the prompt step's top-k rows, handed to the sources with the first tree step's
+    pending_top: TopRows | None = None
+    begun: list[DraftSource] = field(default_factory=list)
+    step: PendingStep | None = None
+    #: its last step is settled, or it failed (``error``): the loop finishes it after the step
+    ending: bool = False
+    #: its sources are finished and its region released
+    finished: bool = False
+    error: BaseException | None = None
+    cancelled: bool = False
+
+    def fail(self, error: BaseException) -> None:
+        """End the request with ``error`` (its sources will abort what it taught them)."""
+        self.error = self.error or error
+        self.ending = True
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < self.prompt_length
+
+    @property
+    def decoding(self) -> bool:
+        """Past its prompt step: each step drafts a tree."""
+        return self.step is not None
+
+    @property
+    def root(self) -> int:
+        """The newest committed token: not in the cache yet, the root of the next tree."""
+        return self.committed[-1]
+
+    @property
+    def output(self) -> list[int]:
+        return self.committed[self.prompt_length :]
+
+    def context(self) -> Context:
+        """The sequence as the sources see it: a read-only view, not a copy (O(1) per step)."""
+        return Context(TokenView(self.committed), self.prompt_length, self.request_id)
+
+    def prompt_context(self) -> Context:
+        """The prompt alone (what ``begin`` sees), as a view even after tokens were committed."""
+        return Context(TokenView(self.committed, self.prompt_length), self.prompt_length, self.request_id)
+
+    def commit(self, tokens: Sequence[int]) -> int:
+        """Append ``tokens``; returns the index of the first of them."""
+        start = len(self.committed)
+        self.committed.extend(tokens)
+        return start
+
+
+def path_tokens(tree: TokenTree) -> np.ndarray:
+    """``[nodes, depth]``: row ``i`` holds the tokens on node ``i``'s path below the root, padded
+    with the root's token (which the committed prefix holds already, so padding changes no mask)."""
+    n, depth = len(tree), max(1, max(tree.depth))
+    out = np.full((n, depth), tree.tokens[0], dtype=np.int64)
+    for i in range(1, n):
+        d = tree.depth[i]
+        out[i, : d - 1] = out[tree.parents[i], : d - 1]
+        out[i, d - 1] = tree.tokens[i]
+    return out
+
+
+def prompt_step(root: int, sources: int) -> PendingStep:
+    """The prompt step: the prompt's last row (whose token is ``root``), verified on a root-only tree."""
+    tree = TokenTree(root)
+    return PendingStep("prompt", tree, tree, [], [None] * sources, 1)

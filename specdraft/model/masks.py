@@ -1,0 +1,77 @@
+"""The one mask builder: which buffer columns each row of a forward may attend to.
+
+A forward carries rows of one or more requests: tree nodes, side-block tokens, prompt chunks. Each
+row sees
+
+* its own region's committed tokens (columns ``[start, start + length)`` of the store), inside the
+  sliding window where the layer has one (the token in slot ``start + i`` sits at position ``i``);
+* among the forward's new rows, those of its own segment that its segment allows: its ancestors
+  and itself in a tree (an explicit block from the host), or every row at an earlier or equal
+  position in a prompt chunk (causal, computed here).
+
+Everything is computed on the device from per-row numbers (positions, region start and length,
+segment id) and the tree rows' block: the host uploads O(rows) values plus the trees' blocks,
+never a row per cached position. One function covers a tree step, a prompt chunk, a batch of
+both and sliding windows, for one request or many.
+
+Masks are returned as transformers takes them: a bool ``[1, 1, rows, columns]`` for ``sdpa``-like
+attention, an additive float mask for ``eager`` (a bool mask there is silently wrong), and a dict
+keyed by layer type for models that mix full and sliding-window layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Per row of a forward (device tensors, one entry per row): its absolute position, the first
+    column and committed length of its request's region, its segment, and the column it is
+    written to; ``tree_rows`` and ``tree_block`` give the tree rows' own block (block-diagonal
+    over their segments), ``None`` when the forward carries no tree."""
+
+    positions: torch.Tensor
+    region_start: torch.Tensor
+    region_length: torch.Tensor
+    segment: torch.Tensor
+    write_columns: torch.Tensor
+    tree_rows: torch.Tensor | None
+    tree_block: torch.Tensor | None
+
+
+def allowed_columns(layout: RowLayout, width: int, window: int | None) -> torch.Tensor:
+    """``allowed[row, column]`` (bool, on the device) for a forward whose attention reads the
+    first ``width`` buffer columns (see the module docstring)."""
+    positions = layout.positions
+    device = positions.device
+    columns = torch.arange(width, device=device)
+    start = layout.region_start[:, None]
+    allowed = (columns[None, :] >= start) & (columns[None, :] < start + layout.region_length[:, None])
+    if window is not None:
+        allowed &= (positions[:, None] - (columns[None, :] - start)) < window
+    new = (layout.segment[:, None] == layout.segment[None, :]) & (positions[None, :] <= positions[:, None])
+    if layout.tree_rows is not None:
+        new[layout.tree_rows[:, None], layout.tree_rows[None, :]] = layout.tree_block
+    if window is not None:
+        new &= (positions[:, None] - positions[None, :]) < window
+    allowed.index_copy_(1, layout.write_columns, new)
+    return allowed
+
+
+def model_mask(allowed: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """``allowed`` as a 4D mask of ``kind`` ("bool" or "additive" in ``dtype``)."""
+    allowed = allowed[None, None]
+    if kind == "bool":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def layer_masks(layout: RowLayout, width: int, windows: dict[str, int | None], kind: str, dtype: torch.dtype):
+    """The mask argument of the model's forward: one 4D mask, or a dict by layer type when the
+    model mixes full and sliding-window layers (``windows``: layer type -> window or ``None``;
+    the key ``""`` means every layer alike)."""
+    masks = {name: model_mask(allowed_columns(layout, width, window), kind, dtype) for name, window in windows.items()}
+    return masks[""] if set(masks) == {""} else masks

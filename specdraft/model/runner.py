@@ -1,0 +1,332 @@
+"""The model side of a step: one forward of every request's new rows over the KV store.
+
+Everything here goes through public transformers APIs on a stock, unpatched model: a 4D attention
+mask, explicit ``position_ids``, ``logits_to_keep`` and a ``DynamicCache`` subclass
+(:class:`~specdraft.model.kv_store.KVStore`) whose layers are written and compacted in place. That
+is what keeps specdraft working across transformers releases where peers patch modeling files.
+
+Facts this module relies on (checked on transformers 4.56 to 5.24):
+
+* a 4D mask reaches every layer unchanged; ``sdpa`` takes a bool mask, ``eager`` needs an
+  additive float mask (a bool mask is silently wrong there), so eager always gets additive;
+* HF's flash-attention integration misreads a tree mask as padding, so ``flash_attention_2`` is
+  refused here (specdraft's own flash backend plugs in through the attention registry instead);
+* sliding-window caches keep only the window and reject a full-width mask, so the store is a plain
+  ``DynamicCache`` and the window is written into the mask (:mod:`specdraft.model.masks`); models
+  mixing full and sliding layers receive a dict of masks keyed by layer type.
+
+A forward's input is a list of :class:`Segment` (one request's rows each: a tree with its side
+blocks, or a chunk of its prompt); its output is a :class:`ForwardOutput`. Everything the forward
+needs from the host (ids, positions, row layout, the trees' blocks, the last step's cache moves
+and the caller's riders) goes to the device in one upload.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from .compat import cache_keyword
+from .kv_store import KVStore, Region, Writes
+from .masks import RowLayout, layer_masks
+from .packed_attention import LAYOUT_KEYWORD, PACKED_NAME, PackedLayout
+from .transfer import upload
+
+#: Attention implementations that take our 4D tree mask correctly, with the mask kind they need
+#: ("specdraft_split" is our own split + merge backend, see attention.py).
+_MASK_KIND = {"sdpa": "bool", "eager": "additive", "specdraft_split": "bool", PACKED_NAME: "bool"}
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot be decoded losslessly by specdraft (and we say why rather than guess)."""
+
+
+def _text_config(model: PreTrainedModel):
+    cfg = model.config
+    return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+
+
+def context_limit(model: PreTrainedModel) -> int | None:
+    """The most positions the model can attend over (``max_position_embeddings``, or GPT-2's
+    ``n_positions``); ``None`` when its config does not say."""
+    if getattr(model, "config", None) is None:
+        return None
+    text = _text_config(model)
+    return getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+
+
+@dataclass
+class Segment:
+    """One request's rows in a forward.
+
+    ``positions`` are the rows' absolute token positions; ``block[i, j]`` says whether new row
+    ``i`` sees new row ``j`` (a tree and its side blocks), or ``None`` for a prompt chunk, whose
+    rows see each other causally; every row also sees its region's committed tokens.
+    ``logit_rows`` are the rows whose logits the caller needs (a tree: all; a prompt chunk: its
+    last row when it ends the prompt, else none).
+    """
+
+    region: Region
+    tokens: Sequence[int]
+    positions: np.ndarray
+    block: np.ndarray | None
+    logit_rows: Sequence[int]
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """What a forward gives back, on the device: the logits of every segment's ``logit_rows``,
+    segment after segment (``logit_spans[s]`` is segment ``s``'s slice of them), the forward's
+    input ids (``id_spans[s]``: segment ``s``'s slice), and the caller's riders."""
+
+    logits: torch.Tensor
+    logit_spans: list[slice]
+    ids: torch.Tensor
+    id_spans: list[slice]
+    riders: list[torch.Tensor]
+
+
+class ModelRunner:
+    """Runs forwards of segments over one :class:`~specdraft.model.kv_store.KVStore` (see the
+    module docstring); the store's regions are the requests' caches."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        config = model.config
+        if getattr(config, "is_encoder_decoder", False):
+            raise UnsupportedModelError(
+                f"{type(model).__name__} is an encoder-decoder model; specdraft decodes causal LMs only "
+                "(load with AutoModelForCausalLM)")
+        if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has no language-modeling head; load the model with AutoModelForCausalLM")
+        if not (hasattr(model, "can_generate") and model.can_generate()):
+            raise UnsupportedModelError(
+                f"{type(model).__name__} is not a causal language model that can generate (e.g. a masked LM); "
+                "load a decoder with AutoModelForCausalLM")
+        impl = getattr(config, "_attn_implementation", None) or "eager"
+        if impl not in _MASK_KIND:
+            raise UnsupportedModelError(
+                f"attention implementation {impl!r} cannot take a tree mask losslessly; load the model with "
+                f"attn_implementation='sdpa' or 'eager' (supported: {sorted(k for k in _MASK_KIND if k != PACKED_NAME)})")
+        self.model = model
+        text = _text_config(model)
+        self.vocab_size: int = int(text.vocab_size)
+        self.max_positions: int | None = context_limit(model)
+        self.windows = _layer_windows(text)
+        try:
+            self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            self._takes_logits_to_keep = False
+        #: ``cache`` from transformers 5.24, ``past_key_values`` before (see :mod:`specdraft.model.compat`)
+        self._cache_keyword = cache_keyword(model)
+        #: buffers of GPT-2's eager attention in older transformers releases, which mask by a causal
+        #: buffer indexed by cache position: right only while a forward's rows sit at the end of the
+        #: cache, i.e. for one region at row 0
+        self._legacy_causal = [name for name, buffer in model.named_buffers() if buffer.dtype == torch.bool
+                               and buffer.dim() == 4 and buffer.shape[0] == buffer.shape[1] == 1
+                               and buffer.shape[2] == buffer.shape[3]]
+        self.store = KVStore()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's inputs go (its first parameter's device)."""
+        return self.model.device
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(w is not None for w in self.windows.values())
+
+    @property
+    def mask_kind(self) -> str:
+        impl = getattr(self.model.config, "_attn_implementation", None) or "eager"
+        return _MASK_KIND.get(impl, "bool")
+
+    # -- the forward ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, segments: Sequence[Segment], riders: Sequence[np.ndarray] = ()) -> ForwardOutput:
+        """One forward of every segment's rows (see the module docstring). Each segment's rows are
+        written after its region's committed tokens; call :meth:`KVStore.keep` (a tree) or
+        :meth:`KVStore.keep_all` (a prompt chunk) for each segment next."""
+        if not segments:
+            raise ValueError("a forward needs at least one segment")
+        plan = _Plan.of(segments, self.max_positions)
+        self._check_layout(segments)
+        sources, destinations = self.store.take_moves()
+        parts = upload([plan.ids.reshape(1, -1), plan.positions.reshape(1, -1), plan.write_columns,
+                        plan.keep_rows, np.asarray(sources, dtype=np.int64), np.asarray(destinations, dtype=np.int64),
+                        plan.region_start, plan.region_length, plan.segment, plan.tree_rows, plan.tree_block, *riders],
+                       self.device)
+        ids, positions, write_columns, keep_rows, source_rows, destination_rows = parts[:6]
+        region_start, region_length, segment, tree_rows, tree_block = parts[6:11]
+        if sources:
+            self.store.apply_moves(source_rows, destination_rows)  # the last step's accepted rows, into place
+        contiguous = plan.contiguous_span()
+        self.store.begin_forward(Writes(None if contiguous else write_columns, contiguous, plan.width,
+                                        plan.width - plan.total))
+        kwargs: dict = {self._cache_keyword: self.store}
+        mask = None
+        if not self._needs_no_mask(segments):
+            layout = RowLayout(positions[0], region_start, region_length, segment, write_columns,
+                               tree_rows if plan.tree_rows.size else None, tree_block if plan.tree_rows.size else None)
+            mask = layer_masks(layout, plan.width, self.windows, self.mask_kind, self.model.dtype)
+            if getattr(self.model.config, "_attn_implementation", None) == PACKED_NAME:
+                kwargs[LAYOUT_KEYWORD] = PackedLayout(plan.spans)  # each request's rows against its own columns
+        if self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = keep_rows
+        try:
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, **kwargs)
+        finally:
+            self.store.begin_forward(None)
+        logits = out.logits[0] if self._takes_logits_to_keep else out.logits[0].index_select(0, keep_rows)
+        for seg in segments:
+            seg.region.pending = len(seg.tokens)
+        return ForwardOutput(_logits_for_decoding(logits), plan.logit_spans, ids[0], plan.id_spans, parts[11:])
+
+    def _needs_no_mask(self, segments: Sequence[Segment]) -> bool:
+        """Whether the model's own causal attention is already right: one request at row 0, with no
+        sliding window, running one row over its whole cache or its whole prompt from scratch
+        (the model's fast, maskless path, as ``model.generate`` runs it)."""
+        if len(segments) != 1 or self.has_sliding_window:
+            return False
+        seg = segments[0]
+        if seg.region.start != 0:
+            return False
+        if seg.block is None:
+            return seg.region.length == 0
+        return len(seg.tokens) == 1
+
+    def _check_layout(self, segments: Sequence[Segment]) -> None:
+        if len(segments) > 1 or segments[0].region.start != 0:
+            self.check_batches()
+
+    def check_batches(self) -> None:
+        """Raise :class:`UnsupportedModelError` if the model cannot run several requests' rows in one
+        forward (its attention masks by position in the cache on its own)."""
+        if self._legacy_causal:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__}'s eager attention applies its own causal mask from the buffer "
+                f"{self._legacy_causal[0]!r} by cache position, which a batch of requests does not follow; load the "
+                "model with attn_implementation='sdpa' (or use a newer transformers release) to decode it in batches")
+
+
+@dataclass
+class _Plan:
+    """A forward's rows laid out on the host: what :meth:`ModelRunner.forward` uploads."""
+
+    ids: np.ndarray
+    positions: np.ndarray
+    write_columns: np.ndarray
+    keep_rows: np.ndarray
+    region_start: np.ndarray
+    region_length: np.ndarray
+    segment: np.ndarray
+    tree_rows: np.ndarray
+    tree_block: np.ndarray
+    spans: list[tuple[int, int, int, int]]
+    logit_spans: list[slice]
+    id_spans: list[slice]
+    width: int
+
+    @property
+    def total(self) -> int:
+        return len(self.ids)
+
+    @classmethod
+    def of(cls, segments: Sequence[Segment], max_positions: int | None) -> "_Plan":
+        total = sum(len(s.tokens) for s in segments)
+        ids = np.empty(total, dtype=np.int64)
+        positions = np.empty(total, dtype=np.int64)
+        write_columns = np.empty(total, dtype=np.int64)
+        region_start = np.empty(total, dtype=np.int64)
+        region_length = np.empty(total, dtype=np.int64)
+        segment_of_row = np.empty(total, dtype=np.int64)
+        keep_rows: list[int] = []
+        tree_rows: list[np.ndarray] = []
+        blocks: list[np.ndarray] = []
+        spans, logit_spans, id_spans = [], [], []
+        width = at = kept = 0
+        for index, seg in enumerate(segments):
+            q, region = len(seg.tokens), seg.region
+            if region.released:
+                raise ValueError("a segment's region was released")
+            if q == 0:
+                raise ValueError("a segment needs at least one row")
+            if region.length + q > region.capacity:
+                raise ValueError(f"a segment of {q} rows does not fit its region ({region.length} of "
+                                 f"{region.capacity} rows used)")
+            rows = slice(at, at + q)
+            first = region.start + region.length
+            ids[rows] = seg.tokens
+            positions[rows] = seg.positions
+            write_columns[rows] = np.arange(first, first + q)
+            region_start[rows] = region.start
+            region_length[rows] = region.length
+            segment_of_row[rows] = index
+            if seg.block is not None:
+                tree_rows.append(np.arange(at, at + q))
+                blocks.append(np.asarray(seg.block, dtype=bool))
+            keep_rows.extend(at + int(r) for r in seg.logit_rows)
+            logit_spans.append(slice(kept, kept + len(seg.logit_rows)))
+            kept += len(seg.logit_rows)
+            id_spans.append(rows)
+            spans.append((at, at + q, region.start, first + q))
+            width = max(width, first + q)
+            at += q
+        if max_positions is not None and int(positions.max()) >= max_positions:
+            raise ValueError(f"position {int(positions.max())} exceeds the model's context of {max_positions} tokens")
+        tree = np.concatenate(tree_rows) if tree_rows else np.zeros(0, dtype=np.int64)
+        return cls(ids, positions, write_columns, np.asarray(keep_rows, dtype=np.int64), region_start, region_length,
+                   segment_of_row, tree, _block_diagonal(blocks), spans, logit_spans, id_spans, width)
+
+    def contiguous_span(self) -> tuple[int, int] | None:
+        """(first, end) when the new rows are written to one run of consecutive buffer rows."""
+        columns = self.write_columns
+        first = int(columns[0])
+        if int(columns[-1]) - first + 1 == len(columns) and (len(columns) == 1 or bool(np.all(np.diff(columns) == 1))):
+            return first, first + len(columns)
+        return None
+
+
+def _block_diagonal(blocks: list[np.ndarray]) -> np.ndarray:
+    n = sum(len(b) for b in blocks)
+    out = np.zeros((n, n), dtype=bool)
+    at = 0
+    for block in blocks:
+        out[at : at + len(block), at : at + len(block)] = block
+        at += len(block)
+    return out
+
+
+def _layer_windows(text) -> dict[str, int | None]:
+    """Each attention layer type's sliding window (``None``: full attention); the key ``""``
+    stands for every layer when the model does not mix types."""
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        kinds = set(layer_types)
+        unknown = kinds - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise UnsupportedModelError(
+                f"layer types {sorted(unknown)} are not supported yet (supported: full_attention, sliding_attention)")
+        if "sliding_attention" in kinds and not window:
+            raise UnsupportedModelError("the config has sliding_attention layers but no sliding_window size")
+        return {k: (window if k == "sliding_attention" else None) for k in kinds}
+    if window and getattr(text, "use_sliding_window", True):
+        return {"": int(window)}  # e.g. Mistral: one window applies to every layer
+    return {"": None}
+
+
+def _logits_for_decoding(logits: torch.Tensor) -> torch.Tensor:
+    """Logits as decoding compares them: float32, as ``model.generate`` takes them. A float32,
+    bfloat16 or float16 model's logits are returned as they are (float32 holds them exactly, so an
+    argmax or top-k gives the same ids without a full-width cast every step); a float64 model's
+    are rounded to float32, as ``model.generate`` rounds them (its greedy ties are float32 ties)."""
+    if logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return logits
+    return logits.to(torch.float32)
