@@ -1,0 +1,291 @@
+"""``model.generate(..., custom_generate=specdraft.hf.loop())`` against ``Decoder`` on the same prompts.
+
+Why: ``specdraft.hf`` lets code that calls ``model.generate`` keep calling it. The layer around the
+decoder (transformers preparing the call, the loop reading the processors and criteria back,
+releasing committed tokens one position at a time) must cost next to nothing; this measures it.
+
+Two parts, in one process, methods interleaved prompt by prompt (and their order alternated), one
+torch thread:
+
+* **one prompt at a time**: ``Decoder.generate`` (one decoder, default sources) against
+  ``model.generate(**inputs, custom_generate=loop)`` (its own loop, default sources, so neither
+  sees the other's outputs), with plain ``model.generate`` as the reference for the speed-up;
+  the ratio per prompt, its median and worst;
+* **a batch**: the first ``--batch`` prompts left-padded through
+  ``model.generate(**inputs, custom_generate=loop)`` against ``Decoder.generate_batch`` on the
+  same prompts, with transformers' batched ``generate`` as the reference; throughput (new tokens,
+  padding and what follows EOS excluded, per second), ``--repeats`` times.
+
+Greedy outputs are compared between the methods (in bfloat16 they may part at near-ties, see
+``docs/concepts/exactness.md``). Results go to ``benchmarks/results/<name>-<commit>/``:
+``summary.json``, ``summary.txt`` (the table with its ratios) and the command line.
+
+    python benchmarks/hf_generate.py --model qwen2.5-coder-0.5b --dtype bfloat16 --limit 10 \\
+        --max-new-tokens 128 --batch 8 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _cpu() -> dict[str, Any]:
+    info: dict[str, Any] = {"model": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()[:40]
+    except OSError:
+        return info
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in lines if ":" in line)}
+    info["model"] = fields.get("model name", info["model"])
+    flags = set(fields.get("flags", "").split())
+    info["flags"] = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return info
+
+
+def _load() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages: on a shared machine, how much else was running."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _trim(tokens: Sequence[int], eos: set[int]) -> list[int]:
+    """New tokens up to and including the first EOS (what a batch pads after it is dropped)."""
+    out = []
+    for t in tokens:
+        out.append(int(t))
+        if int(t) in eos:
+            break
+    return out
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    started = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - started
+
+
+def _left_padded(prompts: Sequence[list[int]], pad: int, device: torch.device) -> dict[str, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def one_at_a_time(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[int]], new: int, eos: set[int],
+                  baseline: bool) -> dict[str, Any]:
+    rows = []
+    for index, ids in enumerate(prompts):
+        inputs = _left_padded([ids], 0, model.device)
+        runs: dict[str, tuple[list[int], float]] = {}
+
+        def run_decoder() -> None:
+            out, seconds = _timed(lambda: decoder.generate(list(ids), max_new_tokens=new))
+            runs["decoder"] = (list(out.token_ids), seconds)
+
+        def run_loop() -> None:
+            out, seconds = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False,
+                                                         custom_generate=loop))
+            runs["custom_generate"] = (_trim(out[0, len(ids):].tolist(), eos), seconds)
+
+        order = [run_decoder, run_loop] if index % 2 == 0 else [run_loop, run_decoder]
+        for run in order:
+            run()
+        if baseline:
+            out, seconds = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False))
+            runs["generate"] = (_trim(out[0, len(ids):].tolist(), eos), seconds)
+        row = {"prompt": index, **{f"{k}_s": v[1] for k, v in runs.items()},
+               **{f"{k}_tokens": len(v[0]) for k, v in runs.items()},
+               "same_as_decoder": runs["custom_generate"][0] == runs["decoder"][0],
+               "loop_vs_decoder": runs["decoder"][1] / runs["custom_generate"][1]}
+        if baseline:
+            row["same_as_generate"] = runs["custom_generate"][0] == runs["generate"][0]
+            row["loop_vs_generate"] = runs["generate"][1] / runs["custom_generate"][1]
+            row["decoder_vs_generate"] = runs["generate"][1] / runs["decoder"][1]
+        rows.append(row)
+        print(f"  prompt {index}: " + ", ".join(f"{k} {v[1]:.2f}s/{len(v[0])}t" for k, v in runs.items())
+              + f"; loop/decoder speed {row['loop_vs_decoder']:.3f}", flush=True)
+    return {"rows": rows, **_ratios(rows, "loop_vs_decoder"),
+            **({"vs_generate": _ratios(rows, "loop_vs_generate"),
+                "decoder_vs_generate": _ratios(rows, "decoder_vs_generate")} if baseline else {})}
+
+
+def _ratios(rows: Sequence[dict[str, Any]], key: str) -> dict[str, float]:
+    values = [r[key] for r in rows]
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "geomean": math.exp(sum(math.log(v) for v in values) / len(values))}
+
+
+def batched(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[int]], new: int, eos: set[int], pad: int,
+            repeats: int, baseline: bool) -> dict[str, Any]:
+    inputs = _left_padded(prompts, pad, model.device)
+    width = inputs["input_ids"].shape[1]
+    rows = []
+    for repeat in range(repeats):
+        runs: dict[str, tuple[list[list[int]], float]] = {}
+
+        def run_batch() -> None:
+            out, seconds = _timed(lambda: decoder.generate_batch([list(p) for p in prompts], max_new_tokens=new,
+                                                                 concurrency=len(prompts)))
+            runs["generate_batch"] = ([list(o.token_ids) for o in out], seconds)
+
+        def run_loop() -> None:
+            out, seconds = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False,
+                                                         pad_token_id=pad, custom_generate=loop))
+            runs["custom_generate"] = ([_trim(r, eos) for r in out[:, width:].tolist()], seconds)
+
+        order = [run_batch, run_loop] if repeat % 2 == 0 else [run_loop, run_batch]
+        for run in order:
+            run()
+        if baseline:
+            out, seconds = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False,
+                                                         pad_token_id=pad))
+            runs["generate"] = ([_trim(r, eos) for r in out[:, width:].tolist()], seconds)
+        tokens = {k: sum(len(t) for t in v[0]) for k, v in runs.items()}
+        row = {"repeat": repeat, **{f"{k}_s": v[1] for k, v in runs.items()},
+               **{f"{k}_tokens": tokens[k] for k in runs},
+               **{f"{k}_tokens_per_s": tokens[k] / runs[k][1] for k in runs},
+               "same_as_generate_batch": sum(a == b for a, b in zip(runs["custom_generate"][0],
+                                                                     runs["generate_batch"][0]))}
+        row["loop_vs_generate_batch"] = row["custom_generate_tokens_per_s"] / row["generate_batch_tokens_per_s"]
+        if baseline:
+            row["same_as_generate"] = sum(a == b for a, b in zip(runs["custom_generate"][0], runs["generate"][0]))
+            row["loop_vs_generate"] = row["custom_generate_tokens_per_s"] / row["generate_tokens_per_s"]
+            row["generate_batch_vs_generate"] = row["generate_batch_tokens_per_s"] / row["generate_tokens_per_s"]
+        rows.append(row)
+        print(f"  repeat {repeat}: " + ", ".join(f"{k} {v[1]:.1f}s/{tokens[k]}t ({tokens[k] / v[1]:.1f} t/s)"
+                                                for k, v in runs.items())
+              + f"; loop/generate_batch throughput {row['loop_vs_generate_batch']:.3f}", flush=True)
+    return {"rows": rows, **_ratios(rows, "loop_vs_generate_batch"),
+            **({"vs_generate": _ratios(rows, "loop_vs_generate"),
+                "generate_batch_vs_generate": _ratios(rows, "generate_batch_vs_generate")} if baseline else {})}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dataset", default="humaneval")
+    parser.add_argument("--limit", type=int, default=10, help="prompts of the one-at-a-time part")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8, help="prompts of the batch part (0: skip it)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of the batch part")
+    parser.add_argument("--no-baseline", action="store_true", help="skip plain model.generate")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<name>-<commit>)")
+    args = parser.parse_args(argv)
+
+    sys.path.insert(0, str(ROOT))
+    import transformers
+
+    import specdraft
+    import specdraft.hf
+    from specdraft import Decoder
+    from specdraft.bench.datasets import load_prompts
+    from specdraft.models import load_model
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    records = load_prompts(args.dataset, max(args.limit, args.batch) + 1, tokenizer)
+    warm, prompts = records[-1].token_ids, [r.token_ids for r in records[:-1]]
+    eos = set(specdraft.hf._eos_ids(model.generation_config.eos_token_id))
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else (tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    decoder = Decoder(model, tokenizer)
+    loop = specdraft.hf.loop()
+    with torch.inference_mode():  # first use: kernel choice, caches; both learn from the same warm prompt
+        decoder.generate(list(warm), max_new_tokens=16)
+        model.generate(**_left_padded([warm], pad, model.device), max_new_tokens=16, do_sample=False,
+                       custom_generate=loop)
+
+    commit = _commit()
+    name = f"hf-generate-{Path(args.model).name}-{args.dtype}-{args.dataset}{args.limit}-b{args.batch}-{commit}"
+    out_dir = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / name
+    config = {"model": Path(args.model).name, "dtype": args.dtype, "dataset": args.dataset, "limit": args.limit,
+              "max_new_tokens": args.max_new_tokens, "batch": args.batch, "repeats": args.repeats,
+              "threads": args.threads, "commit": commit, "cpu": _cpu(),
+              "versions": {"specdraft": specdraft.__version__, "torch": torch.__version__,
+                           "transformers": transformers.__version__, "python": platform.python_version()},
+              "argv": ["benchmarks/hf_generate.py", *(argv if argv is not None else sys.argv[1:])],
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "load_average_at_start": _load()}
+    summary: dict[str, Any] = {"config": config}
+    with torch.inference_mode():
+        if args.limit:
+            print(f"one prompt at a time: {args.limit} prompts, {args.max_new_tokens} new tokens", flush=True)
+            summary["one_at_a_time"] = one_at_a_time(model, decoder, loop, prompts[: args.limit],
+                                                     args.max_new_tokens, eos, not args.no_baseline)
+        if args.batch:
+            print(f"batch of {args.batch}, {args.repeats} repeats", flush=True)
+            summary["batch"] = batched(model, decoder, loop, prompts[: args.batch], args.max_new_tokens, eos, pad,
+                                       args.repeats, not args.no_baseline)
+    config["load_average_at_end"] = _load()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / "summary.txt").write_text(report(summary))
+    print(report(summary))
+    print(f"wrote {out_dir}")
+    return 0
+
+
+def report(summary: dict[str, Any]) -> str:
+    """The results as a short text table (ratios written ``1.00x``)."""
+    c = summary["config"]
+    lines = [f"{c['model']} {c['dtype']}, {c['dataset']}, {c['max_new_tokens']} new tokens, greedy, "
+             f"{c['threads']} thread(s), commit {c['commit']}, {c['cpu']['model']} ({c['cpu']['cpus']} CPUs), "
+             f"load average {c.get('load_average_at_start')} at start, {c.get('load_average_at_end')} at end", ""]
+    one = summary.get("one_at_a_time")
+    if one:
+        same = sum(r["same_as_decoder"] for r in one["rows"])
+        lines += [f"One prompt at a time ({len(one['rows'])} prompts), speed of model.generate(custom_generate=loop):",
+                  f"  vs Decoder.generate: median {one['median']:.2f}x (per prompt {one['min']:.2f}x to "
+                  f"{one['max']:.2f}x), geometric mean {one['geomean']:.3f}; same output {same}/{len(one['rows'])}"]
+        if "vs_generate" in one:
+            v, d = one["vs_generate"], one["decoder_vs_generate"]
+            same = sum(r["same_as_generate"] for r in one["rows"])
+            lines += [f"  vs plain model.generate: median {v['median']:.2f}x (worst {v['min']:.2f}x); same output "
+                      f"{same}/{len(one['rows'])}",
+                      f"  (Decoder.generate vs plain model.generate: median {d['median']:.2f}x, worst {d['min']:.2f}x)"]
+        lines.append("")
+    batch = summary.get("batch")
+    if batch:
+        n = c["batch"]
+        rows = batch["rows"]
+        tps = {k: statistics.median(r[f"{k}_tokens_per_s"] for r in rows)
+               for k in ("custom_generate", "generate_batch", "generate") if f"{k}_tokens_per_s" in rows[0]}
+        lines += [f"Batch of {n}, left-padded ({len(rows)} repeats), throughput of model.generate(custom_generate=loop):",
+                  f"  vs Decoder.generate_batch: median {batch['median']:.2f}x (repeats {batch['min']:.2f}x to "
+                  f"{batch['max']:.2f}x); same output {rows[-1]['same_as_generate_batch']}/{n} rows",
+                  "  tokens/s (median): " + ", ".join(f"{k} {v:.1f}" for k, v in tps.items())]
+        if "vs_generate" in batch:
+            v, g = batch["vs_generate"], batch["generate_batch_vs_generate"]
+            lines += [f"  vs transformers' batched generate: median {v['median']:.2f}x; same output "
+                      f"{rows[-1]['same_as_generate']}/{n} rows",
+                      f"  (generate_batch vs batched generate: median {g['median']:.2f}x)"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
