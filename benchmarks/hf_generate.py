@@ -82,10 +82,12 @@ def _trim(tokens: Sequence[int], eos: set[int]) -> list[int]:
     return out
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    started = time.perf_counter()
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    """``fn()``, its wall time and the CPU time this process spent on it. With one torch thread the
+    CPU time barely moves when other work shares the machine; the wall time does."""
+    started, cpu = time.perf_counter(), time.process_time()
     result = fn()
-    return result, time.perf_counter() - started
+    return result, time.perf_counter() - started, time.process_time() - cpu
 
 
 def _left_padded(prompts: Sequence[list[int]], pad: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -100,37 +102,41 @@ def one_at_a_time(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[in
     rows = []
     for index, ids in enumerate(prompts):
         inputs = _left_padded([ids], 0, model.device)
-        runs: dict[str, tuple[list[int], float]] = {}
+        runs: dict[str, tuple[list[int], float, float]] = {}
 
         def run_decoder() -> None:
-            out, seconds = _timed(lambda: decoder.generate(list(ids), max_new_tokens=new))
-            runs["decoder"] = (list(out.token_ids), seconds)
+            out, seconds, cpu = _timed(lambda: decoder.generate(list(ids), max_new_tokens=new))
+            runs["decoder"] = (list(out.token_ids), seconds, cpu)
 
         def run_loop() -> None:
-            out, seconds = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False,
-                                                         custom_generate=loop))
-            runs["custom_generate"] = (_trim(out[0, len(ids):].tolist(), eos), seconds)
+            out, seconds, cpu = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False,
+                                                              custom_generate=loop))
+            runs["custom_generate"] = (_trim(out[0, len(ids):].tolist(), eos), seconds, cpu)
 
         order = [run_decoder, run_loop] if index % 2 == 0 else [run_loop, run_decoder]
         for run in order:
             run()
         if baseline:
-            out, seconds = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False))
-            runs["generate"] = (_trim(out[0, len(ids):].tolist(), eos), seconds)
+            out, seconds, cpu = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False))
+            runs["generate"] = (_trim(out[0, len(ids):].tolist(), eos), seconds, cpu)
         row = {"prompt": index, **{f"{k}_s": v[1] for k, v in runs.items()},
+               **{f"{k}_cpu_s": v[2] for k, v in runs.items()},
                **{f"{k}_tokens": len(v[0]) for k, v in runs.items()},
-               "same_as_decoder": runs["custom_generate"][0] == runs["decoder"][0],
-               "loop_vs_decoder": runs["decoder"][1] / runs["custom_generate"][1]}
+               "same_as_decoder": runs["custom_generate"][0] == runs["decoder"][0]}
+        pairs = [("loop_vs_decoder", "decoder", "custom_generate")]
         if baseline:
             row["same_as_generate"] = runs["custom_generate"][0] == runs["generate"][0]
-            row["loop_vs_generate"] = runs["generate"][1] / runs["custom_generate"][1]
-            row["decoder_vs_generate"] = runs["generate"][1] / runs["decoder"][1]
+            pairs += [("loop_vs_generate", "generate", "custom_generate"), ("decoder_vs_generate", "generate", "decoder")]
+        for key, slow, fast in pairs:  # speed of ``fast`` relative to ``slow``: > 1 is faster
+            row[key] = runs[slow][1] / runs[fast][1]
+            row[f"{key}_cpu"] = runs[slow][2] / runs[fast][2]
         rows.append(row)
-        print(f"  prompt {index}: " + ", ".join(f"{k} {v[1]:.2f}s/{len(v[0])}t" for k, v in runs.items())
-              + f"; loop/decoder speed {row['loop_vs_decoder']:.3f}", flush=True)
-    return {"rows": rows, **_ratios(rows, "loop_vs_decoder"),
-            **({"vs_generate": _ratios(rows, "loop_vs_generate"),
-                "decoder_vs_generate": _ratios(rows, "decoder_vs_generate")} if baseline else {})}
+        print(f"  prompt {index}: " + ", ".join(f"{k} {v[1]:.2f}s (cpu {v[2]:.2f}s)/{len(v[0])}t" for k, v in runs.items())
+              + f"; loop/decoder speed {row['loop_vs_decoder']:.3f} (cpu {row['loop_vs_decoder_cpu']:.3f})", flush=True)
+    return {"rows": rows, **_ratios(rows, "loop_vs_decoder"), "cpu": _ratios(rows, "loop_vs_decoder_cpu"),
+            **({"vs_generate": _ratios(rows, "loop_vs_generate"), "vs_generate_cpu": _ratios(rows, "loop_vs_generate_cpu"),
+                "decoder_vs_generate": _ratios(rows, "decoder_vs_generate"),
+                "decoder_vs_generate_cpu": _ratios(rows, "decoder_vs_generate_cpu")} if baseline else {})}
 
 
 def _ratios(rows: Sequence[dict[str, Any]], key: str) -> dict[str, float]:
@@ -145,43 +151,49 @@ def batched(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[int]], n
     width = inputs["input_ids"].shape[1]
     rows = []
     for repeat in range(repeats):
-        runs: dict[str, tuple[list[list[int]], float]] = {}
+        runs: dict[str, tuple[list[list[int]], float, float]] = {}
 
         def run_batch() -> None:
-            out, seconds = _timed(lambda: decoder.generate_batch([list(p) for p in prompts], max_new_tokens=new,
-                                                                 concurrency=len(prompts)))
-            runs["generate_batch"] = ([list(o.token_ids) for o in out], seconds)
+            out, seconds, cpu = _timed(lambda: decoder.generate_batch([list(p) for p in prompts], max_new_tokens=new,
+                                                                      concurrency=len(prompts)))
+            runs["generate_batch"] = ([list(o.token_ids) for o in out], seconds, cpu)
 
         def run_loop() -> None:
-            out, seconds = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False,
-                                                         pad_token_id=pad, custom_generate=loop))
-            runs["custom_generate"] = ([_trim(r, eos) for r in out[:, width:].tolist()], seconds)
+            out, seconds, cpu = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False,
+                                                              pad_token_id=pad, custom_generate=loop))
+            runs["custom_generate"] = ([_trim(r, eos) for r in out[:, width:].tolist()], seconds, cpu)
 
         order = [run_batch, run_loop] if repeat % 2 == 0 else [run_loop, run_batch]
         for run in order:
             run()
         if baseline:
-            out, seconds = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False,
-                                                         pad_token_id=pad))
-            runs["generate"] = ([_trim(r, eos) for r in out[:, width:].tolist()], seconds)
+            out, seconds, cpu = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False,
+                                                              pad_token_id=pad))
+            runs["generate"] = ([_trim(r, eos) for r in out[:, width:].tolist()], seconds, cpu)
         tokens = {k: sum(len(t) for t in v[0]) for k, v in runs.items()}
         row = {"repeat": repeat, **{f"{k}_s": v[1] for k, v in runs.items()},
+               **{f"{k}_cpu_s": v[2] for k, v in runs.items()},
                **{f"{k}_tokens": tokens[k] for k in runs},
                **{f"{k}_tokens_per_s": tokens[k] / runs[k][1] for k in runs},
+               **{f"{k}_tokens_per_cpu_s": tokens[k] / runs[k][2] for k in runs},
                "same_as_generate_batch": sum(a == b for a, b in zip(runs["custom_generate"][0],
                                                                      runs["generate_batch"][0]))}
-        row["loop_vs_generate_batch"] = row["custom_generate_tokens_per_s"] / row["generate_batch_tokens_per_s"]
+        pairs = [("loop_vs_generate_batch", "custom_generate", "generate_batch")]
         if baseline:
             row["same_as_generate"] = sum(a == b for a, b in zip(runs["custom_generate"][0], runs["generate"][0]))
-            row["loop_vs_generate"] = row["custom_generate_tokens_per_s"] / row["generate_tokens_per_s"]
-            row["generate_batch_vs_generate"] = row["generate_batch_tokens_per_s"] / row["generate_tokens_per_s"]
+            pairs += [("loop_vs_generate", "custom_generate", "generate"),
+                      ("generate_batch_vs_generate", "generate_batch", "generate")]
+        for key, a, b in pairs:  # throughput of ``a`` relative to ``b``: > 1 is faster
+            row[key] = row[f"{a}_tokens_per_s"] / row[f"{b}_tokens_per_s"]
+            row[f"{key}_cpu"] = row[f"{a}_tokens_per_cpu_s"] / row[f"{b}_tokens_per_cpu_s"]
         rows.append(row)
-        print(f"  repeat {repeat}: " + ", ".join(f"{k} {v[1]:.1f}s/{tokens[k]}t ({tokens[k] / v[1]:.1f} t/s)"
-                                                for k, v in runs.items())
-              + f"; loop/generate_batch throughput {row['loop_vs_generate_batch']:.3f}", flush=True)
-    return {"rows": rows, **_ratios(rows, "loop_vs_generate_batch"),
-            **({"vs_generate": _ratios(rows, "loop_vs_generate"),
-                "generate_batch_vs_generate": _ratios(rows, "generate_batch_vs_generate")} if baseline else {})}
+        print(f"  repeat {repeat}: " + ", ".join(f"{k} {v[1]:.1f}s (cpu {v[2]:.1f}s)/{tokens[k]}t" for k, v in runs.items())
+              + f"; loop/generate_batch throughput {row['loop_vs_generate_batch']:.3f} "
+                f"(cpu {row['loop_vs_generate_batch_cpu']:.3f})", flush=True)
+    return {"rows": rows, **_ratios(rows, "loop_vs_generate_batch"), "cpu": _ratios(rows, "loop_vs_generate_batch_cpu"),
+            **({"vs_generate": _ratios(rows, "loop_vs_generate"), "vs_generate_cpu": _ratios(rows, "loop_vs_generate_cpu"),
+                "generate_batch_vs_generate": _ratios(rows, "generate_batch_vs_generate"),
+                "generate_batch_vs_generate_cpu": _ratios(rows, "generate_batch_vs_generate_cpu")} if baseline else {})}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -251,39 +263,45 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def report(summary: dict[str, Any]) -> str:
-    """The results as a short text table (ratios written ``1.00x``)."""
+    """The results as a short text table (ratios written ``1.00x``; "cpu": the same ratio of the
+    CPU time the process spent, which other work on the machine barely moves)."""
     c = summary["config"]
     lines = [f"{c['model']} {c['dtype']}, {c['dataset']}, {c['max_new_tokens']} new tokens, greedy, "
              f"{c['threads']} thread(s), commit {c['commit']}, {c['cpu']['model']} ({c['cpu']['cpus']} CPUs), "
              f"load average {c.get('load_average_at_start')} at start, {c.get('load_average_at_end')} at end", ""]
+
+    def ratio(r: dict[str, float], cpu: dict[str, float] | None = None) -> str:
+        text = f"median {r['median']:.2f}x (from {r['min']:.2f}x to {r['max']:.2f}x), geometric mean {r['geomean']:.3f}"
+        if cpu is not None:
+            text += f"; cpu time: median {cpu['median']:.2f}x ({cpu['min']:.2f}x to {cpu['max']:.2f}x)"
+        return text
+
     one = summary.get("one_at_a_time")
     if one:
-        same = sum(r["same_as_decoder"] for r in one["rows"])
-        lines += [f"One prompt at a time ({len(one['rows'])} prompts), speed of model.generate(custom_generate=loop):",
-                  f"  vs Decoder.generate: median {one['median']:.2f}x (per prompt {one['min']:.2f}x to "
-                  f"{one['max']:.2f}x), geometric mean {one['geomean']:.3f}; same output {same}/{len(one['rows'])}"]
+        n = len(one["rows"])
+        lines += [f"One prompt at a time ({n} prompts), speed of model.generate(custom_generate=loop), per prompt:",
+                  f"  vs Decoder.generate: {ratio(one, one['cpu'])}; same output "
+                  f"{sum(r['same_as_decoder'] for r in one['rows'])}/{n}"]
         if "vs_generate" in one:
-            v, d = one["vs_generate"], one["decoder_vs_generate"]
-            same = sum(r["same_as_generate"] for r in one["rows"])
-            lines += [f"  vs plain model.generate: median {v['median']:.2f}x (worst {v['min']:.2f}x); same output "
-                      f"{same}/{len(one['rows'])}",
-                      f"  (Decoder.generate vs plain model.generate: median {d['median']:.2f}x, worst {d['min']:.2f}x)"]
+            lines += [f"  vs plain model.generate: {ratio(one['vs_generate'], one['vs_generate_cpu'])}; same output "
+                      f"{sum(r['same_as_generate'] for r in one['rows'])}/{n}",
+                      f"  (Decoder.generate vs plain model.generate: "
+                      f"{ratio(one['decoder_vs_generate'], one['decoder_vs_generate_cpu'])})"]
         lines.append("")
     batch = summary.get("batch")
     if batch:
-        n = c["batch"]
-        rows = batch["rows"]
+        n, rows = c["batch"], batch["rows"]
         tps = {k: statistics.median(r[f"{k}_tokens_per_s"] for r in rows)
                for k in ("custom_generate", "generate_batch", "generate") if f"{k}_tokens_per_s" in rows[0]}
         lines += [f"Batch of {n}, left-padded ({len(rows)} repeats), throughput of model.generate(custom_generate=loop):",
-                  f"  vs Decoder.generate_batch: median {batch['median']:.2f}x (repeats {batch['min']:.2f}x to "
-                  f"{batch['max']:.2f}x); same output {rows[-1]['same_as_generate_batch']}/{n} rows",
-                  "  tokens/s (median): " + ", ".join(f"{k} {v:.1f}" for k, v in tps.items())]
+                  f"  vs Decoder.generate_batch: {ratio(batch, batch['cpu'])}; same output "
+                  f"{rows[-1]['same_as_generate_batch']}/{n} rows",
+                  "  new tokens/s (median): " + ", ".join(f"{k} {v:.1f}" for k, v in tps.items())]
         if "vs_generate" in batch:
-            v, g = batch["vs_generate"], batch["generate_batch_vs_generate"]
-            lines += [f"  vs transformers' batched generate: median {v['median']:.2f}x; same output "
-                      f"{rows[-1]['same_as_generate']}/{n} rows",
-                      f"  (generate_batch vs batched generate: median {g['median']:.2f}x)"]
+            lines += [f"  vs transformers' batched generate: {ratio(batch['vs_generate'], batch['vs_generate_cpu'])}; "
+                      f"same output {rows[-1]['same_as_generate']}/{n} rows",
+                      f"  (generate_batch vs batched generate: "
+                      f"{ratio(batch['generate_batch_vs_generate'], batch['generate_batch_vs_generate_cpu'])})"]
     return "\n".join(lines) + "\n"
 
 
