@@ -103,15 +103,18 @@ def one_at_a_time(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[in
     for index, ids in enumerate(prompts):
         inputs = _left_padded([ids], 0, model.device)
         runs: dict[str, tuple[list[int], float, float]] = {}
+        steps: dict[str, list[int]] = {}  # tokens committed per step: equal lists mean equal work
 
         def run_decoder() -> None:
             out, seconds, cpu = _timed(lambda: decoder.generate(list(ids), max_new_tokens=new))
             runs["decoder"] = (list(out.token_ids), seconds, cpu)
+            steps["decoder"] = list(out.stats.accept_lengths)
 
         def run_loop() -> None:
             out, seconds, cpu = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False,
                                                               custom_generate=loop))
             runs["custom_generate"] = (_trim(out[0, len(ids):].tolist(), eos), seconds, cpu)
+            steps["custom_generate"] = list(loop.last_stats[0].accept_lengths)
 
         order = [run_decoder, run_loop] if index % 2 == 0 else [run_loop, run_decoder]
         for run in order:
@@ -122,7 +125,9 @@ def one_at_a_time(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[in
         row = {"prompt": index, **{f"{k}_s": v[1] for k, v in runs.items()},
                **{f"{k}_cpu_s": v[2] for k, v in runs.items()},
                **{f"{k}_tokens": len(v[0]) for k, v in runs.items()},
-               "same_as_decoder": runs["custom_generate"][0] == runs["decoder"][0]}
+               "same_as_decoder": runs["custom_generate"][0] == runs["decoder"][0],
+               **{f"{k}_steps": len(v) for k, v in steps.items()},
+               "same_steps_as_decoder": steps["custom_generate"] == steps["decoder"]}
         pairs = [("loop_vs_decoder", "decoder", "custom_generate")]
         if baseline:
             row["same_as_generate"] = runs["custom_generate"][0] == runs["generate"][0]
@@ -152,16 +157,19 @@ def batched(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[int]], n
     rows = []
     for repeat in range(repeats):
         runs: dict[str, tuple[list[list[int]], float, float]] = {}
+        steps: dict[str, list[list[int]]] = {}
 
         def run_batch() -> None:
             out, seconds, cpu = _timed(lambda: decoder.generate_batch([list(p) for p in prompts], max_new_tokens=new,
                                                                       concurrency=len(prompts)))
             runs["generate_batch"] = ([list(o.token_ids) for o in out], seconds, cpu)
+            steps["generate_batch"] = [list(o.stats.accept_lengths) for o in out]
 
         def run_loop() -> None:
             out, seconds, cpu = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False,
                                                               pad_token_id=pad, custom_generate=loop))
             runs["custom_generate"] = ([_trim(r, eos) for r in out[:, width:].tolist()], seconds, cpu)
+            steps["custom_generate"] = [list(s.accept_lengths) if s is not None else [] for s in loop.last_stats]
 
         order = [run_batch, run_loop] if repeat % 2 == 0 else [run_loop, run_batch]
         for run in order:
@@ -177,7 +185,9 @@ def batched(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[int]], n
                **{f"{k}_tokens_per_s": tokens[k] / runs[k][1] for k in runs},
                **{f"{k}_tokens_per_cpu_s": tokens[k] / runs[k][2] for k in runs},
                "same_as_generate_batch": sum(a == b for a, b in zip(runs["custom_generate"][0],
-                                                                     runs["generate_batch"][0]))}
+                                                                     runs["generate_batch"][0])),
+               "same_steps_as_generate_batch": sum(a == b for a, b in zip(steps["custom_generate"],
+                                                                           steps["generate_batch"]))}
         pairs = [("loop_vs_generate_batch", "custom_generate", "generate_batch")]
         if baseline:
             row["same_as_generate"] = sum(a == b for a, b in zip(runs["custom_generate"][0], runs["generate"][0]))
@@ -206,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8, help="prompts of the batch part (0: skip it)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of the batch part")
     parser.add_argument("--no-baseline", action="store_true", help="skip plain model.generate")
+    parser.add_argument("--fixed-budget", action="store_true",
+                        help="adaptive_budget=False on both sides: the same trees, so the same work, step for step")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<name>-<commit>)")
     args = parser.parse_args(argv)
@@ -226,19 +238,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     eos = set(specdraft.hf._eos_ids(model.generation_config.eos_token_id))
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else (tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-    decoder = Decoder(model, tokenizer)
-    loop = specdraft.hf.loop()
+    adaptive = not args.fixed_budget
+    decoder = Decoder(model, tokenizer, adaptive_budget=adaptive)
+    loop = specdraft.hf.loop(adaptive_budget=adaptive)
     with torch.inference_mode():  # first use: kernel choice, caches; both learn from the same warm prompt
         decoder.generate(list(warm), max_new_tokens=16)
         model.generate(**_left_padded([warm], pad, model.device), max_new_tokens=16, do_sample=False,
                        custom_generate=loop)
 
     commit = _commit()
-    name = f"hf-generate-{Path(args.model).name}-{args.dtype}-{args.dataset}{args.limit}-b{args.batch}-{commit}"
+    name = (f"hf-generate-{Path(args.model).name}-{args.dtype}-{args.dataset}{args.limit}-b{args.batch}"
+            f"{'-fixed' if args.fixed_budget else ''}-{commit}")
     out_dir = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / name
     config = {"model": Path(args.model).name, "dtype": args.dtype, "dataset": args.dataset, "limit": args.limit,
               "max_new_tokens": args.max_new_tokens, "batch": args.batch, "repeats": args.repeats,
-              "threads": args.threads, "commit": commit, "cpu": _cpu(),
+              "threads": args.threads, "adaptive_budget": adaptive, "commit": commit, "cpu": _cpu(),
               "versions": {"specdraft": specdraft.__version__, "torch": torch.__version__,
                            "transformers": transformers.__version__, "python": platform.python_version()},
               "argv": ["benchmarks/hf_generate.py", *(argv if argv is not None else sys.argv[1:])],
@@ -267,7 +281,8 @@ def report(summary: dict[str, Any]) -> str:
     CPU time the process spent, which other work on the machine barely moves)."""
     c = summary["config"]
     lines = [f"{c['model']} {c['dtype']}, {c['dataset']}, {c['max_new_tokens']} new tokens, greedy, "
-             f"{c['threads']} thread(s), commit {c['commit']}, {c['cpu']['model']} ({c['cpu']['cpus']} CPUs), "
+             f"{c['threads']} thread(s), {'adaptive' if c.get('adaptive_budget', True) else 'fixed'} budget, "
+             f"commit {c['commit']}, {c['cpu']['model']} ({c['cpu']['cpus']} CPUs), "
              f"load average {c.get('load_average_at_start')} at start, {c.get('load_average_at_end')} at end", ""]
 
     def ratio(r: dict[str, float], cpu: dict[str, float] | None = None) -> str:
@@ -281,7 +296,8 @@ def report(summary: dict[str, Any]) -> str:
         n = len(one["rows"])
         lines += [f"One prompt at a time ({n} prompts), speed of model.generate(custom_generate=loop), per prompt:",
                   f"  vs Decoder.generate: {ratio(one, one['cpu'])}; same output "
-                  f"{sum(r['same_as_decoder'] for r in one['rows'])}/{n}"]
+                  f"{sum(r['same_as_decoder'] for r in one['rows'])}/{n}, same steps "
+                  f"{sum(r['same_steps_as_decoder'] for r in one['rows'])}/{n}"]
         if "vs_generate" in one:
             lines += [f"  vs plain model.generate: {ratio(one['vs_generate'], one['vs_generate_cpu'])}; same output "
                       f"{sum(r['same_as_generate'] for r in one['rows'])}/{n}",
@@ -295,7 +311,8 @@ def report(summary: dict[str, Any]) -> str:
                for k in ("custom_generate", "generate_batch", "generate") if f"{k}_tokens_per_s" in rows[0]}
         lines += [f"Batch of {n}, left-padded ({len(rows)} repeats), throughput of model.generate(custom_generate=loop):",
                   f"  vs Decoder.generate_batch: {ratio(batch, batch['cpu'])}; same output "
-                  f"{rows[-1]['same_as_generate_batch']}/{n} rows",
+                  f"{rows[-1]['same_as_generate_batch']}/{n} rows, same steps "
+                  f"{rows[-1]['same_steps_as_generate_batch']}/{n} rows",
                   "  new tokens/s (median): " + ", ".join(f"{k} {v:.1f}" for k, v in tps.items())]
         if "vs_generate" in batch:
             lines += [f"  vs transformers' batched generate: {ratio(batch['vs_generate'], batch['vs_generate_cpu'])}; "
