@@ -90,6 +90,60 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
     return result, time.perf_counter() - started, time.process_time() - cpu
 
 
+class EngineClock:
+    """Time spent inside the loop's decoder (making its stream and every step of it), so that
+    the rest of a ``model.generate(custom_generate=loop)`` call, transformers' preparation and
+    the loop's own work, can be told apart: the layer's cost, whatever else the machine runs.
+    Installed on the loop's decoder instance; the decoder itself is not changed."""
+
+    def __init__(self, decoder: Any) -> None:
+        self.wall = self.cpu = 0.0
+        for name in ("stream", "stream_batch"):
+            setattr(decoder, name, self._timed_stream(getattr(decoder, name)))
+
+    def reset(self) -> None:
+        self.wall = self.cpu = 0.0
+
+    def _add(self, wall: float, cpu: float) -> None:
+        self.wall += time.perf_counter() - wall
+        self.cpu += time.process_time() - cpu
+
+    def _timed_stream(self, make: Callable[..., Any]) -> Callable[..., Any]:
+        clock = self
+
+        class Timed:
+            def __init__(self, inner: Any) -> None:
+                self.inner = inner
+
+            def __iter__(self):
+                iterator = iter(self.inner)
+                while True:
+                    wall, cpu = time.perf_counter(), time.process_time()
+                    try:
+                        item = next(iterator)
+                    except StopIteration:
+                        clock._add(wall, cpu)
+                        return
+                    clock._add(wall, cpu)
+                    yield item
+
+            def close(self) -> None:
+                wall, cpu = time.perf_counter(), time.process_time()
+                self.inner.close()
+                clock._add(wall, cpu)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.inner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            wall, cpu = time.perf_counter(), time.process_time()
+            inner = make(*args, **kwargs)
+            clock._add(wall, cpu)
+            return Timed(inner)
+
+        return timed
+
+
 def _left_padded(prompts: Sequence[list[int]], pad: int, device: torch.device) -> dict[str, torch.Tensor]:
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
@@ -98,12 +152,13 @@ def _left_padded(prompts: Sequence[list[int]], pad: int, device: torch.device) -
 
 
 def one_at_a_time(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[int]], new: int, eos: set[int],
-                  baseline: bool) -> dict[str, Any]:
+                  baseline: bool, clock: EngineClock) -> dict[str, Any]:
     rows = []
     for index, ids in enumerate(prompts):
         inputs = _left_padded([ids], 0, model.device)
         runs: dict[str, tuple[list[int], float, float]] = {}
         steps: dict[str, list[int]] = {}  # tokens committed per step: equal lists mean equal work
+        layer: dict[str, float] = {}  # the call's time outside the decoder
 
         def run_decoder() -> None:
             out, seconds, cpu = _timed(lambda: decoder.generate(list(ids), max_new_tokens=new))
@@ -111,10 +166,12 @@ def one_at_a_time(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[in
             steps["decoder"] = list(out.stats.accept_lengths)
 
         def run_loop() -> None:
+            clock.reset()
             out, seconds, cpu = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False,
                                                               custom_generate=loop))
             runs["custom_generate"] = (_trim(out[0, len(ids):].tolist(), eos), seconds, cpu)
             steps["custom_generate"] = list(loop.last_stats[0].accept_lengths)
+            layer["wall"], layer["cpu"] = seconds - clock.wall, cpu - clock.cpu
 
         order = [run_decoder, run_loop] if index % 2 == 0 else [run_loop, run_decoder]
         for run in order:
@@ -127,7 +184,9 @@ def one_at_a_time(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[in
                **{f"{k}_tokens": len(v[0]) for k, v in runs.items()},
                "same_as_decoder": runs["custom_generate"][0] == runs["decoder"][0],
                **{f"{k}_steps": len(v) for k, v in steps.items()},
-               "same_steps_as_decoder": steps["custom_generate"] == steps["decoder"]}
+               "same_steps_as_decoder": steps["custom_generate"] == steps["decoder"],
+               "layer_s": layer["wall"], "layer_cpu_s": layer["cpu"],
+               "layer_share": layer["wall"] / runs["custom_generate"][1]}
         pairs = [("loop_vs_decoder", "decoder", "custom_generate")]
         if baseline:
             row["same_as_generate"] = runs["custom_generate"][0] == runs["generate"][0]
@@ -139,9 +198,15 @@ def one_at_a_time(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[in
         print(f"  prompt {index}: " + ", ".join(f"{k} {v[1]:.2f}s (cpu {v[2]:.2f}s)/{len(v[0])}t" for k, v in runs.items())
               + f"; loop/decoder speed {row['loop_vs_decoder']:.3f} (cpu {row['loop_vs_decoder_cpu']:.3f})", flush=True)
     return {"rows": rows, **_ratios(rows, "loop_vs_decoder"), "cpu": _ratios(rows, "loop_vs_decoder_cpu"),
+            "layer": _spread(rows, "layer_s"), "layer_share": _spread(rows, "layer_share"),
             **({"vs_generate": _ratios(rows, "loop_vs_generate"), "vs_generate_cpu": _ratios(rows, "loop_vs_generate_cpu"),
                 "decoder_vs_generate": _ratios(rows, "decoder_vs_generate"),
                 "decoder_vs_generate_cpu": _ratios(rows, "decoder_vs_generate_cpu")} if baseline else {})}
+
+
+def _spread(rows: Sequence[dict[str, Any]], key: str) -> dict[str, float]:
+    values = [r[key] for r in rows]
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def _ratios(rows: Sequence[dict[str, Any]], key: str) -> dict[str, float]:
@@ -151,13 +216,14 @@ def _ratios(rows: Sequence[dict[str, Any]], key: str) -> dict[str, float]:
 
 
 def batched(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[int]], new: int, eos: set[int], pad: int,
-            repeats: int, baseline: bool) -> dict[str, Any]:
+            repeats: int, baseline: bool, clock: EngineClock) -> dict[str, Any]:
     inputs = _left_padded(prompts, pad, model.device)
     width = inputs["input_ids"].shape[1]
     rows = []
     for repeat in range(repeats):
         runs: dict[str, tuple[list[list[int]], float, float]] = {}
         steps: dict[str, list[list[int]]] = {}
+        layer: dict[str, float] = {}
 
         def run_batch() -> None:
             out, seconds, cpu = _timed(lambda: decoder.generate_batch([list(p) for p in prompts], max_new_tokens=new,
@@ -166,8 +232,10 @@ def batched(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[int]], n
             steps["generate_batch"] = [list(o.stats.accept_lengths) for o in out]
 
         def run_loop() -> None:
+            clock.reset()
             out, seconds, cpu = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False,
                                                               pad_token_id=pad, custom_generate=loop))
+            layer["wall"], layer["cpu"] = seconds - clock.wall, cpu - clock.cpu
             runs["custom_generate"] = ([_trim(r, eos) for r in out[:, width:].tolist()], seconds, cpu)
             steps["custom_generate"] = [list(s.accept_lengths) if s is not None else [] for s in loop.last_stats]
 
@@ -187,7 +255,9 @@ def batched(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[int]], n
                "same_as_generate_batch": sum(a == b for a, b in zip(runs["custom_generate"][0],
                                                                      runs["generate_batch"][0])),
                "same_steps_as_generate_batch": sum(a == b for a, b in zip(steps["custom_generate"],
-                                                                           steps["generate_batch"]))}
+                                                                           steps["generate_batch"])),
+               "layer_s": layer["wall"], "layer_cpu_s": layer["cpu"],
+               "layer_share": layer["wall"] / runs["custom_generate"][1]}
         pairs = [("loop_vs_generate_batch", "custom_generate", "generate_batch")]
         if baseline:
             row["same_as_generate"] = sum(a == b for a, b in zip(runs["custom_generate"][0], runs["generate"][0]))
@@ -201,6 +271,7 @@ def batched(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[int]], n
               + f"; loop/generate_batch throughput {row['loop_vs_generate_batch']:.3f} "
                 f"(cpu {row['loop_vs_generate_batch_cpu']:.3f})", flush=True)
     return {"rows": rows, **_ratios(rows, "loop_vs_generate_batch"), "cpu": _ratios(rows, "loop_vs_generate_batch_cpu"),
+            "layer": _spread(rows, "layer_s"), "layer_share": _spread(rows, "layer_share"),
             **({"vs_generate": _ratios(rows, "loop_vs_generate"), "vs_generate_cpu": _ratios(rows, "loop_vs_generate_cpu"),
                 "generate_batch_vs_generate": _ratios(rows, "generate_batch_vs_generate"),
                 "generate_batch_vs_generate_cpu": _ratios(rows, "generate_batch_vs_generate_cpu")} if baseline else {})}
@@ -241,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     adaptive = not args.fixed_budget
     decoder = Decoder(model, tokenizer, adaptive_budget=adaptive)
     loop = specdraft.hf.loop(adaptive_budget=adaptive)
+    clock = EngineClock(loop.decoder(model))
     with torch.inference_mode():  # first use: kernel choice, caches; both learn from the same warm prompt
         decoder.generate(list(warm), max_new_tokens=16)
         model.generate(**_left_padded([warm], pad, model.device), max_new_tokens=16, do_sample=False,
@@ -262,11 +334,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.limit:
             print(f"one prompt at a time: {args.limit} prompts, {args.max_new_tokens} new tokens", flush=True)
             summary["one_at_a_time"] = one_at_a_time(model, decoder, loop, prompts[: args.limit],
-                                                     args.max_new_tokens, eos, not args.no_baseline)
+                                                     args.max_new_tokens, eos, not args.no_baseline, clock)
         if args.batch:
             print(f"batch of {args.batch}, {args.repeats} repeats", flush=True)
             summary["batch"] = batched(model, decoder, loop, prompts[: args.batch], args.max_new_tokens, eos, pad,
-                                       args.repeats, not args.no_baseline)
+                                       args.repeats, not args.no_baseline, clock)
     config["load_average_at_end"] = _load()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -297,7 +369,10 @@ def report(summary: dict[str, Any]) -> str:
         lines += [f"One prompt at a time ({n} prompts), speed of model.generate(custom_generate=loop), per prompt:",
                   f"  vs Decoder.generate: {ratio(one, one['cpu'])}; same output "
                   f"{sum(r['same_as_decoder'] for r in one['rows'])}/{n}, same steps "
-                  f"{sum(r['same_steps_as_decoder'] for r in one['rows'])}/{n}"]
+                  f"{sum(r['same_steps_as_decoder'] for r in one['rows'])}/{n}",
+                  f"  time outside the decoder (transformers' preparation and the loop): median "
+                  f"{one['layer']['median'] * 1000:.1f} ms per call, {one['layer_share']['median'] * 100:.2f}% of it "
+                  f"(at most {one['layer_share']['max'] * 100:.2f}%)"]
         if "vs_generate" in one:
             lines += [f"  vs plain model.generate: {ratio(one['vs_generate'], one['vs_generate_cpu'])}; same output "
                       f"{sum(r['same_as_generate'] for r in one['rows'])}/{n}",
@@ -313,6 +388,8 @@ def report(summary: dict[str, Any]) -> str:
                   f"  vs Decoder.generate_batch: {ratio(batch, batch['cpu'])}; same output "
                   f"{rows[-1]['same_as_generate_batch']}/{n} rows, same steps "
                   f"{rows[-1]['same_steps_as_generate_batch']}/{n} rows",
+                  f"  time outside the decoder: median {batch['layer']['median'] * 1000:.1f} ms per call, "
+                  f"{batch['layer_share']['median'] * 100:.2f}% of it (at most {batch['layer_share']['max'] * 100:.2f}%)",
                   "  new tokens/s (median): " + ", ".join(f"{k} {v:.1f}" for k, v in tps.items())]
         if "vs_generate" in batch:
             lines += [f"  vs transformers' batched generate: {ratio(batch['vs_generate'], batch['vs_generate_cpu'])}; "
