@@ -560,3 +560,16 @@ def test_refused_by_the_generate_replacement():
 def test_bad_loop_options_fail_at_once():
     with pytest.raises(ValueError, match="max_tree_nodes"):
         specdraft.hf.loop(max_tree_nodes=-1)
+
+
+def test_a_transformers_without_custom_generate_gets_a_clear_error(monkeypatch):
+    """Every release pyproject.toml declares has generate(custom_generate=...); one without it
+    (older, or a future one that drops it) must fail at loop() with what to do, not deep in generate."""
+
+    class OldMixin:
+        def generate(self, inputs=None, generation_config=None, **kwargs):
+            raise AssertionError("never called")
+
+    monkeypatch.setattr(specdraft.hf, "GenerationMixin", OldMixin)
+    with pytest.raises(ImportError, match=r"custom_generate=.*Upgrade transformers, or use specdraft.Decoder"):
+        specdraft.hf.loop()
