@@ -43,7 +43,7 @@ print(f"exactness core on the oldest declared transformers: transformers {transf
 PYEOF
     "$venv/bin/python" -m pytest -q -p no:cacheprovider \
         tests/test_greedy_identity.py tests/test_sampling_stats.py tests/test_verify_exact.py \
-        tests/test_runner.py tests/test_bench.py tests/test_batch.py
+        tests/test_runner.py tests/test_bench.py tests/test_batch.py tests/test_hf_generate.py
     rm -rf "$(dirname "$venv")"
     "$PY" -c "import torch, transformers; print(f'default suite ran on transformers {transformers.__version__}, torch {torch.__version__}')"
 fi
