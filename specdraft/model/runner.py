@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -131,6 +131,8 @@ class ModelRunner:
                                and buffer.dim() == 4 and buffer.shape[0] == buffer.shape[1] == 1
                                and buffer.shape[2] == buffer.shape[3]]
         self.store = KVStore()
+        #: the store's region for pad rows (see :meth:`forward`), made at the first padded forward
+        self._scratch: Region | None = None
 
     @property
     def device(self) -> torch.device:
@@ -149,13 +151,25 @@ class ModelRunner:
     # -- the forward ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, segments: Sequence[Segment], riders: Sequence[np.ndarray] = ()) -> ForwardOutput:
+    def forward(self, segments: Sequence[Segment], riders: Sequence[np.ndarray] = (),
+                padding: Callable[[int], int] | None = None) -> ForwardOutput:
         """One forward of every segment's rows (see the module docstring). Each segment's rows are
         written after its region's committed tokens; call :meth:`KVStore.keep` (a tree) or
-        :meth:`KVStore.keep_all` (a prompt chunk) for each segment next."""
+        :meth:`KVStore.keep_all` (a prompt chunk) for each segment next.
+
+        ``padding(k)`` gives the rows a forward of ``k`` rows runs at (a fixed width: the same
+        kernels for a plain step and a tree, or one shape per captured graph): pad rows are
+        added in a scratch region of the store, each seeing only itself and seen by nobody, and
+        the rows whose logits are computed are padded the same way."""
         if not segments:
             raise ValueError("a forward needs at least one segment")
+        if padding is not None:
+            total = sum(len(s.tokens) for s in segments)
+            if padding(total) > total:
+                segments = [*segments, self._pad_segment(padding(total) - total)]
         plan = _Plan.of(segments, self.max_positions)
+        if padding is not None:
+            plan.pad_kept(padding(len(plan.keep_rows)))
         self._check_layout(segments)
         sources, destinations = self.store.take_moves()
         parts = upload([plan.ids.reshape(1, -1), plan.positions.reshape(1, -1), plan.write_columns,
@@ -186,7 +200,18 @@ class ModelRunner:
         logits = out.logits[0] if self._takes_logits_to_keep else out.logits[0].index_select(0, keep_rows)
         for seg in segments:
             seg.region.pending = len(seg.tokens)
+        if self._scratch is not None:
+            self._scratch.pending = 0  # pad rows are never kept
         return ForwardOutput(_logits_for_decoding(logits), plan.logit_spans, ids[0], plan.id_spans, parts[11:])
+
+    def _pad_segment(self, rows: int) -> Segment:
+        """``rows`` pad rows in the store's scratch region: token 0 at position 0, each seeing itself."""
+        scratch = self._scratch
+        if scratch is None or scratch not in self.store.regions or scratch.capacity < rows:
+            if scratch is not None and scratch in self.store.regions:
+                self.store.release(scratch)
+            scratch = self._scratch = self.store.allocate(max(rows, 64))
+        return Segment(scratch, [0] * rows, np.zeros(rows, dtype=np.int64), np.eye(rows, dtype=bool), [])
 
     def _needs_no_mask(self, segments: Sequence[Segment]) -> bool:
         """Whether the model's own causal attention is already right: one request at row 0, with no
@@ -283,6 +308,12 @@ class _Plan:
         tree = np.concatenate(tree_rows) if tree_rows else np.zeros(0, dtype=np.int64)
         return cls(ids, positions, write_columns, np.asarray(keep_rows, dtype=np.int64), region_start, region_length,
                    segment_of_row, tree, _block_diagonal(blocks), spans, logit_spans, id_spans, width)
+
+    def pad_kept(self, rows: int) -> None:
+        """Compute logits for ``rows`` rows (the last rows of the forward are added to those kept)."""
+        extra = rows - len(self.keep_rows)
+        if extra > 0:
+            self.keep_rows = np.concatenate([self.keep_rows, np.arange(self.total - extra, self.total, dtype=np.int64)])
 
     def contiguous_span(self) -> tuple[int, int] | None:
         """(first, end) when the new rows are written to one run of consecutive buffer rows."""
