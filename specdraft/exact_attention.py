@@ -46,7 +46,6 @@ masks for it, as for ``sdpa``.
 from __future__ import annotations
 
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,27 +193,28 @@ def _attend_block(block: _Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 class _LayoutCache:
-    """The layout of the last mask seen: every layer of a forward gets the same mask object, and the
-    layout (sorting each row's visible columns) is the same for all of them."""
+    """The layout of the last mask seen. Every layer of a forward gets the same mask, and the layout
+    (each row's visible columns sorted into ranks) is the same for all of them, so it is computed
+    once per forward; a mask with other contents (compared bit for bit, a cheap pass) is laid out
+    anew."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
-        self._mask: "weakref.ref[torch.Tensor] | None" = None
+        self._mask: torch.Tensor | None = None
         self._layout: list[list[_Block]] = []
         self._lock = threading.Lock()
 
     def get(self, mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device: torch.device
             ) -> list[list[_Block]]:
-        key = (batch, q_len, kv_len, str(device), None if mask is None else (mask.data_ptr(), mask._version,
-                                                                              tuple(mask.shape), mask.dtype))
+        key = (batch, q_len, kv_len, str(device), None if mask is None else (tuple(mask.shape), mask.dtype))
         with self._lock:
-            if key == self._key and (mask is None or (self._mask is not None and self._mask() is mask)):
+            if key == self._key and (mask is None or torch.equal(mask, self._mask)):
                 return self._layout
         allowed = _allowed(mask, batch, q_len, kv_len, device)
         layout = [_layout(allowed[b]) for b in range(batch)]
         with self._lock:
             self._key, self._layout = key, layout
-            self._mask = None if mask is None else weakref.ref(mask)
+            self._mask = None if mask is None else mask.clone()
         return layout
 
 
