@@ -51,7 +51,7 @@ from torch import nn  # noqa: E402
 
 from specdraft.cpu_kernels import PackedLinear, packed_dtype_problem  # noqa: E402
 from specdraft.exact_attention import exact_attention  # noqa: E402
-from specdraft.exact_rows import invariant_from, width_classes  # noqa: E402
+from specdraft.exact_rows import RowRule, agreeing_widths, invariant_from, width_classes  # noqa: E402
 from specdraft.fp16_linear import Fp16Linear, fbgemm_problem  # noqa: E402
 from specdraft.kernel_costs import cpu_name  # noqa: E402
 
@@ -253,6 +253,9 @@ def _label(classes: list[list[int]], width: int) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
+    for r in result["attention"]:  # JSON keys are strings
+        for part in ("a_query_rows", "d_tree"):
+            r[part] = {int(m): n for m, n in r[part].items()}
     lines = [f"# Row-count invariance, {result['machine']['cpu']}", "",
              f"torch {result['machine']['torch']}, transformers {result['machine']['transformers']}, "
              f"commit {result['machine']['commit']}, {result['machine']['date']}. "
@@ -275,8 +278,8 @@ def markdown(result: dict[str, Any]) -> str:
     if skipped:
         lines += ["", "Not run: " + "; ".join(f"{p} {d} ({why})" for d, p, why in skipped) + "."]
     lines += ["", "### The rule per path and dtype (worst layer shape)", "",
-              "| dtype | path | threads | pad every decode forward to | same bits as other paths at 64 rows |",
-              "|---|---|---|---|---|"]
+              "| dtype | path | threads | pad to at least (all widths up to 256 agree) | rule (widths agreeing with 64 rows) | same bits as other paths at 64 rows |",
+              "|---|---|---|---|---|---|"]
     seen: dict[tuple, list[dict[str, Any]]] = {}
     for row in result["linear"]:
         if "skipped" not in row:
@@ -286,7 +289,12 @@ def markdown(result: dict[str, Any]) -> str:
         pad = "none" if None in pads else max(pads)
         agree = sorted({o for r in group for o, same in r.get("same_as_at_64", {}).items() if same})
         agree_all = [o for o in agree if all(r.get("same_as_at_64", {}).get(o) for r in group)]
-        lines.append(f"| {dtype} | {path} | {threads} | {pad} | {', '.join(agree_all) or 'none'} |")
+        narrow = max(w for r in group for members in r["classes"] for w in members if w <= 64)
+        common = set.intersection(*(set(agreeing_widths(r["classes"], anchor=narrow)) for r in group))
+        wide = {w for r in group for members in r["classes"] for w in members if w > narrow}
+        rule = RowRule(tuple(sorted(w for w in common if w <= narrow)), wider=bool(wide) and wide <= common)
+        buckets = rule.describe().removeprefix("pad to ")
+        lines.append(f"| {dtype} | {path} | {threads} | {pad} | {buckets} | {', '.join(agree_all) or 'none'} |")
     lines += ["", "## Attention", "",
               "Rows (or cases) whose output differs in any bit from the reference: (a) of `M` query rows over the "
               "same keys, against one-row forwards; (b) a tree node whose ancestors sit among masked siblings, "

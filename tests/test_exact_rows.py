@@ -22,8 +22,8 @@ from transformers import DynamicCache
 from specdraft.compat import cache_keyword
 from specdraft.exact_attention import (CHUNK, EXACT_NAME, ExactAttentionError, exact_attention,
                                        register_exact_backend)
-from specdraft.exact_rows import (ExactRowsError, RowRule, invariant_from, linear_layers, pad_block, probe_rule,
-                                  width_classes)
+from specdraft.exact_rows import (ExactRowsError, RowRule, agreeing_widths, invariant_from, linear_layers, pad_block,
+                                  probe_rule, width_classes)
 
 PROMPT = 70  # cache length before a tree: more than one attention chunk
 WIDEST = 64
@@ -344,18 +344,48 @@ def test_width_classes_and_rule() -> None:
     classes = width_classes(layer, 512, torch.float32, widths=range(1, 9), rows_per_width=16)
     assert classes[-1] == [3, 4, 5, 6, 7, 8] and sorted(w for c in classes for w in c) == list(range(1, 9))
     assert invariant_from(classes) == 3
-    rule = probe_rule([layer, _OrderByRows(32, 16, cut=2)], torch.float32, max_rows=8, rows_per_width=16)
-    assert rule.min_rows == 3 and dict(rule.per_shape) == {(32, 16): 2, (512, 64): 3}
+    rule = probe_rule([layer, _OrderByRows(32, 16, cut=2)], torch.float32, max_rows=8, rows_per_width=16,
+                      wide=(12, 20))
+    assert rule.wider and rule.rows_for(100) == 100
+    assert rule.min_rows == 3 and rule.widths == (3, 4, 5, 6, 7, 8)
+    assert dict(rule.per_shape) == {(32, 16): tuple(range(2, 9)), (512, 64): tuple(range(3, 9))}
     assert [rule.rows_for(k) for k in (1, 2, 3, 8)] == [3, 3, 3, 8] and rule.padding(1) == 2
-    with pytest.raises(ValueError, match="wider than the 8 rows"):
-        rule.rows_for(9)
+    with pytest.raises(ValueError, match="wider than the 14 rows"):
+        RowRule((4, 8, 12, 13, 14)).rows_for(15)
     with pytest.raises(ValueError, match="at least one row"):
         rule.rows_for(0)
-    with pytest.raises(ValueError, match="min_rows"):
-        RowRule(0)
+    for bad in ((), (0, 1), (2, 1), (3, 3)):
+        with pytest.raises(ValueError, match="widths must be"):
+            RowRule(bad)
+    buckets = RowRule((4, 8, 12, 13, 14))  # MKL's float32 kernel on two threads agrees at 4, 8 and 12 up
+    assert [buckets.rows_for(k) for k in (1, 4, 5, 9, 13)] == [4, 4, 8, 12, 13]
+    assert buckets.describe() == "pad to 4, 8, 12+ rows (up to 14)"
+    assert rule.describe() == "pad to 3+ rows (up to 8; wider as they are)" and RowRule((4,)).describe() == "pad to 4 rows (up to 4)"
+    assert agreeing_widths([[1], [2, 3], [4, 8, 12], [5, 6, 7]]) == (4, 8, 12)
     with pytest.raises(ExactRowsError, match="no padding width"):
         probe_rule([_OrderByRows(512, 64, cut=1, widest_alone=True)], torch.float32, max_rows=8, rows_per_width=16)
+    narrow = probe_rule([_OrderByRows(64, 8, cut=1, widest_alone=True)], torch.float32, max_rows=6, rows_per_width=16,
+                        wide=(8, 9))
+    assert narrow.widths == tuple(range(1, 7)) and not narrow.wider  # 8 rows sum otherwise: wide forwards not covered
     assert invariant_from([[1], [2, 3]]) == 2 and invariant_from([[1, 2, 3]]) == 1 and invariant_from([[1, 3], [2]]) is None
+
+
+def test_rule_is_kept_per_machine_and_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe runs once per machine and model; the next call reads the file it wrote."""
+    from conftest import tiny_model
+
+    from specdraft import exact_rows
+
+    model = tiny_model("llama")
+    first = exact_rows.load_or_probe(model)
+    path = exact_rows.rule_cache_path(exact_rows.rule_cache_key(model, exact_rows.linear_layers(model)))
+    assert path.exists()
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("probed again")
+
+    monkeypatch.setattr(exact_rows, "probe_rule", no_probe)
+    assert exact_rows.load_or_probe(model) == first
 
 
 def test_pad_block_layout() -> None:

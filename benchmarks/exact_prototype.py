@@ -1,0 +1,166 @@
+"""Prototype of exact mode end to end, before it is wired into the engine: does speculation now
+give the very tokens of plain decoding in bfloat16?
+
+Issue 43's experiment: a random 2-layer, 896-wide Llama in bfloat16 (vocabulary 512), repetitive
+prompts, 64 new tokens, stock kernels. Today's ``Decoder`` with its default sources is compared
+with the same decoder doing plain decoding (``max_tree_nodes=0``), prompt by prompt, twice:
+
+``today``
+    as the decoder runs now (``sdpa``, forwards as wide as the tree);
+``exact``
+    every forward padded by the probed :class:`~specdraft.exact_rows.RowRule` and the model on
+    :mod:`specdraft.exact_attention`; plain decoding the same way.
+
+The engine is not changed: this script wraps ``ModelRunner.forward`` and
+``BatchRunner.forward_segments`` (padding the forward, returning the real rows' logits) and adds
+the exact attention to the runner's table of mask kinds, for its own process only. The batched
+half runs ``generate_batch`` over all prompts at once against single plain decoding.
+
+    python benchmarks/exact_prototype.py --prompts 10 --new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--batch", action="store_true", help="also run generate_batch over all prompts")
+    parser.add_argument("--seed", type=int, default=43)
+    parser.add_argument("--json", help="write the counts here")
+    return parser.parse_args(argv)
+
+
+def build_model(dtype, seed: int):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=512, hidden_size=896, intermediate_size=4864, num_hidden_layers=2,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    """Repetitive prompts: a random phrase of 5-12 tokens repeated with small edits, 60-120 tokens."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        phrase = rng.integers(3, 512, int(rng.integers(5, 13))).tolist()
+        tokens: list[int] = []
+        while len(tokens) < int(rng.integers(60, 121)):
+            piece = list(phrase)
+            piece[int(rng.integers(len(piece)))] = int(rng.integers(3, 512))
+            tokens += piece
+        out.append(tokens)
+    return out
+
+
+class ExactSwitch:
+    """Pads the runners' forwards by ``rule`` while on (script-local wrappers; see the docstring)."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        from specdraft import batch_runner, runner
+        from specdraft.exact_attention import EXACT_NAME
+        from specdraft.exact_rows import pad_block
+
+        self.rule = None
+        runner._MASK_KIND[EXACT_NAME] = "bool"
+        original_forward = runner.ModelRunner.forward
+        original_segments = batch_runner.BatchRunner.forward_segments
+        switch = self
+
+        def forward(self, tokens, offsets, block_mask, riders=()):
+            if switch.rule is None:
+                return original_forward(self, tokens, offsets, block_mask, riders)
+            k = len(tokens)
+            tokens, offsets, block_mask = pad_block(tokens, offsets, block_mask, switch.rule.rows_for(k))
+            return original_forward(self, tokens, offsets, block_mask, riders)[:k]
+
+        def forward_segments(self, segments, riders=()):
+            total = sum(len(s.tokens) for s in segments)
+            if switch.rule is None or switch.rule.rows_for(total) == total:
+                return original_segments(self, segments, riders)
+            last = segments[-1]
+            k = len(last.tokens)
+            width = k + switch.rule.rows_for(total) - total
+            tokens, _, block = pad_block(last.tokens, np.zeros(k, dtype=np.int64), last.block, width)
+            positions = np.concatenate([np.asarray(last.positions), np.full(width - k, last.positions[-1])])
+            region = last.region
+            if region.length + width > region.capacity:
+                raise RuntimeError("no room in the region for pad rows")
+            padded = batch_runner.Segment(region, tokens, positions, block, last.logit_rows)
+            out = original_segments(self, [*segments[:-1], padded], riders)
+            region.pending = k  # the pad rows are never kept
+            return out
+
+        runner.ModelRunner.forward = forward
+        batch_runner.BatchRunner.forward_segments = forward_segments
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from specdraft import Decoder
+    from specdraft.exact_attention import register_exact_backend
+    from specdraft.exact_rows import linear_layers, probe_rule
+
+    torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype)
+    model = build_model(dtype, args.seed)
+    switch = ExactSwitch()
+    batch = prompts(args.prompts, args.seed)
+    results = {}
+    for mode in ("today", "exact"):
+        if mode == "exact":
+            switch.rule = probe_rule(linear_layers(model), dtype)
+            print(f"exact: {switch.rule.describe()}", file=sys.stderr)
+        spec = Decoder(model, cpu_kernels="stock")
+        plain = Decoder(model, cpu_kernels="stock", max_tree_nodes=0)
+        if mode == "exact":
+            model.set_attn_implementation(register_exact_backend())
+        same, steps, tokens = 0, 0, 0
+        plain_out = []
+        for prompt in batch:
+            a = spec.generate(prompt, max_new_tokens=args.new_tokens)
+            b = plain.generate(prompt, max_new_tokens=args.new_tokens)
+            plain_out.append(b.token_ids)
+            same += a.token_ids == b.token_ids
+            steps += a.stats.steps
+            tokens += len(a.token_ids)
+        results[mode] = {"same_as_plain": same, "prompts": len(batch), "tokens_per_step": round(tokens / steps, 2)}
+        print(f"{mode}: {results[mode]}", file=sys.stderr)
+        if args.batch:
+            outs = spec.generate_batch(batch, max_new_tokens=args.new_tokens, concurrency=len(batch))
+            results[mode]["batched_same_as_plain"] = sum(o.token_ids == p for o, p in zip(outs, plain_out))
+            print(f"{mode}, batched: {results[mode]['batched_same_as_plain']}/{len(batch)}", file=sys.stderr)
+        model.set_attn_implementation("sdpa")
+        switch.rule = None
+    print(json.dumps(results, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
