@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--batch", action="store_true", help="also run generate_batch over all prompts")
+    parser.add_argument("--sample", action="store_true",
+                        help="also sample (temperature 0.8, top-k 50, a seed per prompt), against plain sampling")
     parser.add_argument("--seed", type=int, default=43)
     parser.add_argument("--json", help="write the counts here")
     return parser.parse_args(argv)
@@ -154,6 +156,18 @@ def main(argv: list[str] | None = None) -> int:
             outs = spec.generate_batch(batch, max_new_tokens=args.new_tokens, concurrency=len(batch))
             results[mode]["batched_same_as_plain"] = sum(o.token_ids == p for o, p in zip(outs, plain_out))
             print(f"{mode}, batched: {results[mode]['batched_same_as_plain']}/{len(batch)}", file=sys.stderr)
+        if args.sample:
+            sampling = dict(max_new_tokens=args.new_tokens, do_sample=True, temperature=0.8, top_k=50)
+            same = sum(spec.generate(p, seed=i, **sampling).token_ids == plain.generate(p, seed=i, **sampling).token_ids
+                       for i, p in enumerate(batch))
+            results[mode]["sampled_same_as_plain"] = same
+            print(f"{mode}, sampled: {same}/{len(batch)}", file=sys.stderr)
+            if args.batch:  # batched draws are keyed by seed and position: compared with batched plain sampling
+                a = spec.generate_batch(batch, concurrency=len(batch), seed=7, **sampling)
+                b = plain.generate_batch(batch, concurrency=len(batch), seed=7, **sampling)
+                same = sum(x.token_ids == y.token_ids for x, y in zip(a, b))
+                results[mode]["batched_sampled_same_as_plain"] = same
+                print(f"{mode}, batched sampled: {same}/{len(batch)}", file=sys.stderr)
         model.set_attn_implementation("sdpa")
         switch.rule = None
     print(json.dumps(results, indent=1))
