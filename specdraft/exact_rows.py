@@ -6,7 +6,8 @@ Why
     ``benchmarks/row_invariance.py``): oneDNN's bfloat16 and float32 kernels (the stock bfloat16
     ``nn.Linear`` and ``cpu_kernels="packed"``) sum a one-row product over an inner length above
     1024 in another order than a product of two or more rows, and then every width from 2 to 64
-    sums alike; MKL's float32 ``sgemm`` has three orders (1, 2-3, 4 and more rows); FBGEMM's
+    sums alike; MKL's float32 ``sgemm`` has three orders on one thread (1, 2-3, 4 and more rows;
+    on two threads it agrees with 64 rows only at 4, 8 and 12 and more); FBGEMM's
     float16-weight kernel and the stock float16 kernel sum alike at every width. So a forward of
     one row and one of several give different last bits for the same row, and in bfloat16 a near
     tie between two tokens then goes the other way.
@@ -34,6 +35,19 @@ order flips about one bfloat16 output in a few thousand). It takes seconds to a 
 model (a vocabulary head of 150k rows is run some 150 times), so :func:`load_or_probe` keeps the
 answer per CPU model, torch version, thread count, dtype, layer shapes and kernels, next to the
 kernel-cost measurements (``$XDG_CACHE_HOME/specdraft/exact-rows/``).
+
+What a decoder in exact mode does with it
+    * once, after choosing its kernels: ``rule = load_or_probe(model, packed)`` with the
+      :class:`~specdraft.cpu_kernels.PackedModel` it swaps in (``None`` on stock); the rule holds
+      for exactly those layers and that thread count, so it is taken again when either changes;
+    * every decode forward of ``k`` rows (tree, side blocks, a plain step, a batch's segments
+      together) runs ``rule.rows_for(k)`` rows: :func:`pad_block` lays out one request's; pad
+      rows come after the real ones and are never kept by a compaction; the cache needs room for
+      them (``rule.padding(k)`` rows past the real ones);
+    * the linear layers after the last hidden state count too: a vocabulary head that computes only
+      some rows (``logits_to_keep``) runs that many rows, which must also be a width of the rule
+      (keep a pad row's logits as well where needed);
+    * the attention is :mod:`specdraft.exact_attention`, in every forward (prefill included).
 """
 
 from __future__ import annotations
