@@ -17,6 +17,14 @@ the exact attention to the runner's table of mask kinds, for its own process onl
 half runs ``generate_batch`` over all prompts at once against single plain decoding.
 
     python benchmarks/exact_prototype.py --prompts 10 --new-tokens 64
+
+With ``--model`` it runs a real checkpoint on a benchmark's prompts instead (``--dataset``,
+``--prompts`` of them) with the decoder's default kernels, and also reports each mode's speed-up
+of speculation over plain decoding in CPU time (``time.process_time``, one thread: the wall
+clock of a machine shared with other work is too uneven to compare two modes by).
+
+    python benchmarks/exact_prototype.py --model qwen2.5-coder-0.5b --dataset humaneval \
+        --prompts 10 --new-tokens 64
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -40,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sample", action="store_true",
                         help="also sample (temperature 0.8, top-k 50, a seed per prompt), against plain sampling")
     parser.add_argument("--seed", type=int, default=43)
+    parser.add_argument("--model", help="a checkpoint (alias, directory, .gguf, hub id) instead of the random model")
+    parser.add_argument("--dataset", default="humaneval", help="with --model: the prompts (humaneval, mtbench, ...)")
+    parser.add_argument("--cpu-kernels", default=None, help="stock for the random model, auto for --model")
     parser.add_argument("--json", help="write the counts here")
     return parser.parse_args(argv)
 
@@ -125,32 +137,47 @@ def main(argv: list[str] | None = None) -> int:
 
     from specdraft import Decoder
     from specdraft.exact_attention import register_exact_backend
-    from specdraft.exact_rows import linear_layers, probe_rule
+    from specdraft.exact_rows import load_or_probe
 
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
-    model = build_model(dtype, args.seed)
+    if args.model:
+        from specdraft.bench.datasets import load_prompts
+        from specdraft.models import load_model
+
+        model, tokenizer = load_model(args.model, dtype=args.dtype, progress=False)
+        batch = [r.token_ids for r in load_prompts(args.dataset, args.prompts, tokenizer)]
+        kernels = args.cpu_kernels or "auto"
+    else:
+        model = build_model(dtype, args.seed)
+        batch = prompts(args.prompts, args.seed)
+        kernels = args.cpu_kernels or "stock"
     switch = ExactSwitch()
-    batch = prompts(args.prompts, args.seed)
     results = {}
     for mode in ("today", "exact"):
+        spec = Decoder(model, cpu_kernels=kernels)
+        plain = Decoder(model, cpu_kernels=kernels, max_tree_nodes=0)
         if mode == "exact":
-            switch.rule = probe_rule(linear_layers(model), dtype)
-            print(f"exact: {switch.rule.describe()}", file=sys.stderr)
-        spec = Decoder(model, cpu_kernels="stock")
-        plain = Decoder(model, cpu_kernels="stock", max_tree_nodes=0)
-        if mode == "exact":
+            switch.rule = load_or_probe(model, spec._packed)
+            print(f"exact ({spec.kernels.describe()}): {switch.rule.describe()}", file=sys.stderr)
             model.set_attn_implementation(register_exact_backend())
         same, steps, tokens = 0, 0, 0
+        spec_cpu, plain_cpu = 0.0, 0.0
         plain_out = []
         for prompt in batch:
+            started = time.process_time()
             a = spec.generate(prompt, max_new_tokens=args.new_tokens)
+            spec_cpu += time.process_time() - started
+            started = time.process_time()
             b = plain.generate(prompt, max_new_tokens=args.new_tokens)
+            plain_cpu += time.process_time() - started
             plain_out.append(b.token_ids)
             same += a.token_ids == b.token_ids
             steps += a.stats.steps
             tokens += len(a.token_ids)
-        results[mode] = {"same_as_plain": same, "prompts": len(batch), "tokens_per_step": round(tokens / steps, 2)}
+        results[mode] = {"same_as_plain": same, "prompts": len(batch), "tokens_per_step": round(tokens / steps, 2),
+                         "speculation_cpu_s": round(spec_cpu, 2), "plain_cpu_s": round(plain_cpu, 2),
+                         "speedup_over_plain_cpu": round(plain_cpu / spec_cpu, 3)}
         print(f"{mode}: {results[mode]}", file=sys.stderr)
         if args.batch:
             outs = spec.generate_batch(batch, max_new_tokens=args.new_tokens, concurrency=len(batch))
@@ -170,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{mode}, batched sampled: {same}/{len(batch)}", file=sys.stderr)
         model.set_attn_implementation("sdpa")
         switch.rule = None
+        spec.close()
+        plain.close()
     print(json.dumps(results, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
