@@ -35,8 +35,18 @@ How
     ancestors) are gathered per row.
 
 Cost
-    About a dense masked attention's arithmetic in float32 plus a gather of a few chunks per row;
-    ``benchmarks/exact_price.py`` measures it against ``sdpa``.
+    About a dense masked attention's arithmetic in float32 plus a gather of a few chunks per row.
+    Measured per layer on an AVX-512 CPU with Qwen2.5-0.5B's heads (``benchmarks/exact_price.py``):
+    a plain step padded to two rows costs half of ``sdpa``'s one-row step (0.3-0.5x), trees of
+    2-4 rows cost about what ``sdpa`` does, and wider ones more (1.1-1.3x at 8 rows, 1.6-2x at
+    64), since ``sdpa``'s flash kernel multiplies bfloat16 where this multiplies float32.
+
+Requirements on the caller
+    Each row's visible keys, in column order, must be in position order (a cache that holds the
+    committed tokens in position order, new rows after them, a tree's nodes after their
+    ancestors: what specdraft's runners do). The mask must be ``[B, 1, q, kv]`` (one for all
+    heads). Rows are grouped by their first visible column, so the rows of a sliding-window layer
+    (each starting elsewhere) are attended one group each: correct, but slow.
 
 The function is registered in transformers' ``AttentionInterface`` as :data:`EXACT_NAME` (with
 ``sdpa``'s bool mask builder), so the model stays unpatched; the decoder must then build bool
