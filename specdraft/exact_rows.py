@@ -225,8 +225,10 @@ def probe_rule(layers: Iterable[nn.Module], dtype: torch.dtype, max_rows: int = 
 
 
 def _kernel_id(layer: nn.Module) -> str:
-    """What decides a layer's kernel besides its shape: its class and, for a mixed layer, its plan."""
-    return f"{type(layer).__name__}{getattr(layer, 'plan', '')}"
+    """What decides a layer's kernel besides its shape: its class, for a mixed layer its plan, and
+    for a float16-weight layer the float16 terms per weight (two double the inner length)."""
+    fast = getattr(layer, "fast", layer)
+    return f"{type(layer).__name__}{getattr(layer, 'plan', '')}{getattr(fast, 'terms', '')}"
 
 
 _PROBE_LOCK = threading.Lock()
