@@ -1,0 +1,221 @@
+"""Prototype of exact mode end to end, before it is wired into the engine: does speculation now
+give the very tokens of plain decoding in bfloat16?
+
+Issue 43's experiment: a random 2-layer, 896-wide Llama in bfloat16 (vocabulary 512), repetitive
+prompts, 64 new tokens, stock kernels. Today's ``Decoder`` with its default sources is compared
+with the same decoder doing plain decoding (``max_tree_nodes=0``), prompt by prompt, twice:
+
+``today``
+    as the decoder runs now (``sdpa``, forwards as wide as the tree);
+``exact``
+    every forward padded by the probed :class:`~specdraft.exact_rows.RowRule` and the model on
+    :mod:`specdraft.exact_attention`; plain decoding the same way.
+
+The engine is not changed: this script wraps ``ModelRunner.forward`` and
+``BatchRunner.forward_segments`` (padding the forward, returning the real rows' logits) and adds
+the exact attention to the runner's table of mask kinds, for its own process only. The batched
+half runs ``generate_batch`` over all prompts at once against single plain decoding.
+
+    python benchmarks/exact_prototype.py --prompts 10 --new-tokens 64
+
+With ``--model`` it runs a real checkpoint on a benchmark's prompts instead (``--dataset``,
+``--prompts`` of them) with the decoder's default kernels, and also reports each mode's speed-up
+of speculation over plain decoding in CPU time (``time.process_time``, one thread: the wall
+clock of a machine shared with other work is too uneven to compare two modes by).
+
+    python benchmarks/exact_prototype.py --model qwen2.5-coder-0.5b --dataset humaneval \
+        --prompts 10 --new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--batch", action="store_true", help="also run generate_batch over all prompts")
+    parser.add_argument("--sample", action="store_true",
+                        help="also sample (temperature 0.8, top-k 50, a seed per prompt), against plain sampling")
+    parser.add_argument("--seed", type=int, default=43)
+    parser.add_argument("--model", help="a checkpoint (alias, directory, .gguf, hub id) instead of the random model")
+    parser.add_argument("--dataset", default="humaneval", help="with --model: the prompts (humaneval, mtbench, ...)")
+    parser.add_argument("--cpu-kernels", default=None, help="stock for the random model, auto for --model")
+    parser.add_argument("--json", help="write the counts here")
+    return parser.parse_args(argv)
+
+
+def build_model(dtype, seed: int):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=512, hidden_size=896, intermediate_size=4864, num_hidden_layers=2,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    """Repetitive prompts: a random phrase of 5-12 tokens repeated with small edits, 60-120 tokens."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        phrase = rng.integers(3, 512, int(rng.integers(5, 13))).tolist()
+        tokens: list[int] = []
+        while len(tokens) < int(rng.integers(60, 121)):
+            piece = list(phrase)
+            piece[int(rng.integers(len(piece)))] = int(rng.integers(3, 512))
+            tokens += piece
+        out.append(tokens)
+    return out
+
+
+class ExactSwitch:
+    """Pads the runners' forwards by ``rule`` while on (script-local wrappers; see the docstring)."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        from specdraft import batch_runner, runner
+        from specdraft.exact_attention import EXACT_NAME
+        from specdraft.exact_rows import pad_block
+
+        self.rule = None
+        runner._MASK_KIND[EXACT_NAME] = "bool"
+        original_forward = runner.ModelRunner.forward
+        original_segments = batch_runner.BatchRunner.forward_segments
+        switch = self
+
+        def forward(self, tokens, offsets, block_mask, riders=()):
+            if switch.rule is None:
+                return original_forward(self, tokens, offsets, block_mask, riders)
+            k = len(tokens)
+            tokens, offsets, block_mask = pad_block(tokens, offsets, block_mask, switch.rule.rows_for(k))
+            return original_forward(self, tokens, offsets, block_mask, riders)[:k]
+
+        def forward_segments(self, segments, riders=()):
+            total = sum(len(s.tokens) for s in segments)
+            if switch.rule is None or switch.rule.rows_for(total) == total:
+                return original_segments(self, segments, riders)
+            last = segments[-1]
+            k = len(last.tokens)
+            width = k + switch.rule.rows_for(total) - total
+            tokens, _, block = pad_block(last.tokens, np.zeros(k, dtype=np.int64), last.block, width)
+            positions = np.concatenate([np.asarray(last.positions), np.full(width - k, last.positions[-1])])
+            region = last.region
+            if region.length + width > region.capacity:
+                raise RuntimeError("no room in the region for pad rows")
+            padded = batch_runner.Segment(region, tokens, positions, block, last.logit_rows)
+            out = original_segments(self, [*segments[:-1], padded], riders)
+            region.pending = k  # the pad rows are never kept
+            return out
+
+        runner.ModelRunner.forward = forward
+        batch_runner.BatchRunner.forward_segments = forward_segments
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from specdraft import Decoder
+    from specdraft.exact_attention import register_exact_backend
+    from specdraft.exact_rows import load_or_probe
+
+    torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype)
+    if args.model:
+        from specdraft.bench.datasets import load_prompts
+        from specdraft.models import load_model
+
+        model, tokenizer = load_model(args.model, dtype=args.dtype, progress=False)
+        batch = [r.token_ids for r in load_prompts(args.dataset, args.prompts, tokenizer)]
+        kernels = args.cpu_kernels or "auto"
+    else:
+        model = build_model(dtype, args.seed)
+        batch = prompts(args.prompts, args.seed)
+        kernels = args.cpu_kernels or "stock"
+    switch = ExactSwitch()
+    results = {}
+    if args.model:  # the reference speed: transformers' own greedy decoding, stock kernels, sdpa
+        generate_cpu = 0.0
+        with torch.inference_mode():
+            for prompt in batch:
+                ids = torch.tensor([prompt])
+                started = time.process_time()
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
+                               do_sample=False)
+                generate_cpu += time.process_time() - started
+        results["generate_cpu_s"] = round(generate_cpu, 2)
+    for mode in ("today", "exact"):
+        spec = Decoder(model, cpu_kernels=kernels)
+        plain = Decoder(model, cpu_kernels=kernels, max_tree_nodes=0)
+        if mode == "exact":
+            switch.rule = load_or_probe(model, spec._packed)
+            print(f"exact ({spec.kernels.describe()}): {switch.rule.describe()}", file=sys.stderr)
+            model.set_attn_implementation(register_exact_backend())
+        same, steps, tokens = 0, 0, 0
+        spec_cpu, plain_cpu = 0.0, 0.0
+        plain_out = []
+        for prompt in batch:
+            started = time.process_time()
+            a = spec.generate(prompt, max_new_tokens=args.new_tokens)
+            spec_cpu += time.process_time() - started
+            started = time.process_time()
+            b = plain.generate(prompt, max_new_tokens=args.new_tokens)
+            plain_cpu += time.process_time() - started
+            plain_out.append(b.token_ids)
+            same += a.token_ids == b.token_ids
+            steps += a.stats.steps
+            tokens += len(a.token_ids)
+        results[mode] = {"same_as_plain": same, "prompts": len(batch), "tokens_per_step": round(tokens / steps, 2),
+                         "speculation_cpu_s": round(spec_cpu, 2), "plain_cpu_s": round(plain_cpu, 2),
+                         "speedup_over_plain_cpu": round(plain_cpu / spec_cpu, 3)}
+        if "generate_cpu_s" in results:
+            results[mode]["speedup_over_generate_cpu"] = round(results["generate_cpu_s"] / spec_cpu, 3)
+        print(f"{mode}: {results[mode]}", file=sys.stderr)
+        if args.batch:
+            outs = spec.generate_batch(batch, max_new_tokens=args.new_tokens, concurrency=len(batch))
+            results[mode]["batched_same_as_plain"] = sum(o.token_ids == p for o, p in zip(outs, plain_out))
+            print(f"{mode}, batched: {results[mode]['batched_same_as_plain']}/{len(batch)}", file=sys.stderr)
+        if args.sample:
+            sampling = dict(max_new_tokens=args.new_tokens, do_sample=True, temperature=0.8, top_k=50)
+            same = sum(spec.generate(p, seed=i, **sampling).token_ids == plain.generate(p, seed=i, **sampling).token_ids
+                       for i, p in enumerate(batch))
+            results[mode]["sampled_same_as_plain"] = same
+            print(f"{mode}, sampled: {same}/{len(batch)}", file=sys.stderr)
+            if args.batch:  # batched draws are keyed by seed and position: compared with batched plain sampling
+                a = spec.generate_batch(batch, concurrency=len(batch), seed=7, **sampling)
+                b = plain.generate_batch(batch, concurrency=len(batch), seed=7, **sampling)
+                same = sum(x.token_ids == y.token_ids for x, y in zip(a, b))
+                results[mode]["batched_sampled_same_as_plain"] = same
+                print(f"{mode}, batched sampled: {same}/{len(batch)}", file=sys.stderr)
+        model.set_attn_implementation("sdpa")
+        switch.rule = None
+        spec.close()
+        plain.close()
+    print(json.dumps(results, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

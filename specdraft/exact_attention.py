@@ -1,0 +1,277 @@
+"""Attention whose result for a query row depends only on that row and its visible keys.
+
+Why
+    Exact mode promises that every logit row of a decode forward is bit for bit what a plain
+    one-token step gives for the same prefix, whatever else shares the forward (other tree nodes,
+    side blocks, other requests, padding). transformers' ``sdpa`` and ``eager`` attention do not
+    keep that promise on a CPU (``benchmarks/row_invariance.py`` measures it): their matrix
+    products pick blocking and reduction order by the number of query rows and keys, ``sdpa``
+    packs a one-row step's query heads differently from a many-row forward's, and a tree node's
+    ancestors sit at other columns, among masked keys, than the same keys in a plain step. A
+    handful of last-bit differences is enough to flip a bfloat16 near-tie.
+
+How
+    Each row is computed over its visible keys *in column order* (the cache holds the committed
+    tokens in position order and a tree's nodes come after their ancestors, so that is position
+    order), counted by rank ``0 .. n-1`` and cut into chunks of :data:`CHUNK` ranks:
+
+    1. scores ``q . k`` for every column, one float32 matrix product (each score is a dot over
+       the head dimension alone);
+    2. the visible scores gathered to their ranks, padded with ``-inf`` to whole chunks, and a
+       float32 ``softmax`` over that row (its maximum is exact in any order; its sum adds the
+       padding's zeros, which change nothing);
+    3. per chunk, ``p @ v`` over exactly :data:`CHUNK` ranks, a float32 matrix product of fixed
+       shape;
+    4. the chunks' partial outputs added in rank order (a sequential ``cumsum``; a row with fewer
+       chunks than the widest adds zeros).
+
+    Every reduction therefore has a length and an order fixed by the row's own visible keys. The
+    matrix products are float32 ``bmm`` calls with at least :data:`MIN_ROWS` rows, :data:`MIN_COLUMNS`
+    columns and two batch entries (padded with zeros where needed): measured, the per-element result of the
+    float32 kernel is then the same for any row count, batch size and position of the row
+    (below four rows, or with one batch entry and several threads, the kernel sums in another
+    order). The keys of chunks that are whole runs of contiguous columns are shared by every row
+    that sees them and read in place; only a row's last chunks (the end of the cache and its tree
+    ancestors) are gathered per row.
+
+Cost
+    About a dense masked attention's arithmetic in float32 plus a gather of a few chunks per row.
+    Measured per layer on an AVX-512 CPU with Qwen2.5-0.5B's heads (``benchmarks/exact_price.py``):
+    a plain step padded to two rows costs half of ``sdpa``'s one-row step (0.3-0.5x), trees of
+    2-4 rows cost about what ``sdpa`` does, and wider ones more (1.1-1.3x at 8 rows, 1.6-2x at
+    64), since ``sdpa``'s flash kernel multiplies bfloat16 where this multiplies float32.
+
+Requirements on the caller
+    Each row's visible keys, in column order, must be in position order (a cache that holds the
+    committed tokens in position order, new rows after them, a tree's nodes after their
+    ancestors: what specdraft's runners do). The mask must be ``[B, 1, q, kv]`` (one for all
+    heads). Rows are grouped by their first visible column, so the rows of a sliding-window layer
+    (each starting elsewhere) are attended one group each: correct, but slow.
+
+The function is registered in transformers' ``AttentionInterface`` as :data:`EXACT_NAME` (with
+``sdpa``'s bool mask builder), so the model stays unpatched; the decoder must then build bool
+masks for it, as for ``sdpa``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: The registered name (no "flash" in it: transformers treats such names specially).
+EXACT_NAME = "specdraft_exact"
+
+#: Ranks per chunk of a row's visible keys: every ``p @ v`` product has this inner length.
+CHUNK = 64
+
+#: Rows a float32 ``bmm`` is padded to at least: below four rows the CPU kernel sums in another
+#: order than at four or more (measured; see the module docstring).
+MIN_ROWS = 4
+
+#: Columns a float32 ``bmm`` is padded to at least: narrower products take another kernel (measured:
+#: up to 12 columns with a head dimension of 8 or 64).
+MIN_COLUMNS = 32
+
+#: Query rows attended at once (memory: the scores of a block are ``rows x heads x keys``).
+ROW_BLOCK = 64
+
+
+class ExactAttentionError(RuntimeError):
+    """The exact attention cannot run this call; the message says what is unsupported."""
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, b)`` with at least :data:`MIN_ROWS` rows, :data:`MIN_COLUMNS` columns and
+    two batch entries (zero padding, cut off again), so that every call runs the same float32
+    kernel whatever its shape."""
+    batch, rows, columns = a.shape[0], a.shape[1], b.shape[2]
+    if rows < MIN_ROWS:
+        a = torch.cat([a, a.new_zeros(batch, MIN_ROWS - rows, a.shape[2])], dim=1)
+    if columns < MIN_COLUMNS:
+        b = torch.cat([b, b.new_zeros(batch, b.shape[1], MIN_COLUMNS - columns)], dim=2)
+    if batch == 1:
+        a = torch.cat([a, torch.zeros_like(a)], dim=0)
+        b = torch.cat([b, torch.zeros_like(b)], dim=0)
+    return torch.bmm(a, b)[:batch, :rows, :columns]
+
+
+def _allowed(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """``[batch, q, kv]`` bool, contiguous: which key columns each query row may attend to. Without
+    a mask the ``q`` rows are the last ``q`` positions of a causal sequence over the ``kv`` columns."""
+    if mask is None:
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+        allowed = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
+        return allowed[None].expand(batch, q_len, kv_len).contiguous()
+    if mask.dim() != 4 or mask.shape[1] != 1:
+        raise ExactAttentionError(f"exact attention takes a [batch, 1, q, kv] mask shared by all heads, got shape "
+                                  f"{tuple(mask.shape)}")
+    mask = mask[:, 0, :, -kv_len:]
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    return allowed.expand(batch, q_len, kv_len).contiguous()
+
+
+@dataclass
+class _Block:
+    """Up to :data:`ROW_BLOCK` query rows whose first visible key is the same column, and how their
+    visible keys map to ranks (the same for every layer of a forward, so computed once)."""
+
+    rows: torch.Tensor  # [R] the rows' indices in the forward
+    start: int  # their first visible column; columns [start, stop) hold every key they see
+    stop: int
+    chunks: int  # chunks of the widest row
+    index: torch.Tensor  # [R, chunks * CHUNK] column (minus start) of each rank, 0 past the row's count
+    bias: torch.Tensor  # [R, chunks * CHUNK] 0 for a rank < the row's count, -inf past it
+    pairs: torch.Tensor  # chunk * R + row of the (row, chunk) pairs whose keys are not in place
+    pair_columns: torch.Tensor  # [pairs * CHUNK] their columns (minus start)
+
+
+def _block(rows: torch.Tensor, allowed: torch.Tensor, start: int, stop: int) -> _Block:
+    """The layout of ``rows`` (``allowed``: their ``[R, stop - start]`` part of the mask)."""
+    device = allowed.device
+    count = allowed.sum(dim=1)
+    chunks = max(1, -(-int(count.max()) // CHUNK))
+    width = chunks * CHUNK
+    kv = allowed.shape[1]
+    n = len(rows)
+    # rank -> column: visible columns first, in column order
+    order = torch.argsort(allowed.logical_not().to(torch.uint8), dim=1, stable=True)
+    ranks = torch.arange(width, device=device)
+    valid = ranks[None, :] < count[:, None]
+    index = order[:, :width] if width <= kv else torch.cat([order, order.new_zeros(n, width - kv)], dim=1)
+    index = index.masked_fill(~valid, 0)
+    bias = torch.zeros(n, width, device=device).masked_fill_(~valid, float("-inf"))
+    # a chunk is in place for a row when each of its ranks is its own column (past the count: any)
+    in_place = ((index == ranks[None, :]) | ~valid).view(n, chunks, CHUNK).all(dim=2)
+    pair_row, pair_chunk = (~in_place).nonzero(as_tuple=True)
+    pair_columns = index.view(n, chunks, CHUNK)[pair_row, pair_chunk].reshape(-1)
+    return _Block(rows, start, stop, chunks, index, bias, pair_chunk * n + pair_row, pair_columns)
+
+
+def _layout(allowed: torch.Tensor) -> list[_Block]:
+    """The row blocks of one batch entry's ``[q, kv]`` mask: rows grouped by their first visible
+    column (one group per request in a packed batch), then cut into :data:`ROW_BLOCK` rows."""
+    seen = allowed.any(dim=1)
+    first = torch.where(seen, allowed.to(torch.uint8).argmax(dim=1), -1)
+    blocks = []
+    for start in torch.unique(first[seen]).tolist():
+        rows = (first == start).nonzero(as_tuple=True)[0]
+        group = allowed[rows]
+        stop = int(group.any(dim=0).nonzero().max()) + 1
+        for at in range(0, rows.numel(), ROW_BLOCK):
+            blocks.append(_block(rows[at : at + ROW_BLOCK], group[at : at + ROW_BLOCK, start:stop].contiguous(),
+                                 start, stop))
+    return blocks
+
+
+def _attend_block(block: _Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of one block's rows. ``q`` is ``[kv_heads, groups, R, D]`` float32 (scaled),
+    ``k``/``v`` ``[kv_heads, stop - start, D]`` float32. Returns ``[R, kv_heads, groups, D]``."""
+    heads_kv, groups, rows, dim = q.shape
+    kv = k.shape[1]
+    chunks, width = block.chunks, block.chunks * CHUNK
+    # 1. scores for every column: one dot over the head dimension each
+    scores = _bmm(q.reshape(heads_kv, groups * rows, dim), k.transpose(1, 2)).view(heads_kv, groups, rows, kv)
+    # 2. gathered to ranks, padded with -inf to whole chunks, softmax in float32
+    ranked = scores.gather(3, block.index.expand(heads_kv, groups, rows, width)).add_(block.bias)
+    probs = torch.softmax(ranked, dim=-1)
+    # 3. per chunk, p @ v over CHUNK ranks: for all rows as if the chunk's keys were in place, then
+    #    again from gathered keys for the chunks that are not (a tree's ancestors after a gap)
+    v_in_place = v[:, :width] if width <= kv else torch.cat([v, v.new_zeros(heads_kv, width - kv, dim)], dim=1)
+    p = probs.view(heads_kv, groups, rows, chunks, CHUNK).permute(0, 3, 2, 1, 4)  # [Hkv, chunks, R, groups, C]
+    partial = _bmm(p.reshape(heads_kv * chunks, rows * groups, CHUNK),
+                   v_in_place.reshape(heads_kv * chunks, CHUNK, dim)).view(heads_kv, chunks * rows, groups, dim)
+    pairs = block.pairs.numel()
+    if pairs:
+        vals = v.index_select(1, block.pair_columns).view(heads_kv, pairs, CHUNK, dim).transpose(0, 1)
+        p = p.reshape(heads_kv, chunks * rows, groups, CHUNK).index_select(1, block.pairs)
+        out = _bmm(p.transpose(0, 1).reshape(pairs * heads_kv, groups, CHUNK),
+                   vals.reshape(pairs * heads_kv, CHUNK, dim))
+        partial.index_copy_(1, block.pairs, out.view(pairs, heads_kv, groups, dim).transpose(0, 1))
+    # 4. chunks added in rank order, pairwise over a power-of-two count: the zeros of chunks a row
+    #    does not have change nothing, so the sum is the same as over the row's own chunks
+    partial = partial.view(heads_kv, chunks, rows, groups, dim)
+    size = 1 << (chunks - 1).bit_length()
+    if size > chunks:
+        partial = torch.cat([partial, partial.new_zeros(heads_kv, size - chunks, rows, groups, dim)], dim=1)
+    while size > 1:
+        partial = partial[:, 0::2] + partial[:, 1::2]
+        size //= 2
+    return partial[:, 0].transpose(0, 1)
+
+
+class _LayoutCache:
+    """The layout of the last mask seen. Every layer of a forward gets the same mask, and the layout
+    (each row's visible columns sorted into ranks) is the same for all of them, so it is computed
+    once per forward; a mask with other contents (compared bit for bit, a cheap pass) is laid out
+    anew."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._mask: torch.Tensor | None = None
+        self._layout: list[list[_Block]] = []
+        self._lock = threading.Lock()
+
+    def get(self, mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device: torch.device
+            ) -> list[list[_Block]]:
+        key = (batch, q_len, kv_len, str(device), None if mask is None else (tuple(mask.shape), mask.dtype))
+        with self._lock:
+            if key == self._key and (mask is None or torch.equal(mask, self._mask)):
+                return self._layout
+        allowed = _allowed(mask, batch, q_len, kv_len, device)
+        layout = [_layout(allowed[b]) for b in range(batch)]
+        with self._lock:
+            self._key, self._layout = key, layout
+            self._mask = None if mask is None else mask.clone()
+        return layout
+
+
+_LAYOUTS = _LayoutCache()
+
+
+def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function (``AttentionInterface`` signature), row by row invariant.
+
+    ``query`` is ``[B, H, q, D]``, ``key``/``value`` ``[B, Hkv, kv, D]``; ``attention_mask`` a 4D
+    ``[B, 1, q, kv]`` bool (or additive) mask, or ``None`` for the last ``q`` positions of a causal
+    sequence. Returns ``([B, q, H, D], None)`` in the query's dtype. A row with no visible key gets
+    zeros.
+    """
+    if dropout and module.training:
+        raise ExactAttentionError("exact attention does not implement attention dropout; call model.eval()")
+    if kwargs.get("softcap") is not None or getattr(module, "attn_logit_softcapping", None) is not None:
+        raise ExactAttentionError("exact attention does not implement attention logit soft-capping")
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        raise ExactAttentionError("exact attention does not implement attention sinks")
+    batch, heads, q_len, dim = query.shape
+    heads_kv, kv_len = key.shape[1], key.shape[2]
+    if heads % heads_kv:
+        raise ExactAttentionError(f"{heads} query heads cannot share {heads_kv} key/value heads evenly")
+    groups = heads // heads_kv
+    scale = scaling if scaling is not None else dim ** -0.5
+    layout = _LAYOUTS.get(attention_mask, batch, q_len, kv_len, query.device)
+    out = query.new_zeros(batch, q_len, heads, dim, dtype=torch.float32)
+    for b in range(batch):
+        q = (query[b].to(torch.float32) * scale).reshape(heads_kv, groups, q_len, dim)
+        for block in layout[b]:
+            k = key[b, :, block.start : block.stop].to(torch.float32)
+            v = value[b, :, block.start : block.stop].to(torch.float32)
+            rows = block.rows
+            mine = q if rows.numel() == q_len else q.index_select(2, rows)
+            result = _attend_block(block, mine, k, v).reshape(rows.numel(), heads, dim)
+            out[b].index_copy_(0, rows, result)
+    return out.to(query.dtype), None
+
+
+def register_exact_backend() -> str:
+    """Register :func:`exact_attention` with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(EXACT_NAME, exact_attention)
+    AttentionMaskInterface.register(EXACT_NAME, sdpa_mask)
+    return EXACT_NAME

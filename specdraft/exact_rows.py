@@ -1,0 +1,340 @@
+"""Row-count invariant linear layers: the width every decode forward is padded to in exact mode.
+
+Why
+    A CPU matrix kernel picks its blocking and its order of additions by the shape of the call,
+    the number of rows included. Measured on an AMD EPYC with AVX-512 (one thread,
+    ``benchmarks/row_invariance.py``): oneDNN's bfloat16 and float32 kernels (the stock bfloat16
+    ``nn.Linear`` and ``cpu_kernels="packed"``) sum a one-row product over an inner length above
+    1024 in another order than a product of two or more rows, and then every width from 2 to 64
+    sums alike; MKL's float32 ``sgemm`` has three orders on one thread (1, 2-3, 4 and more rows;
+    on two threads it agrees with 64 rows only at 4, 8 and 12 and more); FBGEMM's
+    float16-weight kernel and the stock float16 kernel sum alike at every width. So a forward of
+    one row and one of several give different last bits for the same row, and in bfloat16 a near
+    tie between two tokens then goes the other way.
+
+The rule
+    For the layers a decoder runs (stock, packed or mixed), :func:`probe_rule` finds the widths up
+    to :data:`MAX_WIDTH` at which every row is computed bit for bit as at :data:`MAX_WIDTH` rows,
+    whatever row index it sits at and whatever the other rows hold: usually every width from some
+    ``W`` on (``W = 2`` for oneDNN above, 4 for MKL). Exact mode then pads every decode forward --
+    a plain one-token step included -- up to the next such width (:meth:`RowRule.rows_for`,
+    :func:`pad_block`). Pad rows are ordinary rows whose outputs nobody
+    reads; the row-wise layers never mix rows, and no real row attends to a pad row, so what they
+    hold cannot reach a real row.
+
+    Wider forwards (a prompt's prefill chunks) are checked at a few widths (:data:`WIDE_CHECKS`);
+    where those agree with :data:`MAX_WIDTH` too, the rule runs wider forwards as they are
+    (:attr:`RowRule.wider`), and a prompt's keys and values do not depend on how it was cut into
+    chunks. Widths between the checked ones are assumed to agree as well.
+
+The probe times nothing: it runs each distinct layer shape at every width on random rows, about
+``ROWS_PER_WIDTH`` rows per width, and compares bits. A bfloat16 output hides most reorderings
+(the float32 sums differ in their last bits, the rounded result only now and then), so it looks at
+enough rows that a kernel summing in another order is caught with near certainty (a different
+order flips about one bfloat16 output in a few thousand). It takes seconds to a minute for a 0.5B
+model (a vocabulary head of 150k rows is run some 150 times), so :func:`load_or_probe` keeps the
+answer per CPU model, torch version, thread count, dtype, layer shapes and kernels, next to the
+kernel-cost measurements (``$XDG_CACHE_HOME/specdraft/exact-rows/``).
+
+What a decoder in exact mode does with it
+    * once, after choosing its kernels: ``rule = load_or_probe(model, packed)`` with the
+      :class:`~specdraft.cpu_kernels.PackedModel` it swaps in (``None`` on stock); the rule holds
+      for exactly those layers and that thread count, so it is taken again when either changes;
+    * every decode forward of ``k`` rows (tree, side blocks, a plain step, a batch's segments
+      together) runs ``rule.rows_for(k)`` rows: :func:`pad_block` lays out one request's; pad
+      rows come after the real ones and are never kept by a compaction; the cache needs room for
+      them (``rule.padding(k)`` rows past the real ones);
+    * the linear layers after the last hidden state count too: a vocabulary head that computes only
+      some rows (``logits_to_keep``) runs that many rows, which must also be a width of the rule
+      (keep a pad row's logits as well where needed);
+    * the attention is :mod:`specdraft.exact_attention`, in every forward (prefill included).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+#: The widest decode forward the rule covers (the adaptive budget's widest tree).
+MAX_WIDTH = 64
+
+#: Wider forwards checked against :data:`MAX_WIDTH` rows (a prefill chunk is up to 512 rows).
+WIDE_CHECKS = (96, 128, 256, 512)
+
+#: Rows of random input compared per width (a width of ``M`` runs ``ceil(ROWS_PER_WIDTH / M)`` forwards).
+ROWS_PER_WIDTH = 64
+
+
+class ExactRowsError(RuntimeError):
+    """No padding width makes these layers row-count invariant; the message says which layer and widths."""
+
+
+def width_classes(layer: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
+                  widths: Sequence[int] = tuple(range(1, MAX_WIDTH + 1)), rows_per_width: int = ROWS_PER_WIDTH,
+                  seed: int = 0) -> list[list[int]]:
+    """The widths, partitioned so that two widths are in one class exactly when ``layer`` gives
+    every input row the same bits at both (at whatever index the row sits, whatever the other
+    rows hold). Each width runs over the same random rows, in consecutive forwards of that width;
+    a row therefore sits at different indices, among different neighbours, at different widths.
+    """
+    if not widths or min(widths) < 1:
+        raise ValueError(f"widths must be positive row counts, got {list(widths)[:8]}")
+    generator = torch.Generator().manual_seed(seed)
+    base = max(widths)  # every width computes the input rows [base, base + rows_per_width)
+    inputs = torch.randn(2 * base + rows_per_width + 1, in_features, generator=generator).to(dtype)
+    outputs: dict[int, tuple[int, torch.Tensor]] = {}
+    with torch.inference_mode():
+        for width in widths:
+            start = base - width // 2  # blocks start mid-way, so that no width lines up with another's
+            forwards = -(-(width // 2 + rows_per_width) // width)
+            parts = [layer(inputs[None, start + i * width : start + (i + 1) * width])[0] for i in range(forwards)]
+            outputs[width] = (start, torch.cat(parts))
+    classes: list[list[int]] = []
+    for width in widths:
+        for members in classes:
+            if _same_rows(outputs[width], outputs[members[0]]):
+                members.append(width)
+                break
+        else:
+            classes.append([width])
+    return classes
+
+
+def _same_rows(a: tuple[int, torch.Tensor], b: tuple[int, torch.Tensor]) -> bool:
+    """Whether two runs agree bit for bit on the input rows both computed."""
+    (start_a, out_a), (start_b, out_b) = a, b
+    start, stop = max(start_a, start_b), min(start_a + len(out_a), start_b + len(out_b))
+    if stop <= start:
+        raise ValueError("two widths computed no input row in common; raise rows_per_width")
+    return torch.equal(out_a[start - start_a : stop - start_a], out_b[start - start_b : stop - start_b])
+
+
+def invariant_from(classes: Sequence[Sequence[int]]) -> int | None:
+    """The smallest width ``W`` such that every measured width from ``W`` up is in the class of the
+    widest; ``None`` when the widest width is alone in its class."""
+    widest = max(w for members in classes for w in members)
+    top = next(members for members in classes if widest in members)
+    measured = sorted(w for members in classes for w in members)
+    start = widest
+    for w in reversed(measured):
+        if w not in top:
+            break
+        start = w
+    return start if start < widest or len(measured) == 1 else None
+
+
+def agreeing_widths(classes: Sequence[Sequence[int]], anchor: int | None = None) -> tuple[int, ...]:
+    """The widths in the class of ``anchor`` (default: the widest), ascending: padding a forward up
+    to the next of them gives every row the bits a forward of ``anchor`` rows gives it."""
+    if anchor is None:
+        anchor = max(w for members in classes for w in members)
+    return tuple(sorted(next(members for members in classes if anchor in members)))
+
+
+@dataclass(frozen=True)
+class RowRule:
+    """The forward widths at which every row is computed alike (ascending; the widest is the most
+    rows the rule covers): exact mode pads a decode forward of ``k`` rows up to the next of them.
+    Usually a run ``W, W + 1, ..., 64`` (pad to at least ``W`` rows); some kernels agree only at
+    scattered widths (MKL's float32 kernel on two threads: 4, 8 and from 12 up), which then act as
+    buckets."""
+
+    widths: tuple[int, ...]
+    #: per layer shape ``(in, out)``: the widths at which that layer agrees with its widest forward
+    per_shape: tuple[tuple[tuple[int, int], tuple[int, ...]], ...] = ()
+    #: forwards wider than :attr:`max_rows` were checked (:data:`WIDE_CHECKS`) and agree: they run unpadded
+    wider: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.widths or min(self.widths) < 1 or list(self.widths) != sorted(set(self.widths)):
+            raise ValueError(f"widths must be distinct positive row counts in increasing order, got {self.widths}")
+
+    @property
+    def min_rows(self) -> int:
+        """The narrowest forward exact mode runs (a plain one-token step is padded to it)."""
+        return self.widths[0]
+
+    @property
+    def max_rows(self) -> int:
+        """The widest decode forward the rule covers."""
+        return self.widths[-1]
+
+    def rows_for(self, k: int) -> int:
+        """The width a decode forward of ``k`` real rows runs at."""
+        if k < 1:
+            raise ValueError(f"a forward has at least one row, got {k}")
+        if k > self.max_rows:
+            if self.wider:
+                return k
+            raise ValueError(f"a forward of {k} rows is wider than the {self.max_rows} rows the rule covers")
+        return next(w for w in self.widths if w >= k)
+
+    def padding(self, k: int) -> int:
+        """Pad rows added to a forward of ``k`` real rows."""
+        return self.rows_for(k) - k
+
+    def describe(self) -> str:
+        """E.g. ``"pad to 2+ rows (up to 64)"``, ``"pad to 4, 8, 12+ rows (up to 64)"`` or ``"no padding (...)"``."""
+        widths, parts = list(self.widths), []
+        while widths:
+            run = 1
+            while run < len(widths) and widths[run] == widths[0] + run:
+                run += 1
+            if run == len(widths):
+                parts.append(f"{widths[0]}+" if widths[0] < widths[-1] else str(widths[0]))
+                break
+            parts.extend(str(w) for w in widths[:run])
+            widths = widths[run:]
+        beyond = "; wider as they are" if self.wider else ""
+        if self.widths == tuple(range(1, self.max_rows + 1)):
+            return f"no padding (1-{self.max_rows} rows agree{beyond})"
+        return f"pad to {', '.join(parts)} rows (up to {self.max_rows}{beyond})"
+
+
+def linear_layers(model: nn.Module, packed: "object | None" = None) -> list[nn.Module]:
+    """The linear layers a forward of ``model`` runs: its ``nn.Linear`` modules, or where a
+    :class:`~specdraft.cpu_kernels.PackedModel` swaps in stand-ins, those (and the layers it left
+    on the stock kernel)."""
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear) and name}
+    if packed is not None:
+        layers.update(getattr(packed, "layers"))
+    return list(layers.values())
+
+
+def probe_rule(layers: Iterable[nn.Module], dtype: torch.dtype, max_rows: int = MAX_WIDTH,
+               rows_per_width: int = ROWS_PER_WIDTH, wide: Sequence[int] = WIDE_CHECKS) -> RowRule:
+    """The :class:`RowRule` of these linear layers (one of each distinct shape is run; see the module
+    docstring). Raises :class:`ExactRowsError` when a layer has no invariant width up to ``max_rows``."""
+    shapes: dict[tuple[int, int], nn.Module] = {}
+    for layer in layers:
+        shapes.setdefault((int(layer.in_features), int(layer.out_features)), layer)
+    if not shapes:
+        return RowRule(tuple(range(1, max_rows + 1)), wider=True)
+    wide = tuple(sorted(w for w in set(wide) if w > max_rows))
+    return _probe(tuple(sorted((shape, _kernel_id(layer), layer) for shape, layer in shapes.items())), dtype,
+                  max_rows, rows_per_width, wide, torch.get_num_threads())
+
+
+def _kernel_id(layer: nn.Module) -> str:
+    """What decides a layer's kernel besides its shape: its class, for a mixed layer its plan, and
+    for a float16-weight layer the float16 terms per weight (two double the inner length)."""
+    fast = getattr(layer, "fast", layer)
+    return f"{type(layer).__name__}{getattr(layer, 'plan', '')}{getattr(fast, 'terms', '')}"
+
+
+_PROBE_LOCK = threading.Lock()
+
+
+def _probe(entries: tuple, dtype: torch.dtype, max_rows: int, rows_per_width: int, wide: tuple[int, ...],
+           threads: int) -> RowRule:
+    key = (tuple((shape, kernel) for shape, kernel, _ in entries), dtype, max_rows, rows_per_width, wide, threads)
+    with _PROBE_LOCK:
+        cached = _RULES.get(key)
+    if cached is not None:
+        return cached
+    widths = tuple(range(1, max_rows + 1))
+    per_shape = []
+    common = set(widths)
+    wider = True
+    for shape, _, layer in entries:
+        classes = width_classes(layer, shape[0], dtype, widths + wide, rows_per_width)
+        agree_all = agreeing_widths(classes, anchor=max_rows)
+        agree = tuple(w for w in agree_all if w <= max_rows)
+        wider = wider and set(wide) <= set(agree_all)
+        if agree == (max_rows,) and max_rows > 1:
+            raise ExactRowsError(f"the {shape[0]}->{shape[1]} linear layer ({type(layer).__name__}, {dtype}) gives a "
+                                 f"{max_rows}-row forward other bits than any narrower width (classes: {classes}); "
+                                 "no padding width makes it row-count invariant")
+        per_shape.append((shape, agree))
+        common &= set(agree)
+    rule = RowRule(tuple(sorted(common)), tuple(per_shape), wider)
+    with _PROBE_LOCK:
+        _RULES[key] = rule
+    return rule
+
+
+_RULES: dict[tuple, RowRule] = {}
+
+
+#: Version of the cache files' content (a new one probes again).
+CACHE_VERSION = 1
+
+
+def rule_cache_key(model: nn.Module, layers: Sequence[nn.Module]) -> dict[str, Any]:
+    """What a probe of ``model``'s ``layers`` depends on: what a kernel-cost measurement depends on
+    (CPU, torch, threads, dtype, layer shapes) plus the kernels that run each shape."""
+    from .kernel_costs import cache_key
+
+    kernels = sorted({f"{layer.in_features}x{layer.out_features}:{_kernel_id(layer)}" for layer in layers})
+    return {**cache_key(model), "version": CACHE_VERSION, "kernels": kernels, "max_rows": MAX_WIDTH,
+            "rows_per_width": ROWS_PER_WIDTH, "wide": list(WIDE_CHECKS)}
+
+
+def rule_cache_path(key: dict[str, Any]) -> Path:
+    from .kernel_costs import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir().parent / "exact-rows" / f"{digest}.json"
+
+
+def load_or_probe(model: nn.Module, packed: "object | None" = None) -> RowRule:
+    """The :class:`RowRule` of the layers a forward of ``model`` runs (``packed``: the
+    :class:`~specdraft.cpu_kernels.PackedModel` swapped in, if any): read from the cache when this
+    machine probed them before, else probed and written there (skipped where it cannot be written)."""
+    layers = linear_layers(model, packed)
+    key = rule_cache_key(model, layers)
+    path = rule_cache_path(key)
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] == key:
+            return RowRule(tuple(int(w) for w in data["widths"]),
+                           tuple((tuple(shape), tuple(widths)) for shape, widths in data["per_shape"]),
+                           bool(data["wider"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    from .kernel_costs import model_dtype
+
+    rule = probe_rule(layers, model_dtype(model))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "widths": list(rule.widths), "wider": rule.wider,
+                                   "per_shape": [[list(shape), list(widths)] for shape, widths in rule.per_shape]}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return rule
+
+
+def pad_block(tokens: Sequence[int], offsets: np.ndarray, block: np.ndarray, rows: int
+              ) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """A forward of ``len(tokens)`` rows laid out for ``rows`` rows (``tokens``, ``offsets`` and
+    ``block`` as :meth:`specdraft.runner.ModelRunner.forward` takes them).
+
+    Each pad row repeats the last real row's token and offset and sees, among the new rows, only
+    itself; no real row sees a pad row. Pad rows are appended after the real rows, so the real
+    rows keep their indices and a compaction that keeps real rows only drops them.
+    """
+    k = len(tokens)
+    if rows < k:
+        raise ValueError(f"cannot pad a forward of {k} rows to {rows}")
+    block = np.asarray(block, dtype=bool)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    if block.shape != (k, k) or offsets.shape != (k,):
+        raise ValueError(f"block must be [{k}, {k}] and offsets [{k}], got {block.shape} and {offsets.shape}")
+    if rows == k:
+        return list(tokens), offsets, block
+    padded = np.zeros((rows, rows), dtype=bool)
+    padded[:k, :k] = block
+    padded[np.arange(k, rows), np.arange(k, rows)] = True
+    return (list(tokens) + [int(tokens[-1])] * (rows - k), np.concatenate([offsets, np.full(rows - k, offsets[-1])]),
+            padded)
