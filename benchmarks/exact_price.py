@@ -1,8 +1,8 @@
 """What does exact mode cost? Milliseconds per forward of ``k`` new tokens, today against exact mode.
 
 Exact mode (issue 43) pads every decode forward to the width from which the linear layers compute
-each row alike (:mod:`specdraft.exact_rows`, probed here per kernel path) and runs the attention
-on :mod:`specdraft.exact_attention`. This script times, for each CPU kernel path (``stock``,
+each row alike (:mod:`specdraft.kernels.exact_rows`, probed here per kernel path) and runs the attention
+on :mod:`specdraft.model.exact_attention`. This script times, for each CPU kernel path (``stock``,
 ``packed``, ``fbgemm``) and each forward width ``k`` (a tree of ``k`` nodes over a KV cache of
 ``--cache-len`` tokens, through specdraft's own ``ModelRunner``):
 
@@ -78,7 +78,7 @@ class _Route:
 def _route(module, query, key, value, attention_mask, *args, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from specdraft.exact_attention import exact_attention
+    from specdraft.model.exact_attention import exact_attention
 
     fn = exact_attention if _Route.exact else sdpa_attention_forward
     return fn(module, query, key, value, attention_mask, *args, **kwargs)
@@ -91,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    import specdraft.runner as runner_module
+    import specdraft.model.runner as runner_module
     from row_invariance import machine
-    from specdraft.cpu_kernels import CpuKernelError, check_cpu_kernels, packed_model
-    from specdraft.exact_rows import ExactRowsError, linear_layers, pad_block, probe_rule
+    from specdraft.kernels.cpu_kernels import CpuKernelError, check_cpu_kernels, packed_model
+    from specdraft.kernels.exact_rows import ExactRowsError, linear_layers, pad_block, probe_rule
     from specdraft.models import load_model
 
     torch.set_num_threads(args.threads)
@@ -207,7 +207,7 @@ def attention_alone(model, widths: list[int], rules: dict) -> list[dict[str, Any
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from specdraft.exact_attention import exact_attention
+    from specdraft.model.exact_attention import exact_attention
 
     layer = next(m for m in model.modules() if hasattr(m, "num_key_value_groups"))
     config = model.config

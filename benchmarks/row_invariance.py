@@ -11,7 +11,7 @@ Linear layers
     dtype (float32, bfloat16, float16 where the path runs it), layer shape and thread count: the
     forward widths 1..64 (and a few wider ones), partitioned into classes inside which every
     input row gets the same bits whatever its index and its neighbours
-    (:func:`specdraft.exact_rows.width_classes`), the smallest width from which all widths agree
+    (:func:`specdraft.kernels.exact_rows.width_classes`), the smallest width from which all widths agree
     (the padding rule), and whether two paths agree with each other at the same width.
 
 Attention
@@ -49,11 +49,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from specdraft.cpu_kernels import PackedLinear, packed_dtype_problem  # noqa: E402
-from specdraft.exact_attention import exact_attention  # noqa: E402
-from specdraft.exact_rows import RowRule, agreeing_widths, invariant_from, width_classes  # noqa: E402
-from specdraft.fp16_linear import Fp16Linear, fbgemm_problem  # noqa: E402
-from specdraft.kernel_costs import cpu_name  # noqa: E402
+from specdraft.kernels.cpu_kernels import PackedLinear, packed_dtype_problem  # noqa: E402
+from specdraft.model.exact_attention import exact_attention  # noqa: E402
+from specdraft.kernels.exact_rows import RowRule, agreeing_widths, invariant_from, width_classes  # noqa: E402
+from specdraft.kernels.fp16_linear import Fp16Linear, fbgemm_problem  # noqa: E402
+from specdraft.kernels.kernel_costs import cpu_name  # noqa: E402
 
 #: (in, out) of every linear layer of Qwen2.5-0.5B (q, k/v, o, gate/up, down, a cut vocabulary head)
 SHAPES = ((896, 896), (896, 128), (896, 4864), (4864, 896), (896, 512))

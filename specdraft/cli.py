@@ -115,6 +115,13 @@ CPU_KERNELS_HELP = ("auto = measure the exact kernel paths below once on this ma
                     "keep a second copy of the weights in memory; see docs/cpu-fast-path.md (default: %(default)s)")
 
 
+def _add_exact_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                        help="exact mode: speculation gives the very tokens of our plain decoding in every dtype "
+                             "(forwards padded to row-invariant widths, exact attention); default: on for bfloat16 "
+                             "and float16 on a CPU, off otherwise")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed so docs and tests can inspect it)."""
     parser = argparse.ArgumentParser(
@@ -143,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--attention", choices=["auto", "sdpa", "eager", "flash"], default="auto",
                      help="attention backend; flash = split+merge flash kernel (default: %(default)s)")
     gen.add_argument("--cpu-kernels", choices=list(CPU_KERNELS), default="auto", help=CPU_KERNELS_HELP)
+    _add_exact_argument(gen)
     samp = gen.add_argument_group("sampling (defaults come from the model's generation config)")
     samp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     samp.add_argument("--temperature", type=_positive_float, metavar="T")
@@ -169,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--fixed-budget", action="store_true",
                       help="check --max-tree-nodes every step instead of sizing the tree adaptively")
     demo.add_argument("--cpu-kernels", choices=list(CPU_KERNELS), default="auto", help=CPU_KERNELS_HELP)
+    _add_exact_argument(demo)
     demo.add_argument("--repeats", type=_int_at_least(1), default=3, metavar="N",
                       help="timed rounds per method; medians are reported (default: %(default)s)")
     demo.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
@@ -194,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="(default: %(default)s)")
     bench.add_argument("--max-tree-nodes", type=_int_at_least(0), default=32, metavar="N",
                        help="draft tokens per forward for our methods (default: %(default)s)")
+    _add_exact_argument(bench)
     bench.add_argument("--repeats", type=_int_at_least(1), default=1, metavar="R",
                        help="time each method R times per prompt and take the median (default: %(default)s)")
     bench.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
@@ -310,7 +320,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     prompt_ids = _encode_prompt(tokenizer, prompt_text, args.chat)
     decoder = Decoder(model, tokenizer, sources=sources, max_tree_nodes=args.max_tree_nodes,
-                      adaptive_budget=not args.fixed_budget, attention=args.attention, cpu_kernels=args.cpu_kernels)
+                      adaptive_budget=not args.fixed_budget, attention=args.attention, cpu_kernels=args.cpu_kernels,
+                      exact=args.exact)
     seed_kw = {} if args.seed is None else {"seed": args.seed}
 
     # One warm-up forward serves both runs (same weights, same threads); then one timed run each.
@@ -409,7 +420,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, dtype=args.dtype, progress=not args.quiet, device=args.device)
     prompt_ids = _encode_prompt(tokenizer, DEMO_PROMPT, chat=bool(getattr(tokenizer, "chat_template", None)))
     decoder = Decoder(model, tokenizer, sources=[PromptLookup()], max_tree_nodes=args.max_tree_nodes,
-                      adaptive_budget=not args.fixed_budget, cpu_kernels=args.cpu_kernels)
+                      adaptive_budget=not args.fixed_budget, cpu_kernels=args.cpu_kernels, exact=args.exact)
     warmup_forward(model, prompt_ids)
     times: dict[str, list[float]] = {"plain": [], "hf-prompt-lookup": [], "specdraft": []}
     outputs: dict[str, list[int]] = {}

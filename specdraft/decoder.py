@@ -17,7 +17,9 @@ import torch
 from .batching import BatchRequest, BatchStream, text_pieces
 from .budget import Budget
 from .engine import BatchResult, Drafter, Engine, RequestSpec
+from .engine.widths import RowWidths, exact_default
 from .kernels.attention_cost import attention_seconds
+from .kernels.exact_rows import load_or_probe
 from .kernels.kernel_costs import choose_kernels
 from .model.attention import ATTENTION_CHOICES, select_attention
 from .model.runner import ModelRunner
@@ -74,17 +76,33 @@ class Decoder:
     on a machine (cached) and runs each forward width on the cheapest
     (:mod:`specdraft.kernels.kernel_costs`, :attr:`kernels` says what it picked); ``"stock"`` uses
     the model's own modules.
+
+    ``exact=True`` makes every logit row of a decode forward bit for bit what a plain one-token
+    step of this decoder computes for the same prefix, whatever else shares the forward (other
+    tree nodes, side blocks, other requests, padding): each forward is padded to a width at which
+    the linear layers compute every row alike (:mod:`specdraft.kernels.exact_rows`, probed once
+    per machine and model) and attention runs :mod:`specdraft.model.exact_attention`. Then
+    speculation gives the very tokens of plain decoding in bfloat16 and float16 too, where
+    rounding otherwise parts them at near-ties. The default (``None``) is on where it costs
+    little: bfloat16 and float16 models on a CPU, with ``attention="auto"``.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, sources: Sequence[DraftSource] | None = None,
                  max_tree_nodes: int = 32, adaptive_budget: bool = True, attention: str = "auto",
-                 cpu_kernels: str = "auto") -> None:
+                 cpu_kernels: str = "auto", exact: bool | None = None) -> None:
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or not 0 <= max_tree_nodes <= MAX_TREE_NODES:
             raise ValueError(f"max_tree_nodes must be an int in [0, {MAX_TREE_NODES}] (0 = plain decoding), "
                              f"got {max_tree_nodes!r}")
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {attention!r}")
+        if exact not in (None, True, False):
+            raise ValueError(f"exact must be True, False or None (the default per device and dtype), got {exact!r}")
+        if exact and attention not in ("auto", "exact"):
+            raise ValueError(f"exact=True runs its own attention; it cannot be combined with attention={attention!r} "
+                             "(leave attention='auto')")
+        #: whether forwards are padded and attention is exact (see the class docstring)
+        self.exact: bool = exact_default(model, attention) if exact is None else exact
         #: the draft sources (a list the engine reads: a source added or removed here takes part
         #: from the next request on)
         self.sources: list[DraftSource] = list(sources) if sources is not None else default_sources()
@@ -98,7 +116,7 @@ class Decoder:
         self.model = model
         self.tokenizer = tokenizer
         self.max_tree_nodes = max_tree_nodes
-        self.attention = select_attention(model, attention)
+        self.attention = select_attention(model, "exact" if self.exact else attention)
         runner = ModelRunner(model)
         #: the CPU kernels per forward width and their measured costs (see :mod:`specdraft.kernels.kernel_costs`)
         self.kernels = choose_kernels(model, cpu_kernels)
@@ -110,7 +128,9 @@ class Decoder:
                         cost_curve=self.kernels.curve if adaptive_budget else None,
                         attention_seconds=attention_seconds(model) if adaptive_budget else 0.0,
                         warmup=max(WARMUP_STEPS, drafter.warmup_steps))
-        self.engine = Engine(runner, drafter, budget, kernels=self._kernels_context, text=self._text)
+        self.engine = Engine(runner, drafter, budget, kernels=self._kernels_context, text=self._text,
+                             attention=self.attention)
+        self._widths()
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, sources: Sequence[DraftSource] | None = None,
@@ -177,6 +197,11 @@ class Decoder:
         self._packed = None
         self.cpu_kernels = "stock"
         self.budget.set_cost_curve(None)  # the packed curve no longer describes what runs
+        self._widths()  # the stock layers may agree at other widths
+
+    def _widths(self) -> None:
+        """In exact mode, the widths the layers that run now compute every row alike at."""
+        self.engine.padding = RowWidths(load_or_probe(self.model, self._packed)) if self.exact else None
 
     def _kernels_context(self):
         """Around each forward: the packed layers in the model (and back out after), or nothing."""

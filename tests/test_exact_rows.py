@@ -19,10 +19,10 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from specdraft.compat import cache_keyword
-from specdraft.exact_attention import (CHUNK, EXACT_NAME, ExactAttentionError, exact_attention,
+from specdraft.model.compat import cache_keyword
+from specdraft.model.exact_attention import (CHUNK, EXACT_NAME, ExactAttentionError, exact_attention,
                                        register_exact_backend)
-from specdraft.exact_rows import (ExactRowsError, RowRule, agreeing_widths, invariant_from, linear_layers, pad_block,
+from specdraft.kernels.exact_rows import (ExactRowsError, RowRule, agreeing_widths, invariant_from, linear_layers, pad_block,
                                   probe_rule, width_classes)
 
 PROMPT = 70  # cache length before a tree: more than one attention chunk
@@ -374,7 +374,7 @@ def test_rule_is_kept_per_machine_and_model(monkeypatch: pytest.MonkeyPatch) -> 
     """The probe runs once per machine and model; the next call reads the file it wrote."""
     from conftest import tiny_model
 
-    from specdraft import exact_rows
+    from specdraft.kernels import exact_rows
 
     model = tiny_model("llama")
     first = exact_rows.load_or_probe(model)

@@ -152,13 +152,14 @@ def _run(args: argparse.Namespace, model: Any, tokenizer: Any, method_names: lis
     config = {
         "model": _portable(args.model), "model_id": _model_id(args.model), "dtype": args.dtype, "threads": args.threads,
         "max_new_tokens": args.max_new_tokens, "max_tree_nodes": args.max_tree_nodes,
+        "exact": getattr(args, "exact", None),
         "limit": args.limit or None, "repeats": args.repeats, "chat": args.chat, "greedy": True,
         "datasets": {s.key: _portable(str(s.path)) for s in specs}, "methods": method_names,
         "versions": _versions(), "platform": platform.platform(), "cpu": _cpu(), "argv": [_portable(a) for a in sys.argv[1:]],
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     # what a checkpoint must share with this run to be resumed (the runner adds prompts and methods)
-    setup = {key: config[key] for key in ("model", "dtype", "threads", "max_tree_nodes", "chat", "versions")}
+    setup = {key: config[key] for key in ("model", "dtype", "threads", "max_tree_nodes", "chat", "versions", "exact")}
     if getattr(args, "concurrency", None):
         return _run_concurrency(args, model, tokenizer, specs, chat, out_dir, config, say)
     summaries: list[dict[str, Any]] = []
@@ -170,7 +171,7 @@ def _run(args: argparse.Namespace, model: Any, tokenizer: Any, method_names: lis
         say(f"{spec.key}: {len(prompts)} prompts x {len(method_names)} methods x {args.repeats} repeat(s), "
             f"max {args.max_new_tokens} new tokens")
         # Fresh method objects per dataset: a learning source starts each dataset empty.
-        methods = build_methods(method_names, model, tokenizer, args.max_tree_nodes)
+        methods = build_methods(method_names, model, tokenizer, args.max_tree_nodes, getattr(args, "exact", None))
         try:
             run = run_benchmark(model, prompts, methods, args.max_new_tokens, repeats=args.repeats, dataset=spec.key,
                                 progress=not args.quiet, checkpoint=out_dir / spec.key / CHECKPOINT_NAME,

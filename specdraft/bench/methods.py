@@ -354,13 +354,15 @@ class SpecdraftMethod:
     docstring on state across prompts)."""
 
     def __init__(self, name: str, model: Any, tokenizer: Any, source_names: Sequence[str],
-                 max_tree_nodes: int = 32, adaptive_budget: bool = True, cpu_kernels: str = DEFAULT_KERNELS) -> None:
+                 max_tree_nodes: int = 32, adaptive_budget: bool = True, cpu_kernels: str = DEFAULT_KERNELS,
+                 exact: bool | None = None) -> None:
         from specdraft.sources.registry import make_sources
 
         self.name = name
         self.source_names = list(source_names)
         self.adaptive_budget = adaptive_budget
         self.cpu_kernels = cpu_kernels
+        self.exact = exact
         self.description = (("specdraft Decoder with sources " + "+".join(self.source_names) if self.source_names
                              else "specdraft Decoder, plain decoding (no sources, max_tree_nodes=0)")
                             + ("" if adaptive_budget else f", fixed budget of {max_tree_nodes} nodes")
@@ -371,13 +373,15 @@ class SpecdraftMethod:
         self.sources = make_sources(self.source_names, _sources())
         self.decoder = self._decoder_for(self.sources)
         self.description += f" ({self.decoder.kernels.describe()})"  # which path ran, what it costs
+        if self.decoder.exact:
+            self.description += f", exact mode ({self.decoder.engine.padding})"
 
     def _decoder_for(self, sources: list[Any]) -> Any:
         """A Decoder over ``sources`` with this method's tree size and budget kind."""
         from specdraft.decoder import Decoder
 
         return Decoder(self.model, self.tokenizer, sources=sources, max_tree_nodes=self.max_tree_nodes,
-                       adaptive_budget=self.adaptive_budget, cpu_kernels=self.cpu_kernels)
+                       adaptive_budget=self.adaptive_budget, cpu_kernels=self.cpu_kernels, exact=self.exact)
 
     def _throwaway_decoder(self) -> Any:
         """A decoder for a repeat that must not teach the real one: copies of the draft sources
@@ -416,8 +420,10 @@ class SpecdraftMethod:
         self.decoder.budget = state["budget"]
 
 
-def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32) -> Method:
-    """A method object for a canonical name (see :func:`parse_methods`)."""
+def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32, exact: bool | None = None
+                 ) -> Method:
+    """A method object for a canonical name (see :func:`parse_methods`); ``exact`` is every one
+    of our decoders' ``Decoder(exact=...)`` (``None``: the library's default)."""
     if name == BASELINE:
         return PlainGenerate(name, model, {"do_sample": False}, "model.generate(do_sample=False)")
     if name == HF_PROMPT_LOOKUP:
@@ -428,15 +434,17 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32
     base, fixed, kernels = _split_suffixes(name)
     suffix = (FIXED_SUFFIX if fixed else "") + _kernel_suffix(kernels)
     if base == PLAIN:
-        return SpecdraftMethod(PLAIN + suffix, model, tokenizer, [], 0, adaptive_budget=True, cpu_kernels=kernels)
+        return SpecdraftMethod(PLAIN + suffix, model, tokenizer, [], 0, adaptive_budget=True, cpu_kernels=kernels,
+                               exact=exact)
     if base == DEFAULT:
         sources = split_top_level(_canonical("+".join(default_source_names()))[len(PREFIX):], "+")
         return SpecdraftMethod(DEFAULT + suffix, model, tokenizer, sources, max_tree_nodes, adaptive_budget=not fixed,
-                               cpu_kernels=kernels)
+                               cpu_kernels=kernels, exact=exact)
     canonical = _canonical(base)
     return SpecdraftMethod(canonical + suffix, model, tokenizer, split_top_level(canonical[len(PREFIX):], "+"),
-                           max_tree_nodes, adaptive_budget=not fixed, cpu_kernels=kernels)
+                           max_tree_nodes, adaptive_budget=not fixed, cpu_kernels=kernels, exact=exact)
 
 
-def build_methods(names: Sequence[str], model: Any, tokenizer: Any, max_tree_nodes: int = 32) -> list[Method]:
-    return [build_method(n, model, tokenizer, max_tree_nodes) for n in names]
+def build_methods(names: Sequence[str], model: Any, tokenizer: Any, max_tree_nodes: int = 32,
+                  exact: bool | None = None) -> list[Method]:
+    return [build_method(n, model, tokenizer, max_tree_nodes, exact) for n in names]

@@ -11,6 +11,8 @@ Definitions (also in ``benchmarks/README.md``):
 * **mean accepted**: new tokens / forward passes (Spec-Bench's "#Mean accepted tokens" and the
   papers' compression ratio; 1.00 is plain decoding).
 * **identical n/N**: prompts whose greedy output equals the baseline's token for token.
+* **= plain n/N** (when ``plain`` ran): prompts whose output equals our own plain decoding's on the
+  same kernels, what exact mode guarantees in every dtype.
 * **vs plain** (only when the run has a ``plain`` method): geomean over prompts of our ``plain``
   decoding's time on the *same kernels* (``plain`` or ``plain@packed``) / the method's time, so
   the gain of speculation is never mixed up with the gain of a kernel path.
@@ -115,6 +117,9 @@ def summarize(run: DatasetRun) -> dict[str, Any]:
             methods[method.name]["plain_reference"] = plain
             methods[method.name]["speedup_vs_plain_geomean"] = _geomean(vs_plain)
             methods[method.name]["speedup_vs_plain_median"] = statistics.median(vs_plain) if vs_plain else None
+            # our plain decoding is the reference exact mode promises equality with, in every dtype
+            methods[method.name]["identical_to_plain"] = sum(
+                a.result.token_ids == b.result.token_ids for a, b in zip(run.runs[plain], prompt_runs))
     per_prompt = []
     for i, prompt in enumerate(run.prompts):
         ref = baseline[i]
@@ -196,7 +201,8 @@ def _shares(per_source: dict[str, dict[str, Any]]) -> str:
 def markdown_table(summary: dict[str, Any]) -> str:
     """The per-method table of one dataset summary (see :func:`summarize`)."""
     with_plain = any("plain_reference" in m for m in summary["methods"].values())
-    columns = COLUMNS[:5] + ["vs plain (same kernels)"] + COLUMNS[5:] if with_plain else COLUMNS
+    columns = COLUMNS[:5] + ["vs plain (same kernels)"] + COLUMNS[5:7] + ["= plain n/N"] + COLUMNS[7:] \
+        if with_plain else COLUMNS
     lines = ["| " + " | ".join(columns) + " |",
              "|" + "|".join(["---"] + ["---:"] * (len(columns) - 2) + ["---"]) + "|"]
     for name, m in summary["methods"].items():
@@ -205,7 +211,10 @@ def markdown_table(summary: dict[str, Any]) -> str:
                  _x(m["speedup_min"])]
         if with_plain:
             cells.append(_x(m["speedup_vs_plain_geomean"]) if "plain_reference" in m else "-")
-        cells += [_num(m["mean_accepted"]), identical, _shares(m["per_source"])]
+        cells += [_num(m["mean_accepted"]), identical]
+        if with_plain:
+            cells.append(f"{m['identical_to_plain']}/{m['compared']}" if "identical_to_plain" in m else "-")
+        cells.append(_shares(m["per_source"]))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -23,6 +23,7 @@ from ..stats import GenerationStats
 from .drafting import Drafter
 from .loop import Batch
 from .request import RequestSpec
+from .widths import Widths
 
 
 class Engine:
@@ -32,12 +33,18 @@ class Engine:
 
     def __init__(self, runner: ModelRunner, drafter: Drafter, budget: Budget,
                  kernels: Callable[[], ContextManager[Any]] = nullcontext,
-                 text: Callable[[Sequence[int]], str | None] = lambda ids: None) -> None:
+                 text: Callable[[Sequence[int]], str | None] = lambda ids: None,
+                 attention: str | None = None, padding: Widths | None = None) -> None:
         self.runner = runner
         self.drafter = drafter
         self.budget = budget
         self.kernels = kernels
         self.text = text
+        #: the attention implementation the model runs under this engine (set again at each call:
+        #: another decoder over the same model may have switched it)
+        self.attention = attention
+        #: the widths forwards are padded to (exact mode), ``None``: as they come
+        self.padding = padding
         #: The timer behind the statistics and the budget's step costs. A replay of recorded outputs
         #: on a simulated clock (``benchmarks/budget_replay.py``) swaps it, with the runner.
         self.clock: Callable[[], float] = time.perf_counter
@@ -71,6 +78,9 @@ class Engine:
             raise RuntimeError("this Decoder is busy with another request or batch (a stream not yet exhausted or "
                                "closed, or another thread); finish or close it first, or use one Decoder per thread")
         try:
+            model = self.runner.model
+            if self.attention is not None and getattr(model.config, "_attn_implementation", None) != self.attention:
+                model.set_attn_implementation(self.attention)
             with packed_attention_for(self.runner.model) if concurrency > 1 else nullcontext():
                 yield
         finally:

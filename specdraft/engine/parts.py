@@ -10,16 +10,19 @@ import torch
 from ..budget import Budget
 from ..model.runner import ModelRunner
 from .drafting import Drafter
+from .widths import Widths
 
 
 class Parts(Protocol):
     """The model runner, the sources (through the drafter), the budget, the clock, the kernels
-    context entered around each forward, and where rows are chosen."""
+    context entered around each forward, the widths forwards are padded to, and where rows are
+    chosen."""
 
     runner: ModelRunner
     drafter: Drafter
     budget: Budget
     clock: Callable[[], float]
     kernels: Callable[[], ContextManager[Any]]
+    padding: Widths | None
 
     def batched_rows(self, device: torch.device) -> bool: ...

@@ -93,8 +93,14 @@ class Step:
 
     def draft(self) -> list[Member]:
         members = []
-        chunk_left = PREFILL_CHUNK if any(r.decoding for r in self.running) else None
+        decoding = any(r.decoding for r in self.running)
+        padding = self.engine.padding
+        alone = decoding and padding is not None and not padding.mixes_prompts \
+            and any(r.prefilling for r in self.running)  # this step: prompt chunks only
+        chunk_left = PREFILL_CHUNK if decoding and not alone else None
         for request in self.running:
+            if alone and not request.prefilling:
+                continue
             if request.prefilling:
                 rows = request.prompt_length - request.prefilled
                 if chunk_left is not None:
@@ -157,7 +163,8 @@ class Step:
     def forward(self, members: Sequence[Member], riders: list[np.ndarray]) -> ForwardOutput:
         engine = self.engine
         with engine.kernels():
-            output = engine.runner.forward([m.segment for m in members], riders)
+            padding = engine.padding.rows_for if engine.padding is not None else None
+            output = engine.runner.forward([m.segment for m in members], riders, padding=padding)
         for index, m in enumerate(members):
             request = m.request
             if m.rider_index is not None:

@@ -37,7 +37,7 @@ import torch
 FLASH_NAME = "specdraft_split"
 
 #: What ``Decoder(attention=...)`` accepts.
-ATTENTION_CHOICES = ("auto", "sdpa", "eager", "flash")
+ATTENTION_CHOICES = ("auto", "sdpa", "eager", "flash", "exact")
 
 
 class AttentionBackendError(RuntimeError):
@@ -176,7 +176,8 @@ def select_attention(model: Any, requested: str) -> str:
 
     ``auto`` picks ``flash`` on CUDA with flash-attn installed; otherwise it keeps the model's own
     ``sdpa`` or ``eager`` and switches anything else to ``sdpa``. ``flash`` where it cannot run
-    raises :class:`AttentionBackendError` naming what is missing.
+    raises :class:`AttentionBackendError` naming what is missing. ``exact`` is the attention of
+    exact mode (:mod:`specdraft.model.exact_attention`).
     """
     if requested not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {requested!r}")
@@ -189,6 +190,10 @@ def select_attention(model: Any, requested: str) -> str:
             return current
         else:
             requested = "sdpa"
+    if requested == "exact":
+        from .exact_attention import register_exact_backend
+
+        requested = register_exact_backend()
     if requested == "flash":
         if on_cuda and not flash_attn_available():
             raise AttentionBackendError("attention='flash' on CUDA needs the flash-attn package "

@@ -32,6 +32,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .compat import cache_keyword
+from .exact_attention import EXACT_NAME
 from .kv_store import KVStore, Region, Writes
 from .masks import RowLayout, layer_masks
 from .packed_attention import LAYOUT_KEYWORD, PACKED_NAME, PackedLayout
@@ -39,7 +40,7 @@ from .transfer import upload
 
 #: Attention implementations that take our 4D tree mask correctly, with the mask kind they need
 #: ("specdraft_split" is our own split + merge backend, see attention.py).
-_MASK_KIND = {"sdpa": "bool", "eager": "additive", "specdraft_split": "bool", PACKED_NAME: "bool"}
+_MASK_KIND = {"sdpa": "bool", "eager": "additive", "specdraft_split": "bool", PACKED_NAME: "bool", EXACT_NAME: "bool"}
 
 
 class UnsupportedModelError(ValueError):
@@ -112,7 +113,8 @@ class ModelRunner:
         if impl not in _MASK_KIND:
             raise UnsupportedModelError(
                 f"attention implementation {impl!r} cannot take a tree mask losslessly; load the model with "
-                f"attn_implementation='sdpa' or 'eager' (supported: {sorted(k for k in _MASK_KIND if k != PACKED_NAME)})")
+                f"attn_implementation='sdpa' or 'eager' (supported: "
+                f"{sorted(k for k in _MASK_KIND if k not in (PACKED_NAME, EXACT_NAME))})")
         self.model = model
         text = _text_config(model)
         self.vocab_size: int = int(text.vocab_size)

@@ -38,7 +38,7 @@ kernel-cost measurements (``$XDG_CACHE_HOME/specdraft/exact-rows/``).
 
 What a decoder in exact mode does with it
     * once, after choosing its kernels: ``rule = load_or_probe(model, packed)`` with the
-      :class:`~specdraft.cpu_kernels.PackedModel` it swaps in (``None`` on stock); the rule holds
+      :class:`~specdraft.kernels.cpu_kernels.PackedModel` it swaps in (``None`` on stock); the rule holds
       for exactly those layers and that thread count, so it is taken again when either changes;
     * every decode forward of ``k`` rows (tree, side blocks, a plain step, a batch's segments
       together) runs ``rule.rows_for(k)`` rows: :func:`pad_block` lays out one request's; pad
@@ -47,7 +47,7 @@ What a decoder in exact mode does with it
     * the linear layers after the last hidden state count too: a vocabulary head that computes only
       some rows (``logits_to_keep``) runs that many rows, which must also be a width of the rule
       (keep a pad row's logits as well where needed);
-    * the attention is :mod:`specdraft.exact_attention`, in every forward (prefill included).
+    * the attention is :mod:`specdraft.model.exact_attention`, in every forward (prefill included).
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ class RowRule:
 
 def linear_layers(model: nn.Module, packed: "object | None" = None) -> list[nn.Module]:
     """The linear layers a forward of ``model`` runs: its ``nn.Linear`` modules, or where a
-    :class:`~specdraft.cpu_kernels.PackedModel` swaps in stand-ins, those (and the layers it left
+    :class:`~specdraft.kernels.cpu_kernels.PackedModel` swaps in stand-ins, those (and the layers it left
     on the stock kernel)."""
     layers = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear) and name}
     if packed is not None:
@@ -288,7 +288,7 @@ def rule_cache_path(key: dict[str, Any]) -> Path:
 
 def load_or_probe(model: nn.Module, packed: "object | None" = None) -> RowRule:
     """The :class:`RowRule` of the layers a forward of ``model`` runs (``packed``: the
-    :class:`~specdraft.cpu_kernels.PackedModel` swapped in, if any): read from the cache when this
+    :class:`~specdraft.kernels.cpu_kernels.PackedModel` swapped in, if any): read from the cache when this
     machine probed them before, else probed and written there (skipped where it cannot be written)."""
     layers = linear_layers(model, packed)
     key = rule_cache_key(model, layers)
@@ -318,7 +318,7 @@ def load_or_probe(model: nn.Module, packed: "object | None" = None) -> RowRule:
 def pad_block(tokens: Sequence[int], offsets: np.ndarray, block: np.ndarray, rows: int
               ) -> tuple[list[int], np.ndarray, np.ndarray]:
     """A forward of ``len(tokens)`` rows laid out for ``rows`` rows (``tokens``, ``offsets`` and
-    ``block`` as :meth:`specdraft.runner.ModelRunner.forward` takes them).
+    ``block`` as :meth:`specdraft.model.runner.ModelRunner.forward` takes them).
 
     Each pad row repeats the last real row's token and offset and sees, among the new rows, only
     itself; no real row sees a pad row. Pad rows are appended after the real rows, so the real

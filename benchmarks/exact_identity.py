@@ -1,29 +1,26 @@
-"""Prototype of exact mode end to end, before it is wired into the engine: does speculation now
-give the very tokens of plain decoding in bfloat16?
+"""Exact mode end to end: does speculation give the very tokens of plain decoding in bfloat16?
 
-Issue 43's experiment: a random 2-layer, 896-wide Llama in bfloat16 (vocabulary 512), repetitive
-prompts, 64 new tokens, stock kernels. Today's ``Decoder`` with its default sources is compared
-with the same decoder doing plain decoding (``max_tree_nodes=0``), prompt by prompt, twice:
+The experiment behind exact mode: a random 2-layer, 896-wide Llama in bfloat16 (vocabulary 512),
+repetitive prompts, 64 new tokens, stock kernels. A ``Decoder`` with its default sources is
+compared with the same decoder doing plain decoding (``max_tree_nodes=0``), prompt by prompt, in
+two modes:
 
-``today``
-    as the decoder runs now (``sdpa``, forwards as wide as the tree);
+``inexact``
+    ``exact=False``: ``sdpa``, forwards as wide as the tree;
 ``exact``
-    every forward padded by the probed :class:`~specdraft.exact_rows.RowRule` and the model on
-    :mod:`specdraft.exact_attention`; plain decoding the same way.
+    ``exact=True``: every forward padded by the probed :class:`~specdraft.kernels.exact_rows.RowRule`
+    and the model on :mod:`specdraft.model.exact_attention`; plain decoding the same way.
 
-The engine is not changed: this script wraps ``ModelRunner.forward`` and
-``BatchRunner.forward_segments`` (padding the forward, returning the real rows' logits) and adds
-the exact attention to the runner's table of mask kinds, for its own process only. The batched
-half runs ``generate_batch`` over all prompts at once against single plain decoding.
+The batched half runs ``generate_batch`` over all prompts at once against single plain decoding.
 
-    python benchmarks/exact_prototype.py --prompts 10 --new-tokens 64
+    python benchmarks/exact_identity.py --prompts 10 --new-tokens 64
 
 With ``--model`` it runs a real checkpoint on a benchmark's prompts instead (``--dataset``,
 ``--prompts`` of them) with the decoder's default kernels, and also reports each mode's speed-up
 of speculation over plain decoding in CPU time (``time.process_time``, one thread: the wall
 clock of a machine shared with other work is too uneven to compare two modes by).
 
-    python benchmarks/exact_prototype.py --model qwen2.5-coder-0.5b --dataset humaneval \
+    python benchmarks/exact_identity.py --model qwen2.5-coder-0.5b --dataset humaneval \
         --prompts 10 --new-tokens 64
 """
 
@@ -87,57 +84,11 @@ def prompts(count: int, seed: int) -> list[list[int]]:
     return out
 
 
-class ExactSwitch:
-    """Pads the runners' forwards by ``rule`` while on (script-local wrappers; see the docstring)."""
-
-    def __init__(self) -> None:
-        import numpy as np
-
-        from specdraft import batch_runner, runner
-        from specdraft.exact_attention import EXACT_NAME
-        from specdraft.exact_rows import pad_block
-
-        self.rule = None
-        runner._MASK_KIND[EXACT_NAME] = "bool"
-        original_forward = runner.ModelRunner.forward
-        original_segments = batch_runner.BatchRunner.forward_segments
-        switch = self
-
-        def forward(self, tokens, offsets, block_mask, riders=()):
-            if switch.rule is None:
-                return original_forward(self, tokens, offsets, block_mask, riders)
-            k = len(tokens)
-            tokens, offsets, block_mask = pad_block(tokens, offsets, block_mask, switch.rule.rows_for(k))
-            return original_forward(self, tokens, offsets, block_mask, riders)[:k]
-
-        def forward_segments(self, segments, riders=()):
-            total = sum(len(s.tokens) for s in segments)
-            if switch.rule is None or switch.rule.rows_for(total) == total:
-                return original_segments(self, segments, riders)
-            last = segments[-1]
-            k = len(last.tokens)
-            width = k + switch.rule.rows_for(total) - total
-            tokens, _, block = pad_block(last.tokens, np.zeros(k, dtype=np.int64), last.block, width)
-            positions = np.concatenate([np.asarray(last.positions), np.full(width - k, last.positions[-1])])
-            region = last.region
-            if region.length + width > region.capacity:
-                raise RuntimeError("no room in the region for pad rows")
-            padded = batch_runner.Segment(region, tokens, positions, block, last.logit_rows)
-            out = original_segments(self, [*segments[:-1], padded], riders)
-            region.pending = k  # the pad rows are never kept
-            return out
-
-        runner.ModelRunner.forward = forward
-        batch_runner.BatchRunner.forward_segments = forward_segments
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
     from specdraft import Decoder
-    from specdraft.exact_attention import register_exact_backend
-    from specdraft.exact_rows import load_or_probe
 
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
@@ -152,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(dtype, args.seed)
         batch = prompts(args.prompts, args.seed)
         kernels = args.cpu_kernels or "stock"
-    switch = ExactSwitch()
     results = {}
     if args.model:  # the reference speed: transformers' own greedy decoding, stock kernels, sdpa
         generate_cpu = 0.0
@@ -164,13 +114,11 @@ def main(argv: list[str] | None = None) -> int:
                                do_sample=False)
                 generate_cpu += time.process_time() - started
         results["generate_cpu_s"] = round(generate_cpu, 2)
-    for mode in ("today", "exact"):
-        spec = Decoder(model, cpu_kernels=kernels)
-        plain = Decoder(model, cpu_kernels=kernels, max_tree_nodes=0)
+    for mode in ("inexact", "exact"):
+        spec = Decoder(model, cpu_kernels=kernels, exact=mode == "exact")
+        plain = Decoder(model, cpu_kernels=kernels, max_tree_nodes=0, exact=mode == "exact")
         if mode == "exact":
-            switch.rule = load_or_probe(model, spec._packed)
-            print(f"exact ({spec.kernels.describe()}): {switch.rule.describe()}", file=sys.stderr)
-            model.set_attn_implementation(register_exact_backend())
+            print(f"exact ({spec.kernels.describe()}): {spec.engine.padding}", file=sys.stderr)
         same, steps, tokens = 0, 0, 0
         spec_cpu, plain_cpu = 0.0, 0.0
         plain_out = []
@@ -207,8 +155,6 @@ def main(argv: list[str] | None = None) -> int:
                 same = sum(x.token_ids == y.token_ids for x, y in zip(a, b))
                 results[mode]["batched_sampled_same_as_plain"] = same
                 print(f"{mode}, batched sampled: {same}/{len(batch)}", file=sys.stderr)
-        model.set_attn_implementation("sdpa")
-        switch.rule = None
         spec.close()
         plain.close()
     print(json.dumps(results, indent=1))

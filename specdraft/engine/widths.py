@@ -1,0 +1,53 @@
+"""The widths a forward runs at: as it comes, or padded so that every row is computed alike.
+
+Exact mode pads every forward of ``k`` rows to a width at which the model's linear layers give
+each row the bits a plain one-token step gives it (a :class:`~specdraft.kernels.exact_rows.RowRule`,
+probed per machine and model); a plain step is padded by the same rule, so plain decoding and
+speculation compute every row alike. Forwards wider than the rule covers (a prompt's chunks)
+run as they are where the rule found wide forwards agreeing too; where it did not, a prompt
+chunk never shares a forward with another request's tree (:attr:`Widths.mixes_prompts`), so a
+request's rows never depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from ..kernels.exact_rows import RowRule
+
+
+class Widths(Protocol):
+    """What the step asks of a padding rule."""
+
+    #: whether a prompt chunk may share a forward with other requests' trees
+    mixes_prompts: bool
+
+    def rows_for(self, k: int) -> int: ...
+
+
+class RowWidths:
+    """A :class:`~specdraft.kernels.exact_rows.RowRule` as the step uses it."""
+
+    def __init__(self, rule: RowRule) -> None:
+        self.rule = rule
+        self.mixes_prompts = rule.wider
+
+    def rows_for(self, k: int) -> int:
+        """Rows a forward of ``k`` real rows runs at; a forward wider than the rule covers runs as
+        it is (a prompt alone in its forward, when wide forwards were not found to agree)."""
+        return self.rule.rows_for(k) if k <= self.rule.max_rows or self.rule.wider else k
+
+    def __repr__(self) -> str:
+        return f"RowWidths({self.rule.describe()})"
+
+
+def exact_default(model: Any, attention: str) -> bool:
+    """Exact mode by default: on for bfloat16 and float16 models on a CPU with the default
+    attention, where it costs a few percent (measured in ``benchmarks/results/exact-price-*``);
+    off for float32 (exact there already against ``model.generate``, and padding a plain step to
+    several rows costs up to 70% on MKL's kernels) and on accelerators (not measured yet)."""
+    dtype = getattr(model, "dtype", torch.float32)
+    device = getattr(model, "device", torch.device("cpu"))
+    return attention == "auto" and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
