@@ -66,7 +66,7 @@ def timed(fn) -> tuple[float, Any]:
 
 
 def single(model, tokenizer, prompts, decoders: dict[str, Any], new_tokens: int) -> dict[str, Any]:
-    """Per prompt: generate, then each decoder, the order of the decoders alternating."""
+    """Per prompt: generate, then each decoder, the order of the decoders rotating."""
     rows = []
     names = list(decoders)
     for i, record in enumerate(prompts):
@@ -75,23 +75,24 @@ def single(model, tokenizer, prompts, decoders: dict[str, Any], new_tokens: int)
         plain_s, plain = timed(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                                                       do_sample=False)[0, ids.shape[1]:].tolist())
         row: dict[str, Any] = {"prompt": record.id, "generate_s": plain_s, "new_tokens": len(plain)}
-        for name in (names if i % 2 == 0 else names[::-1]):
+        for name in names[i % len(names):] + names[: i % len(names)]:
             seconds, out = timed(lambda: decoders[name].generate(list(record.token_ids), max_new_tokens=new_tokens))
             row[f"{name}_s"] = seconds
             row[f"{name}_ratio"] = plain_s / seconds
             row[f"{name}_steps"] = out.stats.steps
             row[f"{name}_identical"] = list(out.token_ids) == plain
             row[f"{name}_output"] = list(out.token_ids)
-        row["versions_agree"] = row[f"{names[0]}_output"] == row[f"{names[1]}_output"]
+        row["versions_agree"] = all(row[f"{n}_output"] == row[f"{names[0]}_output"] for n in names)
         rows.append(row)
         print(f"{record.id}: " + "  ".join(f"{n} {row[f'{n}_ratio']:.2f}x" for n in names), file=sys.stderr)
     summary = {name: {"median_ratio": statistics.median(r[f"{name}_ratio"] for r in rows),
                       "worst_ratio": min(r[f"{name}_ratio"] for r in rows),
                       "tokens_per_step": sum(r["new_tokens"] for r in rows) / sum(r[f"{name}_steps"] for r in rows),
                       "identical_to_generate": sum(r[f"{name}_identical"] for r in rows)} for name in names}
-    paired = [r[f"{names[1]}_ratio"] / r[f"{names[0]}_ratio"] for r in rows]
-    summary["new_over_base"] = {"median": statistics.median(paired), "per_prompt": paired,
-                                "versions_agree": sum(r["versions_agree"] for r in rows)}
+    for name in names[1:]:
+        paired = [r[f"{name}_ratio"] / r[f"{names[0]}_ratio"] for r in rows]
+        summary[f"{name}_over_{names[0]}"] = {"median": statistics.median(paired), "per_prompt": paired}
+    summary["outputs_agree"] = sum(r["versions_agree"] for r in rows)
     for r in rows:
         for name in names:
             r.pop(f"{name}_output")
@@ -105,14 +106,15 @@ def concurrency(prompts, decoders: dict[str, Any], new_tokens: int, levels: list
     for level in levels:
         runs: dict[str, list[float]] = {name: [] for name in names}
         for r in range(repeats):
-            for name in (names if r % 2 == 0 else names[::-1]):
+            for name in names[r % len(names):] + names[: r % len(names)]:
                 seconds, result = timed(lambda: decoders[name].generate_batch(
                     [list(p.token_ids) for p in prompts], max_new_tokens=new_tokens, concurrency=level))
                 runs[name].append(sum(len(o.token_ids) for o in result) / seconds)
         out[str(level)] = {name: {"tokens_per_s": statistics.median(v), "runs": v} for name, v in runs.items()}
-        ratio = out[str(level)][names[1]]["tokens_per_s"] / out[str(level)][names[0]]["tokens_per_s"]
-        out[str(level)]["new_over_base"] = ratio
-        print(f"concurrency {level}: new/base {ratio:.3f}", file=sys.stderr)
+        for name in names[1:]:
+            ratio = out[str(level)][name]["tokens_per_s"] / out[str(level)][names[0]]["tokens_per_s"]
+            out[str(level)][f"{name}_over_{names[0]}"] = ratio
+            print(f"concurrency {level}: {name}/{names[0]} {ratio:.3f}", file=sys.stderr)
     return out
 
 
@@ -126,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="default: the library's default model")
     parser.add_argument("--concurrency", default=None, help="levels, e.g. 1,4,8 (instead of single requests)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds per concurrency level")
+    parser.add_argument("--variants", default="base,new",
+                        help="decoders to compare, in order (the first is the reference): base, new, and new "
+                             "with exact mode forced off or on (new-inexact, new-exact)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -138,12 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     base = import_base(args.base)
     model, tokenizer = load_model(args.model or DEFAULT_MODEL, dtype=args.dtype)
     prompts = load_prompts(args.dataset, args.limit, tokenizer)
-    decoders = {"base": base.Decoder(model, tokenizer), "new": Decoder(model, tokenizer)}
+    makers = {"base": lambda: base.Decoder(model, tokenizer), "new": lambda: Decoder(model, tokenizer),
+              "new-inexact": lambda: Decoder(model, tokenizer, exact=False),
+              "new-exact": lambda: Decoder(model, tokenizer, exact=True)}
+    decoders = {name: makers[name]() for name in args.variants.split(",")}
     for decoder in decoders.values():  # warm-up: kernels measured or loaded, buffers allocated
         decoder.generate(list(prompts[0].token_ids), max_new_tokens=8)
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
-    report: dict[str, Any] = {"base": commit_of(args.base), "new": head, "dataset": args.dataset,
+    report: dict[str, Any] = {"base": commit_of(args.base), "new": head, "variants": list(decoders), "dataset": args.dataset,
                               "limit": args.limit, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
                               "cpu": cpu_name(), "date": time.strftime("%Y-%m-%d"),
                               "kernels": {n: d.kernels.describe() for n, d in decoders.items()}}
