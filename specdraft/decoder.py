@@ -18,6 +18,7 @@ from .batching import BatchRequest, BatchStream, text_pieces
 from .budget import Budget
 from .engine import BatchResult, Drafter, Engine, RequestSpec
 from .engine.widths import RowWidths, exact_default
+from .model.static import Buckets
 from .kernels.attention_cost import attention_seconds
 from .kernels.exact_rows import load_or_probe
 from .kernels.kernel_costs import choose_kernels
@@ -155,6 +156,7 @@ class Decoder:
     @budget.setter
     def budget(self, budget: Budget) -> None:
         self.engine.budget = budget
+        budget.costs.padding = self.engine.padding
 
     @property
     def runner(self) -> ModelRunner:
@@ -200,8 +202,17 @@ class Decoder:
         self._widths()  # the stock layers may agree at other widths
 
     def _widths(self) -> None:
-        """In exact mode, the widths the layers that run now compute every row alike at."""
-        self.engine.padding = RowWidths(load_or_probe(self.model, self._packed)) if self.exact else None
+        """The widths forwards run at: in exact mode, those the layers that run now compute every
+        row alike at; on a GPU, a few buckets whose forwards are captured as CUDA graphs
+        (:mod:`specdraft.model.static`); elsewhere, as they come."""
+        if self.exact:
+            self.engine.padding = RowWidths(load_or_probe(self.model, self._packed))
+        elif self.runner.device.type == "cuda":
+            if self.runner.static is None:
+                self.runner.use_static()
+            self.engine.padding = Buckets()
+        else:
+            self.engine.padding = None
 
     def _kernels_context(self):
         """Around each forward: the packed layers in the model (and back out after), or nothing."""

@@ -211,6 +211,12 @@ class SimulatedDevice(TorchFunctionMode):
         if func in _METADATA:
             return func(*args, **kwargs)
 
+        if func is torch.Tensor.copy_ and len(args) > 1 and _is_sim(args[0]) != _is_sim(args[1]):
+            # CUDA copies between host and device in place: an upload into a device buffer, or a read
+            self._count("upload" if _is_sim(args[0]) else "sync", func)
+            func(_unsimulate(args[0]), _unsimulate(args[1]), *args[2:], **kwargs)
+            return args[0]
+
         generator = kwargs.get("generator")
         if generator is not None and any_sim and not isinstance(generator, SimulatedGenerator):
             raise DeviceMixError(f"{getattr(func, '__name__', func)}: a CPU generator was handed to an op on "

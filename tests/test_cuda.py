@@ -65,6 +65,19 @@ def test_batched_greedy_on_cuda_equals_generate(arch: str) -> None:
     assert [o.token_ids for o in result] == [generate_greedy(model, p, NEW) for p in prompts]
 
 
+def test_decode_forwards_replay_cuda_graphs() -> None:
+    """Every decode forward runs at a bucket width from static buffers, captured once per width as
+    a CUDA graph and replayed; greedy output stays generate's, alone and batched."""
+    model = cuda_model("llama")
+    dec = Decoder(model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=16)
+    assert dec.generate(PROMPT, max_new_tokens=NEW).token_ids == generate_greedy(model, PROMPT, NEW)
+    static = dec.runner.static
+    assert static is not None and static.capture and static.captured, static.note if static else "no static path"
+    prompts = [PROMPT, PROMPT[:8], PROMPT[3:]]
+    result = dec.generate_batch(prompts, max_new_tokens=NEW, concurrency=3)
+    assert [o.token_ids for o in result] == [generate_greedy(model, p, NEW) for p in prompts]
+
+
 def test_repetition_penalty_on_cuda_equals_generate() -> None:
     model = cuda_model("llama")
     dec = Decoder(model, None, max_tree_nodes=16, adaptive_budget=False)

@@ -40,7 +40,7 @@ Attention
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 #: The most one observation may move a learned shape (a factor either way).
 MAX_CHANGE = 2.0
@@ -81,6 +81,9 @@ class StepCosts:
             raise ValueError(f"attention_seconds must be >= 0, got {attention_seconds}")
         self.weight = smoothing  # (not named smoothing: copies of a budget holding it must pickle alike)
         self.attention_seconds = float(attention_seconds)
+        #: the widths forwards run at (:class:`~specdraft.engine.widths.Widths`): a forward of ``k``
+        #: rows costs what one of ``padding.rows_for(k)`` does; ``None``: as they come
+        self.padding: Any = None
         self._one_row_seconds: float | None = None
         self.curve: list[float] | None = None
         self.level: float | None = None  # seconds of a one-token step now
@@ -108,6 +111,8 @@ class StepCosts:
 
     def shape(self, width: int) -> float:
         """Cost of a step of ``width`` rows in one-token steps."""
+        if self.padding is not None:
+            width = self.padding.rows_for(max(1, width))
         if width <= 1:
             return 1.0
         if self.curve is not None:

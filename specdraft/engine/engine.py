@@ -43,7 +43,7 @@ class Engine:
         #: the attention implementation the model runs under this engine (set again at each call:
         #: another decoder over the same model may have switched it)
         self.attention = attention
-        #: the widths forwards are padded to (exact mode), ``None``: as they come
+        self._padding: Widths | None = None
         self.padding = padding
         #: The timer behind the statistics and the budget's step costs. A replay of recorded outputs
         #: on a simulated clock (``benchmarks/budget_replay.py``) swaps it, with the runner.
@@ -52,6 +52,17 @@ class Engine:
         #: accelerator, node by node on a CPU), "batched" or "walk"; see :meth:`batched_rows`
         self.row_choices: str = "auto"
         self._busy = threading.Lock()
+
+    @property
+    def padding(self) -> Widths | None:
+        """The widths forwards are padded to (exact mode, static shapes); ``None``: as they come.
+        The budget prices a forward at the width it runs at."""
+        return self._padding
+
+    @padding.setter
+    def padding(self, padding: Widths | None) -> None:
+        self._padding = padding
+        self.budget.costs.padding = padding
 
     def run(self, specs: Sequence[RequestSpec], concurrency: int, stats: Sequence[GenerationStats | None] = ()
             ) -> Batch:

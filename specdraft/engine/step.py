@@ -241,7 +241,9 @@ class Step:
         width = sum(len(m.segment.tokens) for m in members)
         trees = [m.request.step.tree for m in members if m.kind == "tree"]
         if trees and all(m.kind == "tree" for m in members):
-            self.engine.budget.observe_step(width, self.engine.clock() - started)
+            padding = self.engine.padding
+            ran = padding.rows_for(width) if padding is not None else width
+            self.engine.budget.observe_step(ran, self.engine.clock() - started)
         return StepReport(emitted, width, [len(t) - 1 for t in trees])
 
 

@@ -211,6 +211,16 @@ class KVStore(DynamicCache):
     def begin_forward(self, writes: Writes | None) -> None:
         self.writes = writes
 
+    def needs_growth(self) -> bool:
+        """Whether the next write will reallocate the buffers (a region past their end)."""
+        return any(layer.key_buffer is None or layer.key_buffer.shape[-2] < self.capacity for layer in self.layers) \
+            or not self.layers
+
+    def layout_key(self) -> tuple:
+        """Where the buffers are: a captured graph that wrote elsewhere must be captured again."""
+        return (self.capacity, *(layer.key_buffer.data_ptr() if layer.key_buffer is not None else 0
+                                 for layer in self.layers))
+
     @torch.inference_mode()
     def compact_now(self) -> None:
         """Apply the pending moves at once, outside a forward (for inspection: the engine lets

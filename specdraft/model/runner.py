@@ -36,6 +36,7 @@ from .exact_attention import EXACT_NAME
 from .kv_store import KVStore, Region, Writes
 from .masks import RowLayout, layer_masks
 from .packed_attention import LAYOUT_KEYWORD, PACKED_NAME, PackedLayout
+from .static import WIDTHS, StaticForwards, static_forward
 from .transfer import upload
 
 #: Attention implementations that take our 4D tree mask correctly, with the mask kind they need
@@ -135,11 +136,19 @@ class ModelRunner:
         self.store = KVStore()
         #: the store's region for pad rows (see :meth:`forward`), made at the first padded forward
         self._scratch: Region | None = None
+        #: decode forwards at fixed widths over static buffers (:meth:`use_static`); ``None``: eager
+        self.static: StaticForwards | None = None
 
     @property
     def device(self) -> torch.device:
         """Where the model's inputs go (its first parameter's device)."""
         return self.model.device
+
+    def use_static(self, widths: Sequence[int] = WIDTHS, capture: bool | None = None) -> StaticForwards:
+        """Run decode forwards at the fixed ``widths`` (the caller pads them there) over static
+        buffers, each width captured as a CUDA graph where it can be (:mod:`specdraft.model.static`)."""
+        self.static = StaticForwards(self.device, widths, capture)
+        return self.static
 
     @property
     def has_sliding_window(self) -> bool:
@@ -173,6 +182,10 @@ class ModelRunner:
         if padding is not None:
             plan.pad_kept(padding(len(plan.keep_rows)))
         self._check_layout(segments)
+        if self.static is not None and all(s.block is not None for s in segments) \
+                and self.static.holds(plan.total, riders) and len(plan.keep_rows) == plan.total \
+                and not self.store.needs_growth():
+            return self._static_forward(segments, plan, riders)
         sources, destinations = self.store.take_moves()
         parts = upload([plan.ids.reshape(1, -1), plan.positions.reshape(1, -1), plan.write_columns,
                         plan.keep_rows, np.asarray(sources, dtype=np.int64), np.asarray(destinations, dtype=np.int64),
@@ -206,13 +219,34 @@ class ModelRunner:
             self._scratch.pending = 0  # pad rows are never kept
         return ForwardOutput(_logits_for_decoding(logits), plan.logit_spans, ids[0], plan.id_spans, parts[11:])
 
-    def _pad_segment(self, rows: int) -> Segment:
-        """``rows`` pad rows in the store's scratch region: token 0 at position 0, each seeing itself."""
+    def _static_forward(self, segments: Sequence[Segment], plan: "_Plan", riders: Sequence[np.ndarray]
+                        ) -> ForwardOutput:
+        """A decode forward at a bucket width: packed into the static buffers in one copy, then
+        the bucket's graph replayed (or run eagerly)."""
+        static = self.static
+        scratch = self._scratch_region(1)
+        rider_tensors = static.pack(plan, self.store.take_moves(), scratch.start, riders)
+        forward = static_forward(self.model, self.store, self.windows, self.mask_kind, self._cache_keyword,
+                                 self.store.capacity)
+        logits = static.run(plan.total, forward, self.store)
+        for seg in segments:
+            seg.region.pending = len(seg.tokens)
+        scratch.pending = 0
+        return ForwardOutput(_logits_for_decoding(logits), plan.logit_spans, static.fields["ids"][: plan.total],
+                             plan.id_spans, rider_tensors)
+
+    def _scratch_region(self, rows: int) -> Region:
+        """The store's region for pad rows, with room for ``rows``."""
         scratch = self._scratch
         if scratch is None or scratch not in self.store.regions or scratch.capacity < rows:
             if scratch is not None and scratch in self.store.regions:
                 self.store.release(scratch)
             scratch = self._scratch = self.store.allocate(max(rows, 64))
+        return scratch
+
+    def _pad_segment(self, rows: int) -> Segment:
+        """``rows`` pad rows in the store's scratch region: token 0 at position 0, each seeing itself."""
+        scratch = self._scratch_region(rows)
         return Segment(scratch, [0] * rows, np.zeros(rows, dtype=np.int64), np.eye(rows, dtype=bool), [])
 
     def _needs_no_mask(self, segments: Sequence[Segment]) -> bool:

@@ -1,0 +1,183 @@
+"""Decode forwards at fixed widths over preallocated device buffers, each width captured once as a
+CUDA graph where it can be.
+
+Why
+    An eager forward of a small model on a GPU is bound by kernel launches: measured on an H200,
+    the 0.5B model's forward costs about 14 ms whether it checks 1 row or 64, several times what
+    the arithmetic needs. A CUDA graph replays a whole forward's launches at once, but it replays
+    fixed shapes at fixed addresses. So every decode forward runs at one of a few widths
+    (:data:`WIDTHS`, the *buckets*), its inputs live in buffers allocated once (ids, positions,
+    the rows' layout from which the mask is built, the last step's cache moves), the KV store is
+    preallocated, and the mask covers the store's whole capacity: nothing in the forward depends
+    on a host value. Each step packs its inputs on the host, copies them up in one transfer, and
+    replays the bucket's graph (or runs it eagerly where capture is impossible, with the reason
+    in :attr:`StaticForwards.note`).
+
+What runs here: forwards whose rows are all trees (decode steps). A prompt's chunks are as wide as
+they come and run eagerly (:meth:`~specdraft.model.runner.ModelRunner.forward`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .kv_store import KVStore, Writes
+from .masks import RowLayout, layer_masks
+
+#: The buckets: every decode forward runs at the smallest of these that holds its rows.
+WIDTHS = (1, 8, 16, 32, 64)
+#: int64 values the riders of one step may take (a larger step runs eagerly).
+RIDER_CAPACITY = 1 << 14
+
+_FIELDS = ("ids", "positions", "write", "keep", "region_start", "region_length", "segment", "move_from", "move_to",
+           "tree_rows")
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The widths forwards are padded to (what :class:`~specdraft.engine.widths.Widths` asks)."""
+
+    widths: tuple[int, ...] = WIDTHS
+    #: a prompt's chunk shares a forward with trees (the chunk runs eagerly, the trees too then)
+    mixes_prompts: bool = True
+
+    def rows_for(self, k: int) -> int:
+        """The smallest bucket holding ``k`` rows; wider forwards run as they are."""
+        return next((w for w in self.widths if w >= k), k)
+
+
+class StaticForwards:
+    """The static buffers and the captured graphs of one model runner (see the module docstring)."""
+
+    def __init__(self, device: torch.device, widths: Sequence[int] = WIDTHS, capture: bool | None = None) -> None:
+        self.widths = tuple(sorted(widths))
+        self.max_width = self.widths[-1]
+        w = self.max_width
+        self._ints = 8 * w * len(_FIELDS)
+        self._bools = w * w
+        size = self._ints + self._bools + 8 * RIDER_CAPACITY
+        self.device = device
+        self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)  # filled by one copy per step
+        self.host = torch.zeros(size, dtype=torch.uint8)
+        if device.type == "cuda" and torch.cuda.is_available():
+            self.host = self.host.pin_memory()
+        ints = self.buffer[: self._ints].view(torch.int64).view(len(_FIELDS), w)
+        self.fields = {name: ints[i] for i, name in enumerate(_FIELDS)}
+        self.block = self.buffer[self._ints : self._ints + self._bools].view(torch.bool).view(w, w)
+        self.capture = (device.type == "cuda" and torch.cuda.is_available()) if capture is None else capture
+        #: why forwards run eagerly (empty while graphs are captured and replayed)
+        self.note = "" if self.capture else f"no CUDA graphs on {device.type}: eager forwards at fixed widths"
+        self._graphs: dict[int, Any] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._store_key: tuple | None = None
+
+    @property
+    def captured(self) -> list[int]:
+        """The widths whose forwards replay a captured graph."""
+        return sorted(self._graphs)
+
+    def holds(self, rows: int, riders: Sequence[np.ndarray]) -> bool:
+        """Whether a forward of ``rows`` (a bucket) with these riders runs here."""
+        return rows in self.widths and sum(int(np.asarray(r).size) for r in riders) <= RIDER_CAPACITY
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def pack(self, plan: Any, moves: tuple[list[int], list[int]], scratch_row: int, riders: Sequence[np.ndarray]
+             ) -> list[torch.Tensor]:
+        """Write the step's inputs into the host buffer and copy them up in one transfer; returns
+        the riders on the device. Unused move slots move the scratch row onto itself."""
+        w, n = self.max_width, plan.total
+        host = self.host.numpy()
+        ints = host[: self._ints].view(np.int64).reshape(len(_FIELDS), w)
+        values = {"ids": plan.ids, "positions": plan.positions, "write": plan.write_columns, "keep": plan.keep_rows,
+                  "region_start": plan.region_start, "region_length": plan.region_length, "segment": plan.segment,
+                  "tree_rows": np.arange(n)}
+        for i, name in enumerate(_FIELDS):
+            ints[i, :] = 0
+            if name in values:
+                ints[i, : len(values[name])] = values[name]
+        sources, destinations = moves
+        if len(sources) > w:
+            raise ValueError(f"{len(sources)} cache moves do not fit the {w} slots of the static buffers")
+        ints[_FIELDS.index("move_from"), :] = scratch_row
+        ints[_FIELDS.index("move_to"), :] = scratch_row
+        ints[_FIELDS.index("move_from"), : len(sources)] = sources
+        ints[_FIELDS.index("move_to"), : len(destinations)] = destinations
+        block = host[self._ints : self._ints + self._bools].view(np.bool_).reshape(w, w)
+        block[:] = False
+        block[:n, :n] = plan.tree_block
+        at, out = self._ints + self._bools, []
+        shapes = []
+        for rider in riders:
+            rider = np.ascontiguousarray(rider, dtype=np.int64)
+            host[at : at + rider.nbytes] = rider.reshape(-1).view(np.uint8)
+            shapes.append((at, rider.shape, rider.nbytes))
+            at += rider.nbytes
+        self.buffer.copy_(self.host, non_blocking=True)
+        for start, shape, nbytes in shapes:
+            out.append(self.buffer[start : start + nbytes].view(torch.int64).view(shape))
+        return out
+
+    def run(self, width: int, forward: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
+            store: KVStore) -> torch.Tensor:
+        """The logits ``[width, vocab]`` of a forward of ``width`` rows over the packed inputs:
+        the captured graph replayed, or ``forward`` run eagerly."""
+        inputs = {name: buffer[:width] for name, buffer in self.fields.items()}
+        block = self.block[:width, :width]
+        key = store.layout_key()
+        if key != self._store_key:  # the store's buffers moved: graphs hold old addresses
+            self._graphs.clear()
+            self._outputs.clear()
+            self._store_key = key
+        if not self.capture:
+            return forward(inputs, block)
+        if width not in self._graphs:
+            self._capture(width, lambda: forward(inputs, block))
+        if width in self._graphs:
+            self._graphs[width].replay()
+            return self._outputs[width]
+        return forward(inputs, block)
+
+    def _capture(self, width: int, fn: Callable[[], torch.Tensor]) -> None:
+        """Capture ``fn`` as a CUDA graph (after two eager runs on a side stream, as capture
+        requires); where capture fails, forwards of this width stay eager and :attr:`note` says why."""
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fn()
+            self._graphs[width], self._outputs[width] = graph, out
+        except Exception as exc:  # noqa: BLE001 - an uncapturable forward runs eagerly, and says why
+            self.capture = False
+            self.note = f"CUDA graph capture failed at width {width} ({type(exc).__name__}: {exc}); eager forwards"
+
+
+def static_forward(model: Any, store: KVStore, windows: dict[str, int | None], mask_kind: str, cache_keyword: str,
+                   capacity: int) -> Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]:
+    """The forward a bucket runs: the last step's cache moves, then the model over every row, all
+    from the static buffers (what a graph captures)."""
+
+    def forward(inputs: dict[str, torch.Tensor], block: torch.Tensor) -> torch.Tensor:
+        store.apply_moves(inputs["move_from"], inputs["move_to"])
+        width = inputs["ids"].shape[0]
+        store.begin_forward(Writes(inputs["write"], None, capacity, capacity - width))
+        layout = RowLayout(inputs["positions"], inputs["region_start"], inputs["region_length"], inputs["segment"],
+                           inputs["write"], inputs["tree_rows"], block)
+        mask = layer_masks(layout, capacity, windows, mask_kind, model.dtype)
+        try:
+            out = model(input_ids=inputs["ids"][None], position_ids=inputs["positions"][None], attention_mask=mask,
+                        use_cache=True, logits_to_keep=inputs["keep"], **{cache_keyword: store})
+        finally:
+            store.begin_forward(None)
+        return out.logits[0]
+
+    return forward

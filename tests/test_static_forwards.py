@@ -1,0 +1,99 @@
+"""Decode forwards at fixed widths over static buffers (what a GPU captures as CUDA graphs), on a CPU.
+
+No CUDA here, so no graph is captured: the static path runs its forwards eagerly, from the very
+buffers a graph would read. What can be checked without a GPU is checked: the outputs (greedy
+equals ``model.generate``, alone and batched, sliding windows included), that every decode forward
+runs at a bucket width from the same buffers (addresses unchanged across steps and requests),
+the bucket choice, and on the simulated device one read and one upload per step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specdraft import Decoder
+from specdraft.model.static import WIDTHS, Buckets
+from specdraft.simulated_device import SimulatedDevice
+from specdraft.sources.registry import DEFAULT_SOURCES, make_sources
+
+from conftest import reference_greedy, tiny_model
+
+PROMPT = [1, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6, 7]
+NEW = 16
+
+
+def static_decoder(model, **options) -> Decoder:
+    dec = Decoder(model, None, max_tree_nodes=options.pop("max_tree_nodes", 12), **options)
+    dec.runner.use_static(capture=False)
+    dec.engine.padding = Buckets()
+    return dec
+
+
+class Spy:
+    """Records the width and the buffer addresses of every static forward."""
+
+    def __init__(self, static) -> None:
+        self.widths: list[int] = []
+        self.addresses: set[tuple[int, ...]] = set()
+        run = static.run
+
+        def spy(width, forward, store):
+            self.widths.append(width)
+            self.addresses.add((static.buffer.data_ptr(), *(b.data_ptr() for b in static.fields.values()),
+                                static.block.data_ptr()))
+            return run(width, forward, store)
+
+        static.run = spy
+
+
+def test_buckets_hold_every_width() -> None:
+    buckets = Buckets()
+    assert [buckets.rows_for(k) for k in (1, 2, 8, 9, 33, 64, 65)] == [1, 8, 8, 16, 64, 64, 65]
+    assert buckets.widths == WIDTHS
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3", "gpt2"])
+def test_static_forwards_decode_exactly(arch: str) -> None:
+    model = tiny_model(arch)
+    dec = static_decoder(model)
+    spy = Spy(dec.runner.static)
+    assert dec.generate(PROMPT, max_new_tokens=NEW).token_ids == reference_greedy(model, PROMPT, NEW)
+    prompts = [PROMPT, PROMPT[:8], PROMPT[3:]]
+    result = dec.generate_batch(prompts, max_new_tokens=NEW, concurrency=3)
+    assert [o.token_ids for o in result] == [reference_greedy(model, p, NEW) for p in prompts]
+    assert spy.widths and set(spy.widths) <= set(WIDTHS)  # every decode forward at a bucket width
+    assert len(spy.addresses) == 1  # from the same buffers, step after step and request after request
+
+
+def test_static_forwards_read_once_and_upload_once_per_step_on_a_device() -> None:
+    model = copy.deepcopy(tiny_model("llama"))
+    sim = SimulatedDevice()
+    sim.adopt(model)
+    with sim, sim.patched_generator():
+        dec = static_decoder(model, sources=make_sources(list(DEFAULT_SOURCES)), adaptive_budget=False)
+        spy = Spy(dec.runner.static)
+        sim.reset_counts()
+        out = dec.generate(PROMPT, max_new_tokens=NEW)
+        sampled = dec.generate(PROMPT, max_new_tokens=NEW, do_sample=True, seed=3, top_k=20)
+    assert out.token_ids == reference_greedy(tiny_model("llama"), PROMPT, NEW)
+    steps = out.stats.steps + sampled.stats.steps
+    assert sim.counts.syncs == steps, sim.counts.log
+    assert sim.counts.uploads <= steps, sim.counts.log
+    assert spy.widths
+
+
+def test_a_store_that_grows_is_caught_before_a_static_forward() -> None:
+    """A new region past the buffers' end reallocates them: that forward runs as it comes (a
+    captured graph would still write to the old buffers), and later ones are static again."""
+    model = tiny_model("llama")
+    dec = static_decoder(model)
+    spy = Spy(dec.runner.static)
+    first = dec.generate(PROMPT, max_new_tokens=NEW).token_ids
+    long_prompt = PROMPT * 6
+    assert dec.generate(long_prompt, max_new_tokens=NEW).token_ids == reference_greedy(model, long_prompt, NEW)
+    assert first == reference_greedy(model, PROMPT, NEW) and spy.widths
+    with torch.inference_mode():
+        assert not dec.runner.store.needs_growth()
