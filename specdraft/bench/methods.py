@@ -7,6 +7,10 @@ Names (``--methods``):
 ``hf-prompt-lookup``
     ``model.generate(do_sample=False, prompt_lookup_num_tokens=10)``: transformers' own prompt
     lookup decoding, the bar to beat.
+``generate-static``
+    ``model.generate(do_sample=False, cache_implementation="static")``: transformers' own fastest
+    path, a preallocated cache and, on a GPU, a forward compiled by ``torch.compile`` (what an
+    informed user runs there; on a CPU transformers does not compile it).
 ``specdraft:<names>``
     our :class:`~specdraft.decoder.Decoder` with the draft sources ``<names>`` joined by ``+``
     (``specdraft:prompt``, ``specdraft:prompt+trie+ngram``); the names are those of
@@ -48,12 +52,13 @@ from typing import Any, Callable, Protocol, Sequence
 from ..model.compat import cache_keyword
 from .checkpoint import dumps_with_locks
 
-__all__ = ["BASELINE", "DEFAULT", "HF_PROMPT_LOOKUP", "PLAIN", "PACKED_SUFFIX", "KERNEL_SUFFIXES", "plain_reference", "MethodError", "MethodResult", "Method", "PlainGenerate",
+__all__ = ["BASELINE", "DEFAULT", "HF_PROMPT_LOOKUP", "PLAIN", "STATIC_GENERATE", "PACKED_SUFFIX", "KERNEL_SUFFIXES", "plain_reference", "MethodError", "MethodResult", "Method", "PlainGenerate",
            "SpecdraftMethod", "build_method", "copy_sources", "build_methods", "default_method_names", "default_source_names",
            "parse_methods", "valid_method_names"]
 
 BASELINE = "baseline"
 HF_PROMPT_LOOKUP = "hf-prompt-lookup"
+STATIC_GENERATE = "generate-static"
 DEFAULT = "default"
 PLAIN = "plain"
 PREFIX = "specdraft:"
@@ -152,7 +157,7 @@ def default_method_names() -> list[str]:
 def valid_method_names() -> str:
     """The valid ``--methods`` names, for help and error messages."""
     sources = ", ".join(_sources())
-    return (f"{BASELINE}, {HF_PROMPT_LOOKUP}, {DEFAULT}, {PLAIN}, or {PREFIX}<sources joined by +> "
+    return (f"{BASELINE}, {HF_PROMPT_LOOKUP}, {STATIC_GENERATE}, {DEFAULT}, {PLAIN}, or {PREFIX}<sources joined by +> "
             f"with sources from: {sources} (each NAME or NAME[key=value,...]); add {FIXED_SUFFIX} to one of ours to "
             f"switch its adaptive budget off, {' or '.join(KERNEL_SUFFIXES)} to run it on those CPU kernels instead of "
             f"{DEFAULT_KERNELS!r}")
@@ -202,12 +207,12 @@ def _canonical(name: str) -> str:
     if fixed or kernels != DEFAULT_KERNELS:
         base = _canonical(name)
         for flag, suffix in ((fixed, FIXED_SUFFIX), (kernels != DEFAULT_KERNELS, _kernel_suffix(kernels))):
-            if flag and base in (BASELINE, HF_PROMPT_LOOKUP):
+            if flag and base in (BASELINE, HF_PROMPT_LOOKUP, STATIC_GENERATE):
                 raise MethodError(f"{suffix} applies to our decoder's methods, not to {base!r}")
         if fixed and base == PLAIN:
             raise MethodError(f"{FIXED_SUFFIX} means nothing for {PLAIN!r}, which checks no drafts")
         return base + (FIXED_SUFFIX if fixed else "") + _kernel_suffix(kernels)
-    if name in (BASELINE, HF_PROMPT_LOOKUP, DEFAULT, PLAIN):
+    if name in (BASELINE, HF_PROMPT_LOOKUP, STATIC_GENERATE, DEFAULT, PLAIN):
         return name
     from specdraft.source_spec import SourceSpecError, parse_source_spec, split_top_level
 
@@ -429,6 +434,9 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32
     if name == HF_PROMPT_LOOKUP:
         return PlainGenerate(name, model, {"do_sample": False, "prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS},
                              f"model.generate(do_sample=False, prompt_lookup_num_tokens={HF_PROMPT_LOOKUP_TOKENS})")
+    if name == STATIC_GENERATE:
+        return PlainGenerate(name, model, {"do_sample": False, "cache_implementation": "static"},
+                             'model.generate(do_sample=False, cache_implementation="static")')
     from specdraft.source_spec import split_top_level
 
     base, fixed, kernels = _split_suffixes(name)

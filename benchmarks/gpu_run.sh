@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU measurement, one command: on a CUDA machine with the model and the packages in place
+# (no network needed), it runs
+#   1. pytest -m cuda (the GPU suite: exactness, CUDA graphs, flash against sdpa);
+#   2. specdraft bench on HumanEval 10, MT-Bench 10 and the code-edit set: transformers' eager
+#      generate, its static-cache compiled generate, its prompt lookup, our plain decoding and our
+#      default, bfloat16, greedy;
+#   3. --concurrency 1,8 on HumanEval 8;
+#   4. the step profile (ms per step: forward, host, idle; plain and tree steps) of benchmarks/gpu_steps.py;
+# and writes everything under benchmarks/results/gpu-<gpu>-<date>-<commit>/, whose summary.json
+# files scripts/render_tables.py renders into the README's GPU rows.
+#
+#   bash benchmarks/gpu_run.sh                    # the default model (its cached checkpoint)
+#   SPECDRAFT_MODEL=/path/to/checkpoint bash benchmarks/gpu_run.sh
+#   SPECDRAFT_COMMIT=abc1234 bash benchmarks/gpu_run.sh   # where the copy has no git history
+#
+# About 8 minutes on an H100 or H200 for the 0.5B model (most of it the eager baselines).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+model=${SPECDRAFT_MODEL:-qwen2.5-coder-0.5b}
+gpu=$("$PY" -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else '')")
+if [[ -z "$gpu" ]]; then
+    echo "gpu_run.sh: no CUDA GPU here; this script measures the GPU path" >&2
+    exit 2
+fi
+commit=${SPECDRAFT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+out=benchmarks/results/gpu-$gpu-$(date +%Y-%m-%d)-$commit
+mkdir -p "$out"
+started=$(date +%s)
+step() { echo "gpu_run.sh: $* ($(( $(date +%s) - started )) s in)" >&2; }
+
+step "pytest -m cuda"
+"$PY" -m pytest -m cuda -q -p no:cacheprovider 2>&1 | tee "$out/pytest-cuda.txt" || true
+
+methods=baseline,generate-static,hf-prompt-lookup,plain,default
+step "bench: HumanEval 10, MT-Bench 10"
+"$PY" -m specdraft bench --model "$model" --dtype bfloat16 --device cuda --dataset humaneval,mtbench --limit 10 \
+    --methods "$methods" --out "$out/bench" --no-plot -q
+step "bench: code edits"
+"$PY" benchmarks/code_edit.py --jsonl "$out/code_edits.jsonl" >/dev/null
+"$PY" -m specdraft bench --model "$model" --dtype bfloat16 --device cuda --dataset "$out/code_edits.jsonl" \
+    --limit 6 --max-new-tokens 256 --methods "$methods" --out "$out/bench-code-edits" --no-plot -q
+step "bench: concurrency 1,8"
+"$PY" -m specdraft bench --model "$model" --dtype bfloat16 --device cuda --dataset humaneval --limit 8 \
+    --max-new-tokens 64 --concurrency 1,8 --out "$out/concurrency" --no-plot -q
+step "step profile"
+"$PY" benchmarks/gpu_steps.py --shapes qwen2.5-0.5b --contexts 1024 --nodes 8,32,64 --repeats 2 --out "$out/steps"
+step "done: $out"
