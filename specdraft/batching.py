@@ -81,7 +81,7 @@ class BatchStream:
 
     def __iter__(self):
         if self._iterator is None:
-            self._iterator = self._pieces()
+            self._iterator = _pieces(self._batch, self._tokenizer)
         return self._iterator
 
     def __next__(self):
@@ -92,8 +92,14 @@ class BatchStream:
         if self._iterator is not None:
             self._iterator.close()
 
-    def _pieces(self):
-        if self._tokenizer is None:
-            yield from self._batch
-            return
-        yield from text_pieces(self._batch, self._tokenizer, lambda index: self._batch.outputs[index] is not None)
+
+
+def _pieces(batch: Batch, tokenizer: Any):
+    """What a :class:`BatchStream` yields. A function of the batch, not a method of the stream:
+    the generator must not hold the stream that holds it, or a stream the caller drops (a loop left
+    by ``break``) would keep the decoder busy until the cyclic garbage collector runs."""
+    if tokenizer is None:
+        yield from batch
+        return
+    outputs = batch.outputs
+    yield from text_pieces(batch, tokenizer, lambda index: outputs[index] is not None)

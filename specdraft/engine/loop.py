@@ -54,6 +54,8 @@ class Batch:
 
     def cancel(self, index: int) -> None:
         """End request ``index`` at the next step (or before it starts); the others go on."""
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"a request index must be an int, got {index!r}")
         if not 0 <= index < len(self.specs):
             raise IndexError(f"request index {index} out of range for a batch of {len(self.specs)}")
         self._cancel.add(index)
@@ -99,6 +101,9 @@ class Batch:
                         request.error = request.error or (None if closed else exc)
                         request.cancelled = closed
                     self.finish(request, failed=request.error is not None)
+            for index in queue:  # never started: over too, each with an output
+                self.outputs[index] = BatchOutput([], self.text([]), self._new_stats(index), error=None if closed else exc,
+                                                  cancelled=closed)
             raise
         finally:
             self.stats.wall_time = clock() - started
