@@ -89,10 +89,11 @@ class Engine:
             raise RuntimeError("this Decoder is busy with another request or batch (a stream not yet exhausted or "
                                "closed, or another thread); finish or close it first, or use one Decoder per thread")
         try:
-            model = self.runner.model
-            if self.attention is not None and getattr(model.config, "_attn_implementation", None) != self.attention:
+            model = getattr(self.runner, "model", None)  # (a replay's stand-in runner has none)
+            if self.attention is not None and model is not None \
+                    and getattr(model.config, "_attn_implementation", None) != self.attention:
                 model.set_attn_implementation(self.attention)
-            with packed_attention_for(self.runner.model) if concurrency > 1 else nullcontext():
+            with packed_attention_for(model) if concurrency > 1 and model is not None else nullcontext():
                 yield
         finally:
             self._busy.release()
