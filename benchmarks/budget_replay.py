@@ -147,8 +147,9 @@ class ReplayRunner:
     def check_batches(self) -> None:
         """A replay runs any layout."""
 
-    def forward(self, segments: Sequence[Segment], riders: Sequence[np.ndarray] = ()) -> ForwardOutput:
+    def forward(self, segments: Sequence[Segment], riders: Sequence[np.ndarray] = (), padding=None) -> ForwardOutput:
         q = sum(len(s.tokens) for s in segments)
+        q = padding(q) if padding is not None else q  # a padded forward costs its padded width
         self.store.take_moves()
         self.clock.advance(self.costs(q))
         self.widths.append(q)
