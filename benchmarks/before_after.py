@@ -83,12 +83,17 @@ def single(model, tokenizer, prompts, decoders: dict[str, Any], new_tokens: int)
             row[f"{name}_identical"] = list(out.token_ids) == plain
             row[f"{name}_output"] = list(out.token_ids)
         row["versions_agree"] = all(row[f"{n}_output"] == row[f"{names[0]}_output"] for n in names)
+        if "new-plain" in names:  # what exact mode promises: our speculation = our plain decoding
+            for n in names:
+                row[f"{n}_identical_to_plain"] = row[f"{n}_output"] == row["new-plain_output"]
         rows.append(row)
         print(f"{record.id}: " + "  ".join(f"{n} {row[f'{n}_ratio']:.2f}x" for n in names), file=sys.stderr)
     summary = {name: {"median_ratio": statistics.median(r[f"{name}_ratio"] for r in rows),
                       "worst_ratio": min(r[f"{name}_ratio"] for r in rows),
                       "tokens_per_step": sum(r["new_tokens"] for r in rows) / sum(r[f"{name}_steps"] for r in rows),
-                      "identical_to_generate": sum(r[f"{name}_identical"] for r in rows)} for name in names}
+                      "identical_to_generate": sum(r[f"{name}_identical"] for r in rows),
+                      "identical_to_new_plain": sum(r.get(f"{name}_identical_to_plain", False) for r in rows)}
+               for name in names}
     for name in names[1:]:
         paired = [r[f"{name}_ratio"] / r[f"{names[0]}_ratio"] for r in rows]
         summary[f"{name}_over_{names[0]}"] = {"median": statistics.median(paired), "per_prompt": paired}
@@ -129,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default=None, help="levels, e.g. 1,4,8 (instead of single requests)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds per concurrency level")
     parser.add_argument("--variants", default="base,new",
-                        help="decoders to compare, in order (the first is the reference): base, new, and new "
-                             "with exact mode forced off or on (new-inexact, new-exact)")
+                        help="decoders to compare, in order (the first is the reference): base, new, new with exact "
+                             "mode forced off or on (new-inexact, new-exact), and new-plain (our plain decoding, "
+                             "whose outputs exact mode must reproduce)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -145,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts(args.dataset, args.limit, tokenizer)
     makers = {"base": lambda: base.Decoder(model, tokenizer), "new": lambda: Decoder(model, tokenizer),
               "new-inexact": lambda: Decoder(model, tokenizer, exact=False),
-              "new-exact": lambda: Decoder(model, tokenizer, exact=True)}
+              "new-exact": lambda: Decoder(model, tokenizer, exact=True),
+              "new-plain": lambda: Decoder(model, tokenizer, sources=[], max_tree_nodes=0)}
     decoders = {name: makers[name]() for name in args.variants.split(",")}
     for decoder in decoders.values():  # warm-up: kernels measured or loaded, buffers allocated
         decoder.generate(list(prompts[0].token_ids), max_new_tokens=8)

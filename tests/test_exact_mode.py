@@ -25,7 +25,7 @@ from specdraft.sources.registry import SOURCES, make_sources
 
 from conftest import FAST
 
-NEW = 40
+NEW = 32
 VOCAB = 512
 
 
@@ -91,7 +91,7 @@ def test_without_exact_mode_speculation_parts_from_plain_decoding(dtype: torch.d
     assert differ >= 1
 
 
-@settings(FAST, max_examples=8)
+@settings(FAST, max_examples=5)
 @given(dtype=st.sampled_from([torch.bfloat16, torch.float16]), seed=st.integers(0, 30),
        names=st.lists(st.sampled_from(sorted(SOURCES)), min_size=1, max_size=3, unique=True),
        adaptive=st.booleans())
@@ -104,7 +104,7 @@ def test_exact_speculation_equals_exact_plain_decoding(dtype, seed, names, adapt
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_a_batched_request_does_not_depend_on_what_else_is_in_the_batch(dtype) -> None:
-    seeds = [3, 4, 5, 6, 7]
+    seeds = [3, 4, 5, 6]
     dec = speculative(dtype, ["prompt", "trie", "ngram", "suffix"], exact=True)
     requests = [BatchRequest(repetitive_prompt(s), max_new_tokens=NEW - 4 * i) for i, s in enumerate(seeds)]
     result = dec.generate_batch(requests, concurrency=3)
@@ -118,7 +118,7 @@ def test_exact_sampling_with_a_seed_gives_the_tokens_of_exact_plain_sampling(dty
     options = dict(do_sample=True, temperature=0.8, top_k=40, top_p=0.95, seed=11)
     plain = Decoder(wide_model(dtype), sources=[], max_tree_nodes=0, exact=True, cpu_kernels="stock")
     dec = speculative(dtype, ["prompt", "ngram", "suffix"], exact=True)
-    for s in (0, 1, 2):
+    for s in (0, 1):
         expected = plain.generate(repetitive_prompt(s), max_new_tokens=NEW, **options).token_ids
         assert dec.generate(repetitive_prompt(s), max_new_tokens=NEW, **options).token_ids == expected
     # and batched, on the rows chosen all at once (the device path) against plain decoding on it too
