@@ -19,7 +19,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 model=${SPECDRAFT_MODEL:-qwen2.5-coder-0.5b}
-gpu=$("$PY" -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else '')")
+# the GPU's model name ("NVIDIA H100 80GB HBM3" -> h100): the first word that is a letter and digits
+gpu=$("$PY" -c "
+import re, torch
+name = torch.cuda.get_device_name() if torch.cuda.is_available() else ''
+words = [w for w in name.split() if re.fullmatch(r'[A-Za-z]+[0-9]+[A-Za-z]*', w)]
+print((words[0] if words else name.split()[-1] if name else '').lower())")
 if [[ -z "$gpu" ]]; then
     echo "gpu_run.sh: no CUDA GPU here; this script measures the GPU path" >&2
     exit 2

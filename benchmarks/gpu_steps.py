@@ -141,6 +141,22 @@ class StepProbe:
             end.record()
             self.events[-1] = (self.events[-1][0], end)
 
+    def watch_static(self, static: Any) -> None:
+        """Time the static forwards too: a replayed CUDA graph runs no module hooks."""
+        if static is None or getattr(static, "_watched", False):
+            return
+        run = static.run
+
+        def timed(*args: Any, **kwargs: Any):
+            self._pre()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self._post()
+
+        static.run = timed
+        static._watched = True
+
     def gpu_ms(self) -> float:
         sync()
         return sum(a.elapsed_time(b) for a, b in self.events if b is not None)
@@ -193,7 +209,15 @@ def timed_generate(model, prompt: list[int], new: int) -> tuple[list[int], float
         return out[0, len(prompt):].tolist(), time.perf_counter() - t
 
 
+def eager(dec: Decoder) -> Decoder:
+    """``dec`` without static forwards or CUDA graphs: every forward as wide as it comes, eagerly."""
+    dec.runner.static = None
+    dec.engine.padding = None
+    return dec
+
+
 def decoder_row(probe: StepProbe, dec: Decoder, prompt: list[int], new: int, **options) -> dict[str, Any]:
+    probe.watch_static(dec.runner.static)
     dec.generate(prompt[:256], max_new_tokens=16, **options)  # warm-up: kernel choice, step costs, allocator
     out, wall = probe.run(lambda: dec.generate(prompt, max_new_tokens=new, **options))
     steps = out.stats.steps
@@ -232,16 +256,23 @@ def run_shape(shape: str, device: str, dtype: torch.dtype, new: int, contexts: l
     result: dict[str, Any] = {"parameters": params, "forward_ms": curve, "contexts": {}}
     for context in contexts:
         prompt = repetitive_context(context)
-        decoders: dict[str, Any] = {"ours, plain": lambda: Decoder(model, None, sources=[], max_tree_nodes=0)}
+        decoders: dict[str, Any] = {"ours, plain": lambda: Decoder(model, None, sources=[], max_tree_nodes=0),
+                                    "ours, plain, eager": lambda: eager(Decoder(model, None, sources=[],
+                                                                                max_tree_nodes=0))}
         for nodes in nodes_list if context == contexts[0] else nodes_list[1:2]:
             decoders[f"default, fixed {nodes}"] = (lambda n=nodes: Decoder(
                 model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=n, adaptive_budget=False))
+        decoders["default, fixed 32, eager"] = lambda: eager(Decoder(
+            model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=32, adaptive_budget=False))
         decoders["default, adaptive"] = lambda: Decoder(model, None)
         sampling = dict(do_sample=True, seed=0, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
         timed_generate(model, prompt[:64], 8)  # warm-up
         built = {name: make() for name, make in decoders.items()}
         for dec in built.values():
             dec.generate(prompt[:256], max_new_tokens=16)  # warm-up: kernel choice, step costs, allocator
+            if dec.runner.static is not None:
+                print(f"  static forwards: captured widths {dec.runner.static.captured} {dec.runner.static.note}",
+                      flush=True)
         seconds: dict[str, list[float]] = {"model.generate": []} | {name: [] for name in built}
         outputs: dict[str, Any] = {}
         for _ in range(repeats):  # in turns, so drift of clocks or load hits every method alike

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# A five-minute GPU check that needs no checkpoint: the CUDA suite (exactness, CUDA graphs) on tiny
+# models, then the step profile of benchmarks/gpu_steps.py on random weights of the 0.5B model's
+# shape (forward ms per width, plain and tree steps with CUDA graphs and eagerly, syncs per step).
+# Writes into OUT_DIR (default: benchmarks/results/gpu-quick-<date>).
+#
+#   bash benchmarks/gpu_quick.sh [OUT_DIR]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+out=${1:-benchmarks/results/gpu-quick-$(date +%Y-%m-%d)}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+    | tee -a "$out/gpu.txt"
+timeout "${CUDA_SUITE_SECONDS:-150}" "$PY" -m pytest -m cuda -q -p no:cacheprovider -x tests/test_cuda.py 2>&1 \
+    | tee "$out/pytest-cuda.txt"
+timeout "${STEPS_SECONDS:-200}" "$PY" benchmarks/gpu_steps.py --shapes qwen2.5-0.5b --contexts 1024 --nodes 8,32 \
+    --repeats 2 --new-tokens 128 --out "$out" 2>&1 | tee "$out/steps.txt"
