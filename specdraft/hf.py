@@ -583,11 +583,19 @@ class SpecdraftLoop:
         with held.lock, _engine_view(model, eos, processors):
             if len(requests) == 1 and positions.batch == 1:
                 self._decode_one(held.decoder, todo[0], requests[0], new_tokens, processors, positions)
+            elif not held.decoder.runner.batches_supported:
+                # a model whose attention cannot share a forward between requests (GPT-2's eager
+                # attention in older transformers): each row alone, in turn, as generate's tokens
+                for row, prompt in zip(todo, requests):
+                    self._decode_one(held.decoder, row, prompt, new_tokens, processors, positions, alone=True)
+                _check_complete(positions, dict.fromkeys(todo))
             else:
                 self._decode_many(held.decoder, todo, requests, new_tokens, processors, positions)
 
     def _decode_one(self, decoder: Decoder, row: int, prompt: list[int], new_tokens: int,
-                    processors: _Processors, positions: _Positions) -> None:
+                    processors: _Processors, positions: _Positions, alone: bool = False) -> None:
+        """Decode ``row`` by itself; ``alone``: one of several rows decoded in turn, so positions are
+        released only once the others have theirs and the row runs until it no longer produces."""
         stats = GenerationStats()
         self.last_stats[row] = stats
         stream = decoder.stream(prompt, max_new_tokens=new_tokens, stats=stats, **processors.options)
@@ -595,11 +603,12 @@ class SpecdraftLoop:
             for chunk in stream:
                 positions.feed(row, chunk)
                 positions.release()
-                if positions.finished:
+                if positions.finished or (alone and not positions.produces(row)):
                     break
         finally:
             stream.close()
-        _check_complete(positions, {row: None})
+        if not alone:
+            _check_complete(positions, {row: None})
 
     def _decode_many(self, decoder: Decoder, todo: list[int], requests: list[list[int]], new_tokens: int,
                      processors: _Processors, positions: _Positions) -> None:

@@ -15,19 +15,21 @@ import pytest
 import torch
 
 from specdraft import Decoder
-from specdraft.model.static import WIDTHS, Buckets
+from specdraft.model.static import WIDTHS, Buckets, RerunGraph
 from specdraft.simulated_device import SimulatedDevice
 from specdraft.sources.registry import DEFAULT_SOURCES, make_sources
 
-from conftest import reference_greedy, tiny_model
+from conftest import AlternatingBudget, OracleSource, reference_greedy, tiny_model
 
 PROMPT = [1, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6, 7]
 NEW = 16
 
 
-def static_decoder(model, **options) -> Decoder:
+def static_decoder(model, graphs: bool = False, **options) -> Decoder:
+    """A decoder whose decode forwards are static; ``graphs``: each width "captured" as a
+    :class:`RerunGraph` (a CUDA graph's warm-up runs and replays, on the CPU)."""
     dec = Decoder(model, None, max_tree_nodes=options.pop("max_tree_nodes", 12), **options)
-    dec.runner.use_static(capture=False)
+    dec.runner.use_static(capture=graphs, graph_kind=RerunGraph if graphs else None)
     dec.engine.padding = Buckets()
     return dec
 
@@ -55,10 +57,11 @@ def test_buckets_hold_every_width() -> None:
     assert buckets.widths == WIDTHS
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3", "gpt2"])
-def test_static_forwards_decode_exactly(arch: str) -> None:
+def test_static_forwards_decode_exactly(arch: str, graphs: bool) -> None:
     model = tiny_model(arch)
-    dec = static_decoder(model)
+    dec = static_decoder(model, graphs)
     spy = Spy(dec.runner.static)
     assert dec.generate(PROMPT, max_new_tokens=NEW).token_ids == reference_greedy(model, PROMPT, NEW)
     prompts = [PROMPT, PROMPT[:8], PROMPT[3:]]
@@ -66,6 +69,30 @@ def test_static_forwards_decode_exactly(arch: str) -> None:
     assert [o.token_ids for o in result] == [reference_greedy(model, p, NEW) for p in prompts]
     assert spy.widths and set(spy.widths) <= set(WIDTHS)  # every decode forward at a bucket width
     assert len(spy.addresses) == 1  # from the same buffers, step after step and request after request
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
+def test_a_narrow_forward_applies_every_move_of_a_wide_step(arch: str, graphs: bool) -> None:
+    """A plain step (width 1) after a tree step whose accepted path sits behind a decoy branch:
+    the tree's accepted rows move into place in the 1-row forward, every one of them, and a
+    capture's warm-up runs do not move them again."""
+    model = tiny_model(arch)
+    ref = reference_greedy(model, PROMPT, 24)
+    dec = static_decoder(model, graphs, sources=[OracleSource(PROMPT + ref, decoy=True)])
+    dec.budget = AlternatingBudget(12, warmup=0)
+    moves: list[tuple[int, int]] = []
+    pack = dec.runner.static.pack
+
+    def spy(plan, pending, scratch_row, riders):
+        moves.append((plan.total, len(pending[0])))
+        return pack(plan, pending, scratch_row, riders)
+
+    dec.runner.static.pack = spy
+    assert dec.generate(PROMPT, max_new_tokens=24).token_ids == ref
+    assert any(moved > width for width, moved in moves)  # the case this is about happened
+    if graphs:
+        assert dec.runner.static.captured == [1, 16]
 
 
 def test_static_forwards_read_once_and_upload_once_per_step_on_a_device() -> None:
@@ -85,11 +112,14 @@ def test_static_forwards_read_once_and_upload_once_per_step_on_a_device() -> Non
     assert spy.widths
 
 
-def test_a_store_that_grows_is_caught_before_a_static_forward() -> None:
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_store_that_grows_is_caught_before_a_static_forward(graphs: bool) -> None:
     """A new region past the buffers' end reallocates them: that forward runs as it comes (a
-    captured graph would still write to the old buffers), and later ones are static again."""
+    captured graph would still write to the old buffers), and later ones are static again. The
+    scratch region of pad rows is made anew after the store forgets its regions (between
+    requests), and that too may grow the store."""
     model = tiny_model("llama")
-    dec = static_decoder(model)
+    dec = static_decoder(model, graphs)
     spy = Spy(dec.runner.static)
     first = dec.generate(PROMPT, max_new_tokens=NEW).token_ids
     long_prompt = PROMPT * 6
@@ -97,3 +127,14 @@ def test_a_store_that_grows_is_caught_before_a_static_forward() -> None:
     assert first == reference_greedy(model, PROMPT, NEW) and spy.widths
     with torch.inference_mode():
         assert not dec.runner.store.needs_growth()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_plain_static_decoding_after_a_longer_request(graphs: bool) -> None:
+    """Plain decoding pads nothing, so its first static forward is where the scratch row (the
+    target of unused move slots) is made: after a longer request than before, that grows the store,
+    and the forward must run as it comes."""
+    model = tiny_model("qwen2")
+    dec = static_decoder(model, graphs, sources=[], max_tree_nodes=0)
+    for prompt, new in ((PROMPT * 2, NEW), (PROMPT * 8, 48)):
+        assert dec.generate(prompt, max_new_tokens=new).token_ids == reference_greedy(model, prompt, new)

@@ -198,6 +198,11 @@ class KVStore(DynamicCache):
         region.length += region.pending
         region.pending = 0
 
+    @property
+    def pending_moves(self) -> int:
+        """How many rows :meth:`take_moves` would hand over now."""
+        return len(self._moves[0])
+
     def take_moves(self) -> tuple[list[int], list[int]]:
         """The moves :meth:`keep` asked for since the last forward (and forget them)."""
         moves, self._moves = self._moves, ([], [])

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -144,10 +144,11 @@ class ModelRunner:
         """Where the model's inputs go (its first parameter's device)."""
         return self.model.device
 
-    def use_static(self, widths: Sequence[int] = WIDTHS, capture: bool | None = None) -> StaticForwards:
+    def use_static(self, widths: Sequence[int] = WIDTHS, capture: bool | None = None,
+                   graph_kind: Callable[[Callable[[], torch.Tensor]], Any] | None = None) -> StaticForwards:
         """Run decode forwards at the fixed ``widths`` (the caller pads them there) over static
         buffers, each width captured as a CUDA graph where it can be (:mod:`specdraft.model.static`)."""
-        self.static = StaticForwards(self.device, widths, capture)
+        self.static = StaticForwards(self.device, widths, capture, graph_kind)
         return self.static
 
     @property
@@ -183,9 +184,11 @@ class ModelRunner:
             plan.pad_kept(padding(len(plan.keep_rows)))
         self._check_layout(segments)
         if self.static is not None and all(s.block is not None for s in segments) \
-                and self.static.holds(plan.total, riders) and len(plan.keep_rows) == plan.total \
-                and not self.store.needs_growth():
-            return self._static_forward(segments, plan, riders)
+                and self.static.holds(plan.total, riders, self.store.pending_moves) \
+                and len(plan.keep_rows) == plan.total:
+            scratch = self._scratch_region(1)  # before the test: a new scratch region may grow the store
+            if not self.store.needs_growth():
+                return self._static_forward(segments, plan, riders, scratch)
         sources, destinations = self.store.take_moves()
         parts = upload([plan.ids.reshape(1, -1), plan.positions.reshape(1, -1), plan.write_columns,
                         plan.keep_rows, np.asarray(sources, dtype=np.int64), np.asarray(destinations, dtype=np.int64),
@@ -219,12 +222,11 @@ class ModelRunner:
             self._scratch.pending = 0  # pad rows are never kept
         return ForwardOutput(_logits_for_decoding(logits), plan.logit_spans, ids[0], plan.id_spans, parts[11:])
 
-    def _static_forward(self, segments: Sequence[Segment], plan: "_Plan", riders: Sequence[np.ndarray]
-                        ) -> ForwardOutput:
+    def _static_forward(self, segments: Sequence[Segment], plan: "_Plan", riders: Sequence[np.ndarray],
+                        scratch: Region) -> ForwardOutput:
         """A decode forward at a bucket width: packed into the static buffers in one copy, then
-        the bucket's graph replayed (or run eagerly)."""
+        the bucket's graph replayed (or run eagerly); unused move slots move ``scratch``'s row."""
         static = self.static
-        scratch = self._scratch_region(1)
         rider_tensors = static.pack(plan, self.store.take_moves(), scratch.start, riders)
         forward = static_forward(self.model, self.store, self.windows, self.mask_kind, self._cache_keyword,
                                  self.store.capacity)
@@ -265,6 +267,11 @@ class ModelRunner:
     def _check_layout(self, segments: Sequence[Segment]) -> None:
         if len(segments) > 1 or segments[0].region.start != 0:
             self.check_batches()
+
+    @property
+    def batches_supported(self) -> bool:
+        """Whether several requests' rows can share a forward (see :meth:`check_batches`)."""
+        return not self._legacy_causal
 
     def check_batches(self) -> None:
         """Raise :class:`UnsupportedModelError` if the model cannot run several requests' rows in one

@@ -53,7 +53,8 @@ class Buckets:
 class StaticForwards:
     """The static buffers and the captured graphs of one model runner (see the module docstring)."""
 
-    def __init__(self, device: torch.device, widths: Sequence[int] = WIDTHS, capture: bool | None = None) -> None:
+    def __init__(self, device: torch.device, widths: Sequence[int] = WIDTHS, capture: bool | None = None,
+                 graph_kind: Callable[[Callable[[], torch.Tensor]], Any] | None = None) -> None:
         self.widths = tuple(sorted(widths))
         self.max_width = self.widths[-1]
         w = self.max_width
@@ -71,8 +72,9 @@ class StaticForwards:
         self.capture = (device.type == "cuda" and torch.cuda.is_available()) if capture is None else capture
         #: why forwards run eagerly (empty while graphs are captured and replayed)
         self.note = "" if self.capture else f"no CUDA graphs on {device.type}: eager forwards at fixed widths"
+        #: what a capture makes: :class:`CudaGraph`, or :class:`RerunGraph` to exercise capture on a CPU
+        self._graph_kind = graph_kind or CudaGraph
         self._graphs: dict[int, Any] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
         self._store_key: tuple | None = None
 
     @property
@@ -80,9 +82,11 @@ class StaticForwards:
         """The widths whose forwards replay a captured graph."""
         return sorted(self._graphs)
 
-    def holds(self, rows: int, riders: Sequence[np.ndarray]) -> bool:
-        """Whether a forward of ``rows`` (a bucket) with these riders runs here."""
-        return rows in self.widths and sum(int(np.asarray(r).size) for r in riders) <= RIDER_CAPACITY
+    def holds(self, rows: int, riders: Sequence[np.ndarray], moves: int = 0) -> bool:
+        """Whether a forward of ``rows`` (a bucket) with these riders and ``moves`` pending cache
+        moves runs here."""
+        return rows in self.widths and moves <= self.max_width \
+            and sum(int(np.asarray(r).size) for r in riders) <= RIDER_CAPACITY
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -126,39 +130,72 @@ class StaticForwards:
             store: KVStore) -> torch.Tensor:
         """The logits ``[width, vocab]`` of a forward of ``width`` rows over the packed inputs:
         the captured graph replayed, or ``forward`` run eagerly."""
-        inputs = {name: buffer[:width] for name, buffer in self.fields.items()}
+        # the moves are the last step's (as many as it accepted, whatever this forward's width):
+        # every slot, unused ones moving the scratch row onto itself
+        inputs = {name: buffer if name in ("move_from", "move_to") else buffer[:width]
+                  for name, buffer in self.fields.items()}
         block = self.block[:width, :width]
         key = store.layout_key()
         if key != self._store_key:  # the store's buffers moved: graphs hold old addresses
             self._graphs.clear()
-            self._outputs.clear()
             self._store_key = key
         if not self.capture:
             return forward(inputs, block)
         if width not in self._graphs:
-            self._capture(width, lambda: forward(inputs, block))
+            self._capture(width, lambda: forward(inputs, block), store)
         if width in self._graphs:
-            self._graphs[width].replay()
-            return self._outputs[width]
+            return self._graphs[width].replay()
         return forward(inputs, block)
 
-    def _capture(self, width: int, fn: Callable[[], torch.Tensor]) -> None:
-        """Capture ``fn`` as a CUDA graph (after two eager runs on a side stream, as capture
-        requires); where capture fails, forwards of this width stay eager and :attr:`note` says why."""
+    def _capture(self, width: int, fn: Callable[[], torch.Tensor], store: KVStore) -> None:
+        """Capture ``fn`` as a graph of this width; where capture fails, forwards of this width stay
+        eager and :attr:`note` says why.
+
+        Capture runs the forward more than once (warm-up runs, then the replay): writing the new
+        rows again is harmless, but moving rows again is not (a row moved down is moved over by
+        the next move of a chain). So the step's moves are applied here once, and the forward's
+        move slots are made to move each row onto itself until the next :meth:`pack` fills them."""
+        moves_from, moves_to = self.fields["move_from"], self.fields["move_to"]
+        store.apply_moves(moves_from, moves_to)
+        moves_from.copy_(moves_to)
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = fn()
-            self._graphs[width], self._outputs[width] = graph, out
+            self._graphs[width] = self._graph_kind(fn)
         except Exception as exc:  # noqa: BLE001 - an uncapturable forward runs eagerly, and says why
             self.capture = False
             self.note = f"CUDA graph capture failed at width {width} ({type(exc).__name__}: {exc}); eager forwards"
+
+
+class CudaGraph:
+    """A forward captured as a CUDA graph (after two eager runs on a side stream, as capture
+    requires); :meth:`replay` reruns its kernels over the buffers' current contents."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor]) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = fn()
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.output
+
+
+class RerunGraph:
+    """What a CUDA graph does, on any device (for tests without a GPU): two warm-up runs at
+    capture, then every replay runs the forward again over the buffers' current contents."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor]) -> None:
+        self.fn = fn
+        for _ in range(2):
+            fn()
+
+    def replay(self) -> torch.Tensor:
+        return self.fn()
 
 
 def static_forward(model: Any, store: KVStore, windows: dict[str, int | None], mask_kind: str, cache_keyword: str,
