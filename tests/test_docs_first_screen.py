@@ -248,3 +248,19 @@ def test_sample_output_used_the_default_sources():
     words = shown_cmd.group(1).replace("\\\n", " ").split()[1:]
     recorded = [a for i, a in enumerate(argv) if a != "--threads" and (i == 0 or argv[i - 1] != "--threads")]
     assert sorted(words) == sorted(recorded), (words, argv)
+
+
+# -- the docs build needs no torch -------------------------------------------------------------------
+
+
+def test_docs_build_imports_nothing_from_the_package():
+    """The `docs` extra holds no torch, the build script installs it without the package, and the
+    site's hooks import neither specdraft nor torch (mkdocstrings' griffe reads the source)."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    docs_extra = re.search(r'^docs\s*=\s*\[(.*?)\]\s*$', pyproject, re.M | re.S).group(1)
+    assert not re.search(r"torch|transformers|specdraft", docs_extra), docs_extra
+    script = (ROOT / "scripts" / "build_docs.sh").read_text()
+    assert "pip install" in script and " -e " not in script and "[docs]" not in script
+    for hook in (ROOT / "docs" / "_ext").glob("*.py"):
+        imports = re.findall(r"^\s*(?:from|import)\s+([\w.]+)", hook.read_text(), re.M)
+        assert not {i.split(".")[0] for i in imports} & {"torch", "specdraft", "transformers", "numpy"}, hook
