@@ -472,6 +472,7 @@ FIRST_SCREEN = [
 ]
 
 WORKLOADS = {"code": "humaneval", "chat": "mtbench"}
+NBSP = "\u00a0"
 #: GPU names as ``benchmarks/gpu_run.sh`` writes them in its folder names.
 GPUS = {"h100": "NVIDIA H100", "h200": "NVIDIA H200", "a100": "NVIDIA A100", "l4": "NVIDIA L4"}
 _COMMIT_SUFFIX = re.compile(r"-([0-9a-f]{7,40})$")
@@ -527,11 +528,19 @@ def _check_setting(s: Setting) -> None:
 
 
 def setting_label(s: Setting) -> str:
-    label = f"{s.device}, {s.dtype}" + (f", {s.batch} requests at once" if s.batch > 1 else "")
-    label = f"**{label}**: {s.workload}"
-    if s.run and run_commit(s.run) != FIRST_SCREEN_CODE:
-        label += f" (at `{run_commit(s.run)}`)"
-    return label
+    """``**CPU bfloat16** · code``; ``**CPU bfloat16 ×8** · code`` for eight requests at once."""
+    return f"**{s.device} {s.dtype}" + (f" ×{s.batch}" if s.batch > 1 else "") + f"** · {s.workload}"
+
+
+def other_commits(rows: list[Setting]) -> str:
+    """``Measured at `abc1234`: GPU bfloat16 code, chat.`` for rows whose run measured another
+    commit than :data:`FIRST_SCREEN_CODE` (empty when there are none)."""
+    by: dict[str, list[str]] = {}
+    for s in rows:
+        if s.run and run_commit(s.run) != FIRST_SCREEN_CODE:
+            by.setdefault(run_commit(s.run), []).append(
+                f"{s.device} {s.dtype}" + (f" ×{s.batch}" if s.batch > 1 else "") + f" {s.workload}")
+    return " ".join(f"Measured at `{c}`, not `{FIRST_SCREEN_CODE}`: {', '.join(r)}." for c, r in by.items())
 
 
 def _batched_row(s: Setting) -> dict[str, dict]:
@@ -559,7 +568,7 @@ def first_screen_cells(s: Setting, page: str) -> list[str]:
         rows = _batched_row(s)
         ours, hf = rows["default-batched"], rows["hf-batched"]
         steps = tokens_per_step(ours)
-        return [f"{x(ours['tokens_per_s'] / hf['tokens_per_s'])} (tokens/s)",
+        return [x(ours['tokens_per_s'] / hf['tokens_per_s']),
                 "one request at a time only", f"{steps:.2f}" if steps else "",
                 f"{ours['identical']}/{ours['requests']}"]
     dataset = WORKLOADS[s.workload]
@@ -590,16 +599,18 @@ def split_line(rows: list[Setting]) -> str:
         parts.append(f"{device} {dtype}: " + ("; ".join(cells) if cells else "not measured"))
     if not any(s.run for s in rows if s.batch == 1):
         return f"**Kernels × drafts**: not measured at `{FIRST_SCREEN_CODE}`."
-    return ("**Kernels × drafts**, median per prompt: our plain decoding against `generate` (what the kernels "
-            "and the loop buy), times the default against our plain decoding on the same kernels (what the "
-            "drafts buy). " + ". ".join(parts) + ".")
+    return ("**Kernels × drafts** (median per prompt: our plain decoding against `generate`, times the "
+            "default against our plain decoding on the same kernels): " + ". ".join(parts) + ".")
 
 
 def first_screen_table(page: str) -> str:
-    lines = ["| setting | vs `generate` | vs transformers' prompt lookup | tokens / step | identical |",
-             "|---|---:|---:|---:|---:|"]
+    head = ["setting", "vs `generate`", "vs transformers' prompt lookup", "tokens / step", "identical"]
+    lines = ["| " + " | ".join(h.replace(" ", NBSP) for h in head) + " |", "|---|---:|---:|---:|---:|"]
     for s in FIRST_SCREEN:
-        lines.append("| " + " | ".join([setting_label(s), *first_screen_cells(s, page)]) + " |")
+        # no-break spaces: a narrow screen scrolls the table sideways instead of breaking a cell
+        # over four lines (the key columns come first)
+        cells = [c.replace(" ", NBSP) for c in (setting_label(s), *first_screen_cells(s, page))]
+        lines.append("| " + " | ".join(cells) + " |")
     measured = [s for s in FIRST_SCREEN if s.run]
     devices: dict[str, list[str]] = {}
     prompts: dict[str, set[int]] = {}
@@ -615,17 +626,17 @@ def first_screen_table(page: str) -> str:
             prompts.setdefault(s.device, set()).add(
                 summary(s.run)["datasets"][WORKLOADS[s.workload]]["prompts"])
     counts = ", ".join(f"{'/'.join(map(str, sorted(n)))} prompts each on the {d}" for d, n in prompts.items())
-    caption = (f"{MODEL}, the default settings (sources `{default_sources()}`, adaptive budget, default "
-               f"kernels), greedy, 128 new tokens; code = HumanEval, chat = MT-Bench"
+    batch = max(s.batch for s in FIRST_SCREEN)
+    caption = (f"{MODEL}, default settings, greedy, 128 new tokens; code = HumanEval, chat = MT-Bench"
                + (f", {counts}" if counts else "")
-               + ". Median of the per-prompt speed ratios, worst prompt in parentheses; batched rows: "
-               "tokens/s of 8 requests at a time against transformers' batched `generate`. "
+               + f"; median per prompt (worst prompt); ×{batch} = {batch} requests at once, tokens/s "
+               "against transformers' batched `generate`. "
                + ("; ".join(f"{d}: {' / '.join(w)}" for d, w in devices.items()) + "." if devices else
-                  "The CPU and GPU are named here once a row is measured."))
-    provenance = (f"[Where each number comes from]({how_link(page).split('#')[0]}#the-first-screen): "
-                  "the runs, their dates, commits and machines"
-                  + (f"; [how to measure a missing row]({how_link(page)})." if len(measured) < len(FIRST_SCREEN)
-                     else "."))
+                  "The CPU and GPU are named here once measured.")
+               + (" " + other_commits(FIRST_SCREEN) if other_commits(FIRST_SCREEN) else ""))
+    provenance = (f"[Where each number comes from]({how_link(page).split('#')[0]}#the-first-screen)"
+                  + (f" · [how to measure a missing row]({how_link(page)})" if len(measured) < len(FIRST_SCREEN)
+                     else ""))
     return "\n".join(lines) + "\n\n" + caption + "\n\n" + split_line(FIRST_SCREEN) + "\n\n" + provenance + "\n"
 
 

@@ -94,7 +94,7 @@ def _rows(table: str) -> dict[str, list[str]]:
     out = {}
     for line in table.splitlines():
         if line.startswith("| **"):
-            cells = [c.strip() for c in line.strip("|").split("|")]
+            cells = [c.strip().replace("\u00a0", " ") for c in line.strip("|").split("|")]
             out[cells[0]] = cells[1:]
     return out
 
@@ -111,15 +111,16 @@ def test_first_screen_renders_measured_and_missing_rows(results, monkeypatch):
     table = render_tables.first_screen_table("README.md")
     rows = _rows(table)
     # medians of the per-prompt ratios, worst prompt in parentheses
-    assert rows["**CPU, float32**: code"] == ["2.10x (1.80x)", "2.00x (1.82x)", "1.90", "3/4"]
+    assert rows["**CPU float32** · code"] == ["2.10x (1.80x)", "2.00x (1.82x)", "1.90", "3/4"]
     # not float32: identity to our plain decoding is shown too (what exact mode promises)
-    assert rows["**CPU, bfloat16**: chat"][3] == "3/4 (4/4 to our plain)"
+    assert rows["**CPU bfloat16** · chat"][3] == "3/4 (4/4 to our plain)"
     # a run of another commit than the one the screen describes says so
-    assert rows["**GPU, bfloat16**: code (at `def5678`)"][0] == "2.10x (1.80x)"
-    assert rows["**GPU, bfloat16**: chat"][0].startswith("not measured at `abc1234`")
+    assert rows["**GPU bfloat16** · code"][0] == "2.10x (1.80x)"
+    assert "Measured at `def5678`, not `abc1234`: GPU bfloat16 code." in table
+    assert rows["**GPU bfloat16** · chat"][0].startswith("not measured at `abc1234`")
     # batched: tokens/s against transformers' batched generate at the same level; tokens per request-step
-    assert rows["**CPU, bfloat16, 8 requests at once**: code"][:3] == [
-        "2.50x (tokens/s)", "one request at a time only", f"{100 / 50:.2f}"]
+    assert rows["**CPU bfloat16 ×8** · code"][:3] == [
+        "2.50x", "one request at a time only", f"{100 / 50:.2f}"]
     assert "GPU: NVIDIA H200" in table and "CPU: AMD EPYC" in table
     # kernels x drafts: plain vs generate (1.55x), default vs plain
     assert "CPU float32: code 1.55x × 1.31x" in table
