@@ -627,7 +627,13 @@ def first_screen_table(page: str) -> str:
                 summary(s.run)["datasets"][WORKLOADS[s.workload]]["prompts"])
     counts = ", ".join(f"{'/'.join(map(str, sorted(n)))} prompts each on the {d}" for d, n in prompts.items())
     batch = max(s.batch for s in FIRST_SCREEN)
-    caption = (f"{MODEL}, default settings, greedy, 128 new tokens; code = HumanEval, chat = MT-Bench"
+    tokens = {s: (concurrency(s.run, WORKLOADS[s.workload]) if s.batch > 1 else
+                  summary(s.run)["datasets"][WORKLOADS[s.workload]])["max_new_tokens"] for s in measured}
+    usual = statistics.mode(tokens.values()) if tokens else 128
+    odd = ", ".join(f"{n} in {s.device} {s.dtype}" + (f" ×{s.batch}" if s.batch > 1 else "") + f" {s.workload}"
+                    for s, n in tokens.items() if n != usual)
+    caption = (f"{MODEL}, default settings, greedy, {usual} new tokens" + (f" ({odd})" if odd else "")
+               + "; code = HumanEval, chat = MT-Bench"
                + (f", {counts}" if counts else "")
                + f"; median per prompt (worst prompt); ×{batch} = {batch} requests at once, tokens/s "
                "against transformers' batched `generate`. "

@@ -46,7 +46,7 @@ def _bench(dtype: str, device: str, datasets: list[str], *, default: str = DEFAU
                           "description": default if name == "default" else name} for name in speed}
         methods["default"]["identical_to_plain"] = 4
         per_prompt = [{"methods": {name: {"speedup": v[i]} for name, v in speed.items()}} for i in range(4)]
-        out["datasets"][d] = {"prompts": 4, "methods": methods, "per_prompt": per_prompt}
+        out["datasets"][d] = {"prompts": 4, "max_new_tokens": 128, "methods": methods, "per_prompt": per_prompt}
     return out
 
 
@@ -122,6 +122,8 @@ def test_first_screen_renders_measured_and_missing_rows(results, monkeypatch):
     assert rows["**CPU bfloat16 ×8** · code"][:3] == [
         "2.50x", "one request at a time only", f"{100 / 50:.2f}"]
     assert "GPU: NVIDIA H200" in table and "CPU: AMD EPYC" in table
+    # the batched run decoded 64 tokens, the others 128
+    assert "128 new tokens (64 in CPU bfloat16 ×8 code)" in table
     # kernels x drafts: plain vs generate (1.55x), default vs plain
     assert "CPU float32: code 1.55x × 1.31x" in table
     assert "GPU bfloat16: code 1.55x × 1.31x" in table
