@@ -19,6 +19,11 @@ prompt** beside it. The median is what a typical request sees and one outlier pr
 move it; the worst prompt shows the downside that a mean hides. (The results files also hold
 geomeans; the pages do not quote them.)
 
+The first screen of the README and of the docs' home page is the ``first-screen`` table: one row
+per setting a user would run, each drawn from the results folder :data:`FIRST_SCREEN` names for
+it. Adding a run is one line there (see its comment); a setting with no run reads "not measured
+at" :data:`FIRST_SCREEN_CODE`.
+
 ``tests/test_docs_numbers.py`` re-renders every table in memory and fails when a page differs,
 and fails when a page states a speed-up (``1.23x``) that neither a table nor a results file of a
 run the page names backs.
@@ -50,6 +55,10 @@ MARKER = re.compile(r"<!-- table:([\w-]+) -->\n(.*?)<!-- /table -->", re.S)
 DATASETS = {"humaneval": "HumanEval", "mtbench": "MT-Bench", "bfcl": "BFCL", "code-edit": "code-edit"}
 DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
 PLD = "hf-prompt-lookup"
+
+#: The model of every run, named once with its quantization (``specdraft/models/mirror.py``: the
+#: GGUF file's type is Q4_K_M, dequantized to a plain checkpoint once; the hub weights are not used).
+MODEL = "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF mirror)"
 
 
 # -- reading runs --------------------------------------------------------------------------------
@@ -213,14 +222,14 @@ def compare_table(rows: list[Row], page: str, *, workload: str = "workload",
         vs_base = ratios(r.run, r.dataset, r.method)
         cells.append(med_worst(vs_base))
         if show_pld:
-            cells.append(med_worst(ratios(r.run, r.dataset, r.method, PLD))
-                         if PLD in data["methods"] and r.method != PLD else "not run")
+            cells.append("" if r.method == PLD else med_worst(ratios(r.run, r.dataset, r.method, PLD))
+                         if PLD in data["methods"] else "not run")
         if show_below:
             cells.append(f"{sum(v < 0.95 for v in vs_base)} of {len(vs_base)}")
         cells.append(f"{m['mean_accepted']:.2f}")
         cells.append(f"{m['identical']}/{m['compared']}")
         lines.append("| " + " | ".join(cells) + " |")
-    note = ("Qwen2.5-Coder-0.5B-Instruct, greedy, 128 new tokens. Speed-up against "
+    note = (f"{MODEL}, greedy, 128 new tokens. Speed-up against "
             + ("`model.generate` and against transformers' prompt lookup (HF)" if show_pld
                else "`model.generate`") + ": median of the "
             "per-prompt ratios, worst prompt in parentheses. Kernels: auto = the default, the cheapest "
@@ -245,32 +254,33 @@ def methods_table(run: str, datasets: list[str], methods: list[tuple[str, str]],
                          f" {m['identical']}/{m['compared']} identical")
         lines.append("| " + " | ".join(cells) + " |")
     dtype = summary(run)["config"]["dtype"]
-    note = (f"{dtype}, greedy, 128 new tokens. Speed-up against `model.generate`: median of the "
+    note = (f"{MODEL}, {dtype}, greedy, 128 new tokens. Speed-up against `model.generate`: median of the "
             f"per-prompt ratios, worst prompt in parentheses.  \n{runs_note([run], page)}")
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
 def mix_table(run: str, dataset: str, methods: list[tuple[str, str]], page: str) -> str:
     """Source mixes against their members on one prompt set: tokens per step, then the speed-up
-    against ``model.generate`` as median, geometric mean and worst prompt, identical outputs."""
+    against ``model.generate`` (median, worst prompt), identical outputs."""
     data = summary(run)["datasets"][dataset]
     cfg = summary(run)["config"]
-    lines = ["| sources | tokens / step | median | geomean | worst | identical |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| sources | vs `generate` | tokens / step | identical |",
+             "|---|---:|---:|---:|"]
     for method, label in methods:
         m = data["methods"][method]
-        lines.append(f"| {label} | {m['mean_accepted']:.2f} | {x(m['speedup_median'])} | {x(m['speedup_geomean'])} "
-                     f"| {x(m['speedup_min'])} | {m['identical']}/{m['compared']} |")
-    note = (f"{data['prompts']} {DATASETS.get(dataset, dataset)} prompts, {DTYPES.get(cfg['dtype'], cfg['dtype'])}, "
-            f"greedy, 128 new tokens, default kernels, every method in one process, interleaved per prompt. "
-            f"Speed-up against `model.generate`.  \n{runs_note([run], page)}")
+        lines.append(f"| {label} | {med_worst(ratios(run, dataset, method))} | {m['mean_accepted']:.2f} "
+                     f"| {m['identical']}/{m['compared']} |")
+    note = (f"{data['prompts']} {DATASETS.get(dataset, dataset)} prompts, {MODEL}, "
+            f"{DTYPES.get(cfg['dtype'], cfg['dtype'])}, greedy, 128 new tokens, default kernels, every method in one "
+            f"process, interleaved per prompt. Speed-up against `model.generate`: median of the per-prompt ratios, "
+            f"worst prompt in parentheses.  \n{runs_note([run], page)}")
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
 def replay_table(run: str, configs: list[tuple[str, str]], page: str) -> str:
     """``benchmarks/budget_replay.py replay`` outputs of one folder (``<config>.json``): per
     configuration and prompt set, the simulated speed-up over plain decoding on the same kernels
-    (geometric mean, worst prompt) and the tokens per step."""
+    (median, worst prompt) and the tokens per step."""
     reports = {stem: json.loads((RESULTS / run / f"{stem}.json").read_text()) for stem, _ in configs}
     sets = list(next(iter(reports.values()))["datasets"])
     names = {"humaneval": "HumanEval 40", "mtbench": "MT-Bench 40", "code-edit": "code edits 12"}
@@ -280,11 +290,11 @@ def replay_table(run: str, configs: list[tuple[str, str]], page: str) -> str:
         cells = []
         for d in sets:
             sm = reports[stem]["datasets"][d]["summary"]
-            cells.append(f"{x(sm['geomean'])} ({x(sm['min'])}), {sm['mean_accepted']:.2f}")
+            cells.append(f"{x(sm['median'])} ({x(sm['min'])}), {sm['mean_accepted']:.2f}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     note = ("Replayed greedy outputs of the bfloat16 runs (`benchmarks/budget_replay.py`: the real decoder, "
             "sources and budget; a simulated clock priced by the forward costs of `cpu_kernels=\"auto\"` "
-            "measured on the AMD EPYC Zen 5, in the file the row names). Each cell: geometric mean of the "
+            "measured on the AMD EPYC Zen 5, in the file the row names). Each cell: median of the "
             "per-prompt speed-ups over plain decoding on the same kernels (worst prompt), then tokens per "
             f"step. Recordings, cost tables and outputs: [`{run}`]({link(run, page)}).")
     return "\n".join(lines) + "\n\n" + note + "\n"
@@ -324,35 +334,19 @@ AUTO_BF16_MT = "auto-qwen0.5b-bf16-mtbench40-00df85b"
 #: The default of 2026-11-26 (prompt+trie+ngram+suffix, acceptance averages 0.3), no flags.
 NEW_BF16_HE = "default-qwen0.5b-bf16-humaneval40-1d0208e"
 NEW_BF16_MT = "default-qwen0.5b-bf16-mtbench40-1d0208e"
-#: Rows measured before the suffix tree joined the default say so.
-EARLIER = ", earlier default"
-
-EXPECT = [
-    Row("code, HumanEval 40", NEW_BF16_HE, "humaneval", kernels="auto (default)"),
-    Row("chat, MT-Bench 40", NEW_BF16_MT, "mtbench", kernels="auto (default)"),
-    Row("code, HumanEval 40" + EARLIER, AUTO_FP32_HE, "humaneval", kernels="auto (default)"),
-    Row("code, HumanEval 40" + EARLIER, BF16_HE, "humaneval"),
-    Row("chat, MT-Bench 40" + EARLIER, BF16_MT, "mtbench"),
-    Row("code, HumanEval 40" + EARLIER, FP32_HE, "humaneval"),
-    Row("chat, MT-Bench 40" + EARLIER, FP32_MT, "mtbench"),
-    Row("code, HumanEval 40" + EARLIER, FB_HE, "humaneval", "default@fbgemm", "FBGEMM"),
-    Row("chat, MT-Bench 40" + EARLIER, FB_MT, "mtbench", "default@fbgemm", "FBGEMM"),
-    Row("chat, MT-Bench 40" + EARLIER, FB_MT, "mtbench"),
-]
-
 FULL = {"fp32": "qwen0.5b-fp32-full", "bf16": "qwen0.5b-bf16-full"}
 ALONE = [("specdraft:prompt", "`prompt` alone"), ("specdraft:trie", "`trie` alone"),
          ("specdraft:ngram", "`ngram` alone"), ("specdraft:jacobi", "`jacobi` alone"),
-         ("default", "default (prompt + trie + ngram)"), (PLD, "transformers' prompt lookup")]
-FBGEMM_METHODS = [("plain@fbgemm", "plain loop, FBGEMM"), ("default", "default, stock kernels"),
-                  ("default@fbgemm", "default, FBGEMM"),
+         ("default", "`prompt+trie+ngram` (then the default)"), (PLD, "transformers' prompt lookup")]
+FBGEMM_METHODS = [("plain@fbgemm", "our plain decoding, FBGEMM"), ("default", "`prompt+trie+ngram`, stock kernels"),
+                  ("default@fbgemm", "`prompt+trie+ngram`, FBGEMM"),
                   ("specdraft:recycle@fbgemm", "Token Recycling alone, FBGEMM"),
-                  ("specdraft:prompt+trie+ngram+recycle@fbgemm", "default + Token Recycling, FBGEMM")]
+                  ("specdraft:prompt+trie+ngram+recycle@fbgemm", "`prompt+trie+ngram+recycle`, FBGEMM")]
 BFCL_METHODS = [("specdraft:suffix", "`suffix`"), ("specdraft:arctic-suffix", "`arctic-suffix`"),
-                ("specdraft:trie", "`trie`"), ("default", "default"),
-                ("specdraft:prompt+trie+ngram+suffix", "default + `suffix`")]
-TR40_METHODS = [("default", "default"), ("specdraft:recycle", "`recycle` alone"),
-                ("specdraft:prompt+trie+ngram+recycle", "default + `recycle`")]
+                ("specdraft:trie", "`trie`"), ("default", "`prompt+trie+ngram`"),
+                ("specdraft:prompt+trie+ngram+suffix", "`prompt+trie+ngram+suffix` (today's default)")]
+TR40_METHODS = [("default", "`prompt+trie+ngram`"), ("specdraft:recycle", "`recycle` alone"),
+                ("specdraft:prompt+trie+ngram+recycle", "`prompt+trie+ngram+recycle`")]
 
 JACOBI_METHODS = [("specdraft:jacobi", "`jacobi`, adaptive budget"),
                   ("specdraft:jacobi@fixed", "`jacobi`, fixed 32 nodes"),
@@ -387,22 +381,45 @@ def host_table(run: str, page: str) -> str:
             + f" Before: commit `{cfg.get('commit_before', '?')}`; after: commit `{cfg.get('commit', '?')}`.\n")
 
 
+def concurrency(run: str, dataset: str) -> dict:
+    return json.loads((RESULTS / run / dataset / "concurrency.json").read_text())
+
+
+def sequential_rate(rows: list[dict]) -> float:
+    """Sequential ``model.generate``'s tokens/s over every level together: it does the same work at
+    every level (one request after another), so one rate is the baseline of all of them."""
+    seq = [r for r in rows if r["method"] == "generate"]
+    return sum(r["tokens"] for r in seq) / sum(r["seconds"] for r in seq)
+
+
+def tokens_per_step(row: dict) -> float | None:
+    """New tokens per request per forward of a batched row (1.00 = plain decoding)."""
+    steps = sum(int(active) for active, _ in row.get("tree_sizes", []))
+    return row["tokens"] / steps if steps else None
+
+
+CONCURRENCY_NAMES = {"generate": "sequential `generate`", "hf-batched": "batched `generate` (left padding)",
+                     "plain-batched": "ours, batched plain", "default-batched": "**ours, batched default**",
+                     "default-alone": "ours, one request at a time"}
+
+
 def concurrency_table(run: str, dataset: str, page: str) -> str:
     """``specdraft bench --concurrency``: per level and method, tokens/s and its ratio to
-    sequential ``model.generate``, per-request latency, rows per forward, tree nodes per request,
-    identical outputs; then the mean tree per request by the requests in the forward."""
-    data = json.loads((RESULTS / run / dataset / "concurrency.json").read_text())
-    names = {"generate": "sequential `generate`", "hf-batched": "batched `generate` (left padding)",
-             "plain-batched": "ours, batched plain", "default-batched": "**ours, batched default**",
-             "default-alone": "ours, one request at a time"}
+    sequential ``model.generate`` (one rate over all levels), per-request latency, rows per forward,
+    tree nodes per request, identical outputs; then the mean tree per request by the requests in
+    the forward."""
+    data = concurrency(run, dataset)
+    base = sequential_rate(data["rows"])
+    seq = [r["tokens_per_s"] for r in data["rows"] if r["method"] == "generate"]
     lines = ["| N | method | tokens/s | vs sequential | latency median / p90 (s) | rows / forward "
              "| tree nodes / request | identical |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in data["rows"]:
         rows = f"{r['rows_per_forward']:.1f}" if "rows_per_forward" in r else ""
         tree = f"{r['tree_nodes_per_request']:.1f}" if "tree_nodes_per_request" in r else ""
-        lines.append(f"| {r['concurrency']} | {names.get(r['method'], r['method'])} | {r['tokens_per_s']:.1f} "
-                     f"| {x(r['vs_generate'])} | {r['latency_median']:.1f} / {r['latency_p90']:.1f} | {rows} "
-                     f"| {tree} | {r['identical']}/{r['requests']} |")
+        lines.append(f"| {r['concurrency']} | {CONCURRENCY_NAMES.get(r['method'], r['method'])} "
+                     f"| {r['tokens_per_s']:.1f} | {x(r['tokens_per_s'] / base)} "
+                     f"| {r['latency_median']:.1f} / {r['latency_p90']:.1f} | {rows} | {tree} "
+                     f"| {r['identical']}/{r['requests']} |")
     load: dict[int, list[int]] = {}
     for r in data["rows"]:
         if r["method"] == "default-batched":
@@ -410,10 +427,238 @@ def concurrency_table(run: str, dataset: str, page: str) -> str:
                 load.setdefault(int(active), []).extend(per)
     split = " · ".join(f"{k}: {statistics.mean(v):.1f}" for k, v in sorted(load.items()) if v)
     cfg = run_config(run)
-    note = (f"{data['prompts']} {DATASETS.get(dataset, dataset)} prompts, {data['max_new_tokens']} new tokens, "
-            f"greedy, {DTYPES.get(cfg['dtype'], cfg['dtype'])}, kernels: {data['kernels']}. Tree nodes per "
-            f"request by requests in the forward (ours, batched default): {split}.  \n" + runs_note([run], page))
+    note = (f"{data['prompts']} {DATASETS.get(dataset, dataset)} prompts, {MODEL}, {data['max_new_tokens']} new "
+            f"tokens, greedy, {DTYPES.get(cfg['dtype'], cfg['dtype'])}, kernels: {data['kernels']}. "
+            f"vs sequential: against sequential `generate` over all levels together, {base:.1f} tokens/s (it "
+            f"ran {min(seq):.1f} to {max(seq):.1f} tokens/s at single levels: the machine's noise). Tree nodes "
+            f"per request by requests in the forward (ours, batched default): {split}.  \n" + runs_note([run], page))
     return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+# -- the first screen ----------------------------------------------------------------------------
+
+#: The commit whose code the first screen describes. A row whose run measured another commit says
+#: so in its label; a setting with no run reads "not measured at" this commit. Set it to the
+#: commit you measured when you add the runs below.
+FIRST_SCREEN_CODE = "8569c26"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One row of the first screen: a setting a user would run, on one prompt set."""
+
+    device: str  #: "CPU" or "GPU"
+    dtype: str  #: "float32" or "bfloat16": the run must have this dtype
+    workload: str  #: "code" (HumanEval) or "chat" (MT-Bench)
+    run: str | None  #: folder under benchmarks/results/ (or a subfolder); None: not measured yet
+    batch: int = 1  #: requests at once; above 1 the run is a ``specdraft bench --concurrency`` output
+
+
+#: The first screen, setting by setting: what a user gets on the default settings. To add a run,
+#: put its folder in place of ``None`` (one line). The folder name ends in the commit measured
+#: (``...-<commit>``; ``benchmarks/gpu_run.sh`` names its folders so: ``gpu-<gpu>-<date>-<commit>``).
+#: Single rows need a ``specdraft bench`` output with the methods ``baseline`` and ``default``, and
+#: ``plain`` and ``hf-prompt-lookup`` for the split line and the prompt-lookup column (the commands:
+#: docs/results.md#measuring-the-first-screen); batched rows a ``--concurrency`` output with level 8.
+FIRST_SCREEN = [
+    Setting("CPU", "float32", "code", None),
+    Setting("CPU", "float32", "chat", None),
+    Setting("CPU", "bfloat16", "code", None),
+    Setting("CPU", "bfloat16", "chat", None),
+    Setting("GPU", "bfloat16", "code", None),
+    Setting("GPU", "bfloat16", "chat", None),
+    Setting("CPU", "bfloat16", "code", None, batch=8),
+    Setting("GPU", "bfloat16", "code", None, batch=8),
+]
+
+WORKLOADS = {"code": "humaneval", "chat": "mtbench"}
+NBSP = "\u00a0"
+#: GPU names as ``benchmarks/gpu_run.sh`` writes them in its folder names.
+GPUS = {"h100": "NVIDIA H100", "h200": "NVIDIA H200", "a100": "NVIDIA A100", "l4": "NVIDIA L4"}
+_COMMIT_SUFFIX = re.compile(r"-([0-9a-f]{7,40})$")
+
+
+def run_commit(run: str) -> str:
+    """The commit a run measured: the end of its folder name (``...-<commit>``)."""
+    m = _COMMIT_SUFFIX.search(run.split("/")[0])
+    if not m:
+        raise ValueError(f"{run}: a first-screen run's folder name must end in the commit it measured "
+                         "(...-<commit>)")
+    return m.group(1)[:7]
+
+
+def run_on_gpu(run: str) -> bool:
+    argv = run_config(run).get("argv", [])
+    return any(a.startswith("cuda") for a in argv) or run.startswith("gpu-")
+
+
+def device_name(run: str) -> str:
+    """The GPU (from the folder name gpu_run.sh gives it) or the CPU (machines.json / the run's record)."""
+    if run_on_gpu(run):
+        m = re.match(r"gpu-([a-z0-9]+)-", run)
+        return GPUS.get(m.group(1), m.group(1).upper()) if m else "a CUDA GPU"
+    m = machine(run)
+    return f"{m['cpu']}, {m['isa']}"
+
+
+@functools.lru_cache(maxsize=None)
+def default_sources() -> str:
+    """``DEFAULT_SOURCES`` of ``specdraft/sources/registry.py``, read without importing the package."""
+    import ast
+
+    tree = ast.parse((ROOT / "specdraft" / "sources" / "registry.py").read_text())
+    for node in ast.walk(tree):
+        target = getattr(node, "target", None) or (getattr(node, "targets", None) or [None])[0]
+        if isinstance(target, ast.Name) and target.id == "DEFAULT_SOURCES":
+            return "+".join(ast.literal_eval(node.value))
+    raise LookupError("DEFAULT_SOURCES not found in specdraft/sources/registry.py")
+
+
+def _check_setting(s: Setting) -> None:
+    cfg = run_config(s.run)
+    if cfg["dtype"] != s.dtype:
+        raise ValueError(f"{s.run}: ran {cfg['dtype']}, the first screen's row wants {s.dtype}")
+    if run_on_gpu(s.run) != (s.device == "GPU"):
+        raise ValueError(f"{s.run}: the row is a {s.device} row, the run is not")
+    if s.batch == 1:
+        methods = summary(s.run)["datasets"][WORKLOADS[s.workload]]["methods"]
+        described = methods["default"].get("description", "")
+        if f"sources {default_sources()}" not in described:
+            raise ValueError(f"{s.run}: its 'default' is not today's default ({default_sources()}): {described}")
+
+
+def setting_label(s: Setting) -> str:
+    """``**CPU bfloat16** · code``; ``**CPU bfloat16 ×8** · code`` for eight requests at once."""
+    return f"**{s.device} {s.dtype}" + (f" ×{s.batch}" if s.batch > 1 else "") + f"** · {s.workload}"
+
+
+def other_commits(rows: list[Setting]) -> str:
+    """``Measured at `abc1234`: GPU bfloat16 code, chat.`` for rows whose run measured another
+    commit than :data:`FIRST_SCREEN_CODE` (empty when there are none)."""
+    by: dict[str, list[str]] = {}
+    for s in rows:
+        if s.run and run_commit(s.run) != FIRST_SCREEN_CODE:
+            by.setdefault(run_commit(s.run), []).append(
+                f"{s.device} {s.dtype}" + (f" ×{s.batch}" if s.batch > 1 else "") + f" {s.workload}")
+    return " ".join(f"Measured at `{c}`, not `{FIRST_SCREEN_CODE}`: {', '.join(r)}." for c, r in by.items())
+
+
+def _batched_row(s: Setting) -> dict[str, dict]:
+    rows = {r["method"]: r for r in concurrency(s.run, WORKLOADS[s.workload])["rows"]
+            if r["concurrency"] == s.batch}
+    missing = {"hf-batched", "default-batched"} - set(rows)
+    if missing:
+        raise ValueError(f"{s.run}: no {', '.join(sorted(missing))} at concurrency {s.batch}")
+    return rows
+
+
+def how_link(page: str) -> str:
+    if page.startswith("docs/"):
+        depth = page.count("/") - 1
+        return "../" * depth + "results.md#measuring-the-first-screen"
+    return "docs/results.md#measuring-the-first-screen"
+
+
+def first_screen_cells(s: Setting, page: str) -> list[str]:
+    """vs generate, vs prompt lookup, tokens per step, identical."""
+    if s.run is None:
+        return [f"not measured at `{FIRST_SCREEN_CODE}`", "", "", ""]
+    _check_setting(s)
+    if s.batch > 1:
+        rows = _batched_row(s)
+        ours, hf = rows["default-batched"], rows["hf-batched"]
+        steps = tokens_per_step(ours)
+        return [x(ours['tokens_per_s'] / hf['tokens_per_s']),
+                "one request at a time only", f"{steps:.2f}" if steps else "",
+                f"{ours['identical']}/{ours['requests']}"]
+    dataset = WORKLOADS[s.workload]
+    data = summary(s.run)["datasets"][dataset]
+    m = data["methods"]["default"]
+    pld = med_worst(ratios(s.run, dataset, "default", PLD)) if PLD in data["methods"] else "not run"
+    identical = f"{m['identical']}/{m['compared']}"
+    if s.dtype != "float32" and "identical_to_plain" in m:
+        identical += f" ({m['identical_to_plain']}/{m['compared']} to our plain)"
+    return [med_worst(ratios(s.run, dataset, "default")), pld, f"{m['mean_accepted']:.2f}", identical]
+
+
+def split_line(rows: list[Setting]) -> str:
+    """How much of each measured setting's gain is kernels and how much is drafts."""
+    parts = []
+    for device, dtype in dict.fromkeys((s.device, s.dtype) for s in rows if s.batch == 1):
+        cells = []
+        for s in rows:
+            if (s.device, s.dtype, s.batch) != (device, dtype, 1) or s.run is None:
+                continue
+            methods = summary(s.run)["datasets"][WORKLOADS[s.workload]]["methods"]
+            if "plain" not in methods:
+                continue
+            dataset = WORKLOADS[s.workload]
+            kernels = statistics.median(ratios(s.run, dataset, "plain"))
+            drafts = statistics.median(ratios(s.run, dataset, "default", "plain"))
+            cells.append(f"{s.workload} {x(kernels)} × {x(drafts)}")
+        parts.append(f"{device} {dtype}: " + ("; ".join(cells) if cells else "not measured"))
+    if not any(s.run for s in rows if s.batch == 1):
+        return f"**Kernels × drafts**: not measured at `{FIRST_SCREEN_CODE}`."
+    return ("**Kernels × drafts** (median per prompt: our plain decoding against `generate`, times the "
+            "default against our plain decoding on the same kernels): " + ". ".join(parts) + ".")
+
+
+def first_screen_table(page: str) -> str:
+    head = ["setting", "vs `generate`", "vs transformers' prompt lookup", "tokens / step", "identical"]
+    lines = ["| " + " | ".join(h.replace(" ", NBSP) for h in head) + " |", "|---|---:|---:|---:|---:|"]
+    for s in FIRST_SCREEN:
+        # no-break spaces: a narrow screen scrolls the table sideways instead of breaking a cell
+        # over four lines (the key columns come first)
+        cells = [c.replace(" ", NBSP) for c in (setting_label(s), *first_screen_cells(s, page))]
+        lines.append("| " + " | ".join(cells) + " |")
+    measured = [s for s in FIRST_SCREEN if s.run]
+    devices: dict[str, list[str]] = {}
+    prompts: dict[str, set[int]] = {}
+    for s in measured:
+        where = device_name(s.run)
+        if s.device == "CPU":
+            threads = run_config(s.run).get("threads", 1)
+            where += f", {threads} thread{'s' * (threads != 1)}"
+        devices.setdefault(s.device, [])
+        if where not in devices[s.device]:
+            devices[s.device].append(where)
+        if s.batch == 1:
+            prompts.setdefault(s.device, set()).add(
+                summary(s.run)["datasets"][WORKLOADS[s.workload]]["prompts"])
+    counts = ", ".join(f"{'/'.join(map(str, sorted(n)))} prompts each on the {d}" for d, n in prompts.items())
+    batch = max(s.batch for s in FIRST_SCREEN)
+    tokens = {s: (concurrency(s.run, WORKLOADS[s.workload]) if s.batch > 1 else
+                  summary(s.run)["datasets"][WORKLOADS[s.workload]])["max_new_tokens"] for s in measured}
+    usual = statistics.mode(tokens.values()) if tokens else 128
+    odd = ", ".join(f"{n} in {s.device} {s.dtype}" + (f" ×{s.batch}" if s.batch > 1 else "") + f" {s.workload}"
+                    for s, n in tokens.items() if n != usual)
+    caption = (f"{MODEL}, default settings, greedy, {usual} new tokens" + (f" ({odd})" if odd else "")
+               + "; code = HumanEval, chat = MT-Bench"
+               + (f", {counts}" if counts else "")
+               + f"; median per prompt (worst prompt); ×{batch} = {batch} requests at once, tokens/s "
+               "against transformers' batched `generate`. "
+               + ("; ".join(f"{d}: {' / '.join(w)}" for d, w in devices.items()) + "." if devices else
+                  "The CPU and GPU are named here once measured.")
+               + (" " + other_commits(FIRST_SCREEN) if other_commits(FIRST_SCREEN) else ""))
+    provenance = (f"[Where each number comes from]({how_link(page).split('#')[0]}#the-first-screen)"
+                  + (f" · [how to measure a missing row]({how_link(page)})" if len(measured) < len(FIRST_SCREEN)
+                     else ""))
+    return "\n".join(lines) + "\n\n" + caption + "\n\n" + split_line(FIRST_SCREEN) + "\n\n" + provenance + "\n"
+
+
+def first_screen_runs_table(page: str) -> str:
+    """Provenance of the first screen: per row, the run, its date, commit and machine."""
+    lines = ["| setting | run | started | commit | machine |", "|---|---|---|---|---|"]
+    for s in FIRST_SCREEN:
+        if s.run is None:
+            lines.append(f"| {setting_label(s)} | not measured at `{FIRST_SCREEN_CODE}` | | | |")
+            continue
+        cfg = run_config(s.run)
+        threads = cfg.get("threads", 1)
+        where = device_name(s.run) + ("" if run_on_gpu(s.run) else f", {threads} thread{'s' * (threads != 1)}")
+        lines.append(f"| {setting_label(s)} | [`{s.run}`]({link(s.run, page)}) | {cfg.get('started', '')[:10]} "
+                     f"| `{run_commit(s.run)}` | {where} |")
+    return "\n".join(lines) + "\n"
 
 
 #: The source mixes of the merge-by-value runs, each with its members.
@@ -445,10 +690,11 @@ REPLAY_CONFIGS = [
 
 
 TABLES: dict[str, Callable[[str], str]] = {
+    "first-screen": first_screen_table,
+    "first-screen-runs": first_screen_runs_table,
     "host-overhead": lambda page: host_table("host-overhead", page),
     "jacobi-grid": lambda page: methods_table(
         "qwen0.5b-bf16-jacobi-grid", ["humaneval"], JACOBI_METHODS, page),
-    "expect": lambda page: compare_table(EXPECT, page),
     "mix-bfcl-bf16": lambda page: mix_table("mix-qwen0.5b-bf16-bfcl20-137f2df", "bfcl",
                                             [MIX_METHODS[0], MIX_METHODS[2], MIX_METHODS[4]], page),
     "mix-mt-bf16": lambda page: mix_table("mix-qwen0.5b-bf16-mtbench40-d8c1f6f", "mtbench", MIX_METHODS, page),
@@ -467,23 +713,25 @@ TABLES: dict[str, Callable[[str], str]] = {
     "concurrency-mt-bf16": lambda page: concurrency_table("concurrency-qwen0.5b-bf16-mtbench16-a6ccb47", "mtbench",
                                                           page),
     "auto-defaults": lambda page: compare_table([
-        Row("HumanEval: default", NEW_BF16_HE, "humaneval", kernels="auto"),
-        Row("HumanEval: earlier default", AUTO_BF16_HE, "humaneval", kernels="auto"),
-        Row("HumanEval: earlier default", AUTO_FP32_HE, "humaneval", kernels="auto"),
-        Row("MT-Bench: default", NEW_BF16_MT, "mtbench", kernels="auto"),
-        Row("MT-Bench: earlier default", AUTO_BF16_MT, "mtbench", kernels="auto"),
+        Row("HumanEval: **default**", NEW_BF16_HE, "humaneval", kernels="auto"),
+        Row("HumanEval: `suffix` alone", NEW_BF16_HE, "humaneval", "specdraft:suffix", kernels="auto"),
+        Row("HumanEval: `prompt+trie+ngram`", AUTO_BF16_HE, "humaneval", kernels="auto"),
+        Row("HumanEval: `prompt+trie+ngram`", AUTO_FP32_HE, "humaneval", kernels="auto"),
+        Row("MT-Bench: **default**", NEW_BF16_MT, "mtbench", kernels="auto"),
+        Row("MT-Bench: `suffix` alone", NEW_BF16_MT, "mtbench", "specdraft:suffix", kernels="auto"),
+        Row("MT-Bench: `prompt+trie+ngram`", AUTO_BF16_MT, "mtbench", kernels="auto"),
         Row("MT-Bench: our plain decoding", AUTO_BF16_MT, "mtbench", "plain", kernels="auto")],
         page, workload="prompt set: method", show_pld=False, show_below=True),
     "results-stock": lambda page: compare_table([
-        Row("HumanEval: default", FP32_HE, "humaneval"),
-        Row("HumanEval: default", BF16_HE, "humaneval"),
-        Row("MT-Bench: default", FP32_MT, "mtbench"),
-        Row("MT-Bench: default", BF16_MT, "mtbench"),
+        Row("HumanEval: `prompt+trie+ngram`", FP32_HE, "humaneval"),
+        Row("HumanEval: `prompt+trie+ngram`", BF16_HE, "humaneval"),
+        Row("MT-Bench: `prompt+trie+ngram`", FP32_MT, "mtbench"),
+        Row("MT-Bench: `prompt+trie+ngram`", BF16_MT, "mtbench"),
         Row("HumanEval: transformers' prompt lookup", FP32_HE, "humaneval", PLD),
         Row("HumanEval: transformers' prompt lookup", BF16_HE, "humaneval", PLD),
         Row("MT-Bench: transformers' prompt lookup", FP32_MT, "mtbench", PLD),
         Row("MT-Bench: transformers' prompt lookup", BF16_MT, "mtbench", PLD)],
-        page, workload="prompt set: method", show_pld=False, show_below=True),
+        page, workload="prompt set: method", show_below=True),
     "fbgemm": lambda page: methods_table(FB_MT, ["mtbench"], FBGEMM_METHODS, page) + "\n"
     + methods_table(FB_HE, ["humaneval"], FBGEMM_METHODS, page),
     "sources-alone-fp32": lambda page: methods_table(FULL["fp32"], ["humaneval", "mtbench"], ALONE, page),
