@@ -68,10 +68,10 @@ POISON: dict[int, str] = {3: "propose", 4: "observe", 5: "end"}
 #: Token ids below this are never drawn for prompts or made EOS: specials (0-2) and :data:`POISON`.
 FIRST_PLAIN_ID = 6
 
-FIELDS = ["requests", "calls", "seconds", "rss_mib", "peak_rss_mib", "new_tokens", "completed", "cancelled",
-          "failed", "invalid", "latency_p50_ms", "latency_p99_ms", "latency_max_ms", "trie_nodes", "trie_trees",
-          "suffix_cached_requests", "suffix_cached_tokens", "live_states", "greedy_checked", "sampled_checked",
-          "mismatches", "problems"]
+FIELDS = ["requests", "calls", "seconds", "rss_mib", "rss_trimmed_mib", "peak_rss_mib", "new_tokens", "completed",
+          "cancelled", "failed", "invalid", "latency_p50_ms", "latency_p99_ms", "latency_max_ms", "trie_nodes",
+          "trie_trees", "suffix_cached_requests", "suffix_cached_tokens", "live_states", "greedy_checked",
+          "sampled_checked", "mismatches", "problems"]
 
 
 # -- the source that raises ---------------------------------------------------------------------
@@ -237,6 +237,22 @@ def rss_mib() -> tuple[float, float]:
         return peak_mib, peak_mib
 
 
+def trimmed_rss_mib() -> float:
+    """RSS once the cyclic garbage is collected and the C allocator has handed its free pages back
+    (glibc ``malloc_trim``; elsewhere, after the collection alone). A forward over a large
+    vocabulary allocates and frees logits of tens of MiB, and how much of that freed memory the
+    allocator keeps at a given moment varies by tens of MiB; what is left after a trim is what is
+    really held, so a leak shows here without that noise."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return rss_mib()[0]
+
+
 def live_states(source: Any) -> int:
     """Requests a source holds state for (``active_requests`` is an int or a list of ids; 0 when
     the source does not say)."""
@@ -285,8 +301,8 @@ class SoakConfig:
     def test_scale(cls, **overrides: Any) -> "SoakConfig":
         """A few hundred requests on a small vocabulary, everything mixed in, no timing."""
         base = dict(requests=300, vocab_size=512, prompt_vocab=200, max_positions=768, max_prompt=24,
-                    long_prompt_share=0.01, max_new_tokens=16, fail_share=0.08, invalid_share=0.08,
-                    cancel_rate=0.06, close_share=0.15, abandon_share=0.0, every=50, call_timeout_s=120.0,
+                    long_prompt_share=0.01, max_new_tokens=16, fail_share=0.12, invalid_share=0.08,
+                    cancel_rate=0.06, close_share=0.25, abandon_share=0.0, every=50, call_timeout_s=120.0,
                     adaptive_tree_nodes=16, fixed_tree_nodes=6)
         base.update(overrides)
         return cls(**base)
@@ -404,7 +420,8 @@ def make_invalid(kind: str, index: int, prompt_ids: list[int], vocab: int, limit
         "seed_str": lambda: Invalid(kind, index, ["seed", "'x'"], r(seed="x")),
         "seed_float": lambda: Invalid(kind, index, ["seed", "1.5"], r(seed=1.5)),
         "seed_huge": lambda: Invalid(kind, index, ["seed", str(2**70)], r(seed=2**70)),
-        "temperature_nan": lambda: Invalid(kind, index, ["temperature", "nan"], r(do_sample=True, temperature=math.nan)),
+        "temperature_nan": lambda: Invalid(kind, index, ["temperature", "nan"],
+                                           r(do_sample=True, temperature=math.nan)),
         "prompt_none": lambda: Invalid(kind, index, ["NoneType"], r(prompt=None)),
         "tensor_2d": lambda: Invalid(kind, index, ["shape", "(2, 2)"], torch.tensor([p[:1] * 2, p[:1] * 2])),
         "concurrency_zero": lambda: Invalid(kind, None, ["concurrency", "0"], None, {"concurrency": 0}),
@@ -440,7 +457,8 @@ class Soak:
         self.model.generation_config.pad_token_id = 2
         self.failing = FailingSource()
         self.sources = [*default_sources(), self.failing]
-        self.sources.insert(2, self.sources.pop())  # mid-list: sources before it observe a step, sources after it do not
+        # mid-list: the sources before it observe a step it fails in, the sources after it do not
+        self.sources.insert(2, self.sources.pop())
         self.with_text = Decoder(self.model, self.tokenizer, sources=self.sources,
                                  max_tree_nodes=config.adaptive_tree_nodes)
         self.ids_only = Decoder(self.model, sources=self.sources, max_tree_nodes=config.fixed_tree_nodes,
@@ -965,13 +983,15 @@ class Soak:
 
     def _record(self, requests: int, calls: int) -> None:
         rss, peak = rss_mib()
+        trimmed = trimmed_rss_mib()
         trie = next((s for s in self.sources if getattr(s, "name", "") == "trie"), None)
         suffix = next((s for s in self.sources if getattr(s, "name", "") == "suffix"), None)
         window = sorted(self._interval)
-        pick = lambda q: round(1000 * window[min(len(window) - 1, int(q * len(window)))], 1) if window else 0.0  # noqa: E731
+        pick = lambda q: round(1000 * percentile(window, q), 1)  # noqa: E731
         counts = self.report.counts
         row = dict(requests=requests, calls=calls, seconds=round(time.perf_counter() - self._started, 2),
-                   rss_mib=round(rss, 1), peak_rss_mib=round(peak, 1), new_tokens=self._new_tokens,
+                   rss_mib=round(rss, 1), rss_trimmed_mib=round(trimmed, 1), peak_rss_mib=round(peak, 1),
+                   new_tokens=self._new_tokens,
                    completed=counts["completed"], cancelled=counts["cancelled"], failed=counts["failed"],
                    invalid=counts["invalid"], latency_p50_ms=pick(0.5), latency_p99_ms=pick(0.99),
                    latency_max_ms=round(1000 * window[-1], 1) if window else 0.0,
@@ -1000,10 +1020,10 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))])
 
 
-def last_half_slope(rows: Sequence[dict[str, Any]], total: int) -> tuple[float, float]:
-    """Least-squares slope of RSS over the rows of the last half of the run, in MiB per 1000
-    requests, and the change it implies over that half (MiB)."""
-    half = [(r["requests"], r["rss_mib"]) for r in rows if r["requests"] >= total / 2]
+def last_half_slope(rows: Sequence[dict[str, Any]], total: int, key: str = "rss_mib") -> tuple[float, float]:
+    """Least-squares slope of ``key`` (an RSS column) over the rows of the last half of the run, in
+    MiB per 1000 requests, and the change it implies over that half (MiB)."""
+    half = [(r["requests"], r[key]) for r in rows if r["requests"] >= total / 2]
     if len(half) < 2:
         return 0.0, 0.0
     x = np.array([h[0] for h in half], dtype=float)
@@ -1016,8 +1036,18 @@ def summarize(report: SoakReport) -> dict[str, Any]:
     """The figures of a run, as plain data for ``summary.json``."""
     rows, cfg = report.rows, report.config
     total = rows[-1]["requests"] if rows else 0
-    per_1000, over_half = last_half_slope(rows, total)
     half_rows = [r for r in rows if r["requests"] >= total / 2]
+
+    def memory(key: str) -> dict[str, float]:
+        per_1000, over_half = last_half_slope(rows, total, key)
+        return {"start": rows[0][key] if rows else 0.0,
+                "half": half_rows[0][key] if half_rows else 0.0,
+                "end": rows[-1][key] if rows else 0.0,
+                "last_half_min": min((r[key] for r in half_rows), default=0.0),
+                "last_half_max": max((r[key] for r in half_rows), default=0.0),
+                "last_half_slope_per_1000_requests": round(per_1000, 3),
+                "last_half_fitted_change": round(over_half, 2)}
+
     ms = lambda v: round(1000 * v, 1)  # noqa: E731
     return {
         "requests": total,
@@ -1036,14 +1066,8 @@ def summarize(report: SoakReport) -> dict[str, Any]:
         "problems": len(report.problems),
         "problems_abandoned_stream_left_decoder_busy": report.counts["abandoned_left_busy"],
         "first_problems": report.problems[:50],
-        "rss_mib": {"start": rows[0]["rss_mib"] if rows else 0.0,
-                    "half": half_rows[0]["rss_mib"] if half_rows else 0.0,
-                    "end": rows[-1]["rss_mib"] if rows else 0.0,
-                    "peak": max((r["peak_rss_mib"] for r in rows), default=0.0),
-                    "last_half_min": min((r["rss_mib"] for r in half_rows), default=0.0),
-                    "last_half_max": max((r["rss_mib"] for r in half_rows), default=0.0),
-                    "last_half_slope_per_1000_requests": round(per_1000, 3),
-                    "last_half_fitted_change": round(over_half, 2)},
+        "rss_mib": {**memory("rss_mib"), "peak": max((r["peak_rss_mib"] for r in rows), default=0.0)},
+        "rss_trimmed_mib": memory("rss_trimmed_mib"),
         "latency_admission_to_finish_ms": {"p50": ms(percentile(report.latencies_s, 0.5)),
                                            "p99": ms(percentile(report.latencies_s, 0.99)),
                                            "max": ms(max(report.latencies_s, default=0.0))},
@@ -1074,15 +1098,17 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, title: str, caps: dict[str,
     total = x[-1] if x else 0
     fig, axes = plt.subplots(3, 1, figsize=(10, 11), sharex=True)
     axes[0].plot(x, [r["rss_mib"] for r in rows], label="RSS")
+    axes[0].plot(x, [r["rss_trimmed_mib"] for r in rows], label="RSS after gc + malloc_trim")
     axes[0].plot(x, [r["peak_rss_mib"] for r in rows], label="peak RSS", linestyle="--")
     half = [r for r in rows if r["requests"] >= total / 2]
     if len(half) >= 2:
         hx = np.array([r["requests"] for r in half], dtype=float)
-        fit = np.polyfit(hx, [r["rss_mib"] for r in half], 1)
-        axes[0].plot(hx, np.polyval(fit, hx), color="black", linestyle=":",
-                     label=f"last-half fit: {fit[0] * 1000:+.2f} MiB / 1000 requests")
+        for key, name in (("rss_mib", "RSS"), ("rss_trimmed_mib", "trimmed")):
+            fit = np.polyfit(hx, [r[key] for r in half], 1)
+            axes[0].plot(hx, np.polyval(fit, hx), color="black", linestyle=":",
+                         label=f"last-half fit ({name}): {fit[0] * 1000:+.2f} MiB / 1000 requests")
     axes[0].set_ylabel("MiB")
-    axes[0].legend(loc="lower right")
+    axes[0].legend(loc="best", fontsize=11)
     axes[1].plot(x[1:], [r["latency_p50_ms"] for r in rows[1:]], label="p50")
     axes[1].plot(x[1:], [r["latency_p99_ms"] for r in rows[1:]], label="p99")
     axes[1].plot(x[1:], [r["latency_max_ms"] for r in rows[1:]], label="max", linestyle=":")
@@ -1113,7 +1139,9 @@ def cpu_name() -> str:
     except (OSError, subprocess.SubprocessError):
         pass
     name = fields.get("Model name") or platform.processor() or platform.machine()
-    detail = [f"family {fields['CPU family']} model {fields['Model']}"] if "CPU family" in fields and "Model" in fields else []
+    detail = []
+    if {"CPU family", "Model"} <= set(fields):
+        detail.append(f"family {fields['CPU family']} model {fields['Model']}")
     detail.append(f"{os.cpu_count()} CPUs")
     if fields.get("Hypervisor vendor"):
         detail.append(f"{fields['Hypervisor vendor']} guest")
@@ -1142,10 +1170,12 @@ def write_results(report: SoakReport, out: Path, command: str) -> dict[str, Any]
     package_dir = Path(specdraft.__file__).resolve().parent
     commit, dirty = commit_of(package_dir)
     when = datetime.now(timezone.utc)
-    summary["machine"] = {"cpu": cpu_name(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-                          "torch": torch.__version__, "transformers": transformers.__version__,
+    summary["machine"] = {"cpu": cpu_name(), "torch_threads": torch.get_num_threads(),
+                          "python": platform.python_version(), "torch": torch.__version__,
+                          "transformers": transformers.__version__,
                           "niceness": os.nice(0) if hasattr(os, "nice") else None,
-                          "load_average_at_end": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
+                          "load_average_at_end": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg")
+                          else None}
     summary["commit"] = commit + ("+uncommitted changes" if dirty else "")
     summary["date"] = when.strftime("%Y-%m-%d %H:%M UTC")
     summary["command"] = command
@@ -1160,6 +1190,7 @@ def write_results(report: SoakReport, out: Path, command: str) -> dict[str, Any]
          f"{summary['machine']['cpu']}, commit {summary['commit']}", report.caps)
     o, r, lat, wait = summary["outcomes"], summary["rss_mib"], summary["latency_admission_to_finish_ms"], \
         summary["latency_call_to_output_ms"]
+    t = summary["rss_trimmed_mib"]
     ch = summary["checks"]
     lines = [
         f"# Batched soak, {summary['date'][:10]}, commit {summary['commit']}",
@@ -1197,7 +1228,11 @@ def write_results(report: SoakReport, out: Path, command: str) -> dict[str, Any]
         f"- RSS: {r['start']:.0f} MiB after loading, {r['half']:.0f} MiB at half way, {r['end']:.0f} MiB at the "
         f"end (peak {r['peak']:.0f}); last half between {r['last_half_min']:.0f} and {r['last_half_max']:.0f} MiB, "
         f"slope {r['last_half_slope_per_1000_requests']:+.2f} MiB per 1000 requests "
-        f"({r['last_half_fitted_change']:+.1f} MiB fitted over the last half).",
+        f"({r['last_half_fitted_change']:+.1f} MiB fitted over the last half). After `gc.collect()` and "
+        f"`malloc_trim(0)` (what is really held, without the allocator's free pages): {t['start']:.0f}, "
+        f"{t['half']:.0f} and {t['end']:.0f} MiB; last half between {t['last_half_min']:.0f} and "
+        f"{t['last_half_max']:.0f} MiB, slope {t['last_half_slope_per_1000_requests']:+.2f} MiB per 1000 requests "
+        f"({t['last_half_fitted_change']:+.1f} MiB over the last half).",
         f"- Latency, admission to finish: p50 {lat['p50']:.0f} ms, p99 {lat['p99']:.0f} ms, max {lat['max']:.0f} ms; "
         f"call made to output seen: p50 {wait['p50']:.0f} ms, p99 {wait['p99']:.0f} ms, max {wait['max']:.0f} ms; "
         f"longest call {summary['longest_call_ms']:.0f} ms.",
@@ -1248,8 +1283,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = write_results(report, out, command.strip())
     for line in report.problems[:20]:
         print("PROBLEM:", line, file=sys.stderr)
-    print(json.dumps({k: summary[k] for k in ("requests", "seconds", "outcomes", "mismatches", "problems",
-                                              "rss_mib", "latency_admission_to_finish_ms")}, indent=1))
+    shown = ("requests", "seconds", "outcomes", "mismatches", "problems", "rss_mib", "rss_trimmed_mib",
+             "latency_admission_to_finish_ms")
+    print(json.dumps({k: summary[k] for k in shown}, indent=1))
     print(f"wrote {out}")
     return 1 if report.problems else 0
 

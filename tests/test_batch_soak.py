@@ -41,8 +41,8 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-#: Test scale: 500 requests, a third of them in the sweep of invalid kinds at the start.
-CONFIG = bs.SoakConfig.test_scale(requests=500, seed=7)
+#: Test scale: 400 requests, about 160 of them in the sweep of invalid kinds at the start.
+CONFIG = bs.SoakConfig.test_scale(requests=400, seed=7)
 
 
 @pytest.fixture(scope="module")
