@@ -68,7 +68,8 @@ POISON: dict[int, str] = {3: "propose", 4: "observe", 5: "end"}
 #: Token ids below this are never drawn for prompts or made EOS: specials (0-2) and :data:`POISON`.
 FIRST_PLAIN_ID = 6
 
-FIELDS = ["requests", "calls", "seconds", "rss_mib", "rss_trimmed_mib", "peak_rss_mib", "new_tokens", "completed",
+FIELDS = ["requests", "calls", "seconds", "rss_mib", "rss_trimmed_mib", "peak_rss_mib", "py_blocks", "gc_objects",
+          "new_tokens", "completed",
           "cancelled", "failed", "invalid", "latency_p50_ms", "latency_p99_ms", "latency_max_ms", "trie_nodes",
           "trie_trees", "suffix_cached_requests", "suffix_cached_tokens", "live_states", "greedy_checked",
           "sampled_checked", "mismatches", "problems"]
@@ -983,7 +984,8 @@ class Soak:
 
     def _record(self, requests: int, calls: int) -> None:
         rss, peak = rss_mib()
-        trimmed = trimmed_rss_mib()
+        trimmed = trimmed_rss_mib()  # collects the cyclic garbage first: the counts below are what is held
+        py_blocks, gc_objects = sys.getallocatedblocks(), len(gc.get_objects())
         trie = next((s for s in self.sources if getattr(s, "name", "") == "trie"), None)
         suffix = next((s for s in self.sources if getattr(s, "name", "") == "suffix"), None)
         window = sorted(self._interval)
@@ -991,7 +993,7 @@ class Soak:
         counts = self.report.counts
         row = dict(requests=requests, calls=calls, seconds=round(time.perf_counter() - self._started, 2),
                    rss_mib=round(rss, 1), rss_trimmed_mib=round(trimmed, 1), peak_rss_mib=round(peak, 1),
-                   new_tokens=self._new_tokens,
+                   py_blocks=py_blocks, gc_objects=gc_objects, new_tokens=self._new_tokens,
                    completed=counts["completed"], cancelled=counts["cancelled"], failed=counts["failed"],
                    invalid=counts["invalid"], latency_p50_ms=pick(0.5), latency_p99_ms=pick(0.99),
                    latency_max_ms=round(1000 * window[-1], 1) if window else 0.0,
@@ -1068,6 +1070,9 @@ def summarize(report: SoakReport) -> dict[str, Any]:
         "first_problems": report.problems[:50],
         "rss_mib": {**memory("rss_mib"), "peak": max((r["peak_rss_mib"] for r in rows), default=0.0)},
         "rss_trimmed_mib": memory("rss_trimmed_mib"),
+        "python_heap": {key: {"start": rows[0][key], "half": half_rows[0][key], "end": rows[-1][key],
+                              "last_half_slope_per_1000_requests": round(last_half_slope(rows, total, key)[0], 1)}
+                        for key in ("py_blocks", "gc_objects")} if rows and half_rows else {},
         "latency_admission_to_finish_ms": {"p50": ms(percentile(report.latencies_s, 0.5)),
                                            "p99": ms(percentile(report.latencies_s, 0.99)),
                                            "max": ms(max(report.latencies_s, default=0.0))},
@@ -1087,7 +1092,8 @@ def summarize(report: SoakReport) -> dict[str, Any]:
 
 
 def plot(rows: Sequence[dict[str, Any]], path: Path, title: str, caps: dict[str, int]) -> None:
-    """RSS, per-interval latency and the shared sources' sizes over the run (200 dpi, 12 pt)."""
+    """RSS, per-interval latency, the shared sources' sizes and the Python heap over the run (200 dpi,
+    12 pt)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1096,7 +1102,7 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, title: str, caps: dict[str,
     plt.rcParams.update({"font.size": 12})
     x = [r["requests"] for r in rows]
     total = x[-1] if x else 0
-    fig, axes = plt.subplots(3, 1, figsize=(10, 11), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(10, 14), sharex=True)
     axes[0].plot(x, [r["rss_mib"] for r in rows], label="RSS")
     axes[0].plot(x, [r["rss_trimmed_mib"] for r in rows], label="RSS after gc + malloc_trim")
     axes[0].plot(x, [r["peak_rss_mib"] for r in rows], label="peak RSS", linestyle="--")
@@ -1120,8 +1126,12 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, title: str, caps: dict[str,
         axes[2].axhline(caps["trie_max_nodes"], color="grey", linestyle=":", label="trie max_nodes")
     axes[2].plot(x, [r["suffix_cached_tokens"] for r in rows], label="suffix tree: cached tokens")
     axes[2].set_ylabel("size")
-    axes[2].set_xlabel("requests")
     axes[2].legend(loc="lower right")
+    axes[3].plot(x, [r["py_blocks"] / 1e6 for r in rows], label="Python heap: allocated blocks")
+    axes[3].plot(x, [r["gc_objects"] / 1e6 for r in rows], label="objects tracked by gc")
+    axes[3].set_ylabel("millions")
+    axes[3].set_xlabel("requests")
+    axes[3].legend(loc="lower right")
     fig.suptitle(title, fontsize=13)
     fig.tight_layout()
     fig.savefig(path, dpi=200)
@@ -1160,15 +1170,20 @@ def commit_of(path: Path) -> tuple[str, bool]:
         return "unknown", False
 
 
-def write_results(report: SoakReport, out: Path, command: str) -> dict[str, Any]:
-    """``summary.json``, ``soak.csv``, ``soak.png`` and ``README.md`` in ``out``."""
+def package_commit() -> tuple[str, bool]:
+    """(short commit, uncommitted changes) of the checkout the imported ``specdraft`` comes from:
+    read when the run starts, since that is the code that runs."""
     import specdraft
+
+    return commit_of(Path(specdraft.__file__).resolve().parent)
+
+
+def write_results(report: SoakReport, out: Path, command: str, commit: str, dirty: bool) -> dict[str, Any]:
+    """``summary.json``, ``soak.csv``, ``soak.png`` and ``README.md`` in ``out``."""
     import transformers
 
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(report)
-    package_dir = Path(specdraft.__file__).resolve().parent
-    commit, dirty = commit_of(package_dir)
     when = datetime.now(timezone.utc)
     summary["machine"] = {"cpu": cpu_name(), "torch_threads": torch.get_num_threads(),
                           "python": platform.python_version(), "torch": torch.__version__,
@@ -1190,7 +1205,7 @@ def write_results(report: SoakReport, out: Path, command: str) -> dict[str, Any]
          f"{summary['machine']['cpu']}, commit {summary['commit']}", report.caps)
     o, r, lat, wait = summary["outcomes"], summary["rss_mib"], summary["latency_admission_to_finish_ms"], \
         summary["latency_call_to_output_ms"]
-    t = summary["rss_trimmed_mib"]
+    t, ph = summary["rss_trimmed_mib"], summary["python_heap"]
     ch = summary["checks"]
     lines = [
         f"# Batched soak, {summary['date'][:10]}, commit {summary['commit']}",
@@ -1233,6 +1248,10 @@ def write_results(report: SoakReport, out: Path, command: str) -> dict[str, Any]
         f"{t['half']:.0f} and {t['end']:.0f} MiB; last half between {t['last_half_min']:.0f} and "
         f"{t['last_half_max']:.0f} MiB, slope {t['last_half_slope_per_1000_requests']:+.2f} MiB per 1000 requests "
         f"({t['last_half_fitted_change']:+.1f} MiB over the last half).",
+        f"- Python heap (after `gc.collect()`): {ph['py_blocks']['half']} allocated blocks at half way, "
+        f"{ph['py_blocks']['end']} at the end ({ph['py_blocks']['last_half_slope_per_1000_requests']:+.0f} per 1000 "
+        f"requests over the last half); objects tracked by gc {ph['gc_objects']['half']} and "
+        f"{ph['gc_objects']['end']}.",
         f"- Latency, admission to finish: p50 {lat['p50']:.0f} ms, p99 {lat['p99']:.0f} ms, max {lat['max']:.0f} ms; "
         f"call made to output seen: p50 {wait['p50']:.0f} ms, p99 {wait['p99']:.0f} ms, max {wait['max']:.0f} ms; "
         f"longest call {summary['longest_call_ms']:.0f} ms.",
@@ -1270,8 +1289,8 @@ def main(argv: list[str] | None = None) -> int:
     config = SoakConfig(requests=args.requests, seed=args.seed, vocab_size=args.vocab_size,
                         greedy_check_every=args.greedy_check_every, every=args.every)
     out = args.out
+    commit, dirty = package_commit()
     if out is None:
-        commit, _ = commit_of(Path(__file__).resolve().parent)
         out = Path(__file__).resolve().parent / "results" / \
             f"batch-soak-{datetime.now(timezone.utc).strftime('%Y-%m-%d')}-{commit}"
 
@@ -1280,7 +1299,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = Soak(config, progress).run()
     command = "python benchmarks/batch_soak.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    summary = write_results(report, out, command.strip())
+    summary = write_results(report, out, command.strip(), commit, dirty)
     for line in report.problems[:20]:
         print("PROBLEM:", line, file=sys.stderr)
     shown = ("requests", "seconds", "outcomes", "mismatches", "problems", "rss_mib", "rss_trimmed_mib",
