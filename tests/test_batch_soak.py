@@ -135,9 +135,6 @@ def fresh() -> bs.Soak:
     return bs.Soak(bs.SoakConfig.test_scale(requests=0, invalid_sweep=False))
 
 
-@pytest.mark.xfail(strict=True, reason="BatchStream keeps its generator in _iterator and the generator's frame "
-                   "holds the stream: the cycle outlives the caller's references until the cyclic GC runs, so "
-                   "the decoder stays busy (found by the batched soak; the engine is being rewritten)")
 def test_a_batch_stream_left_by_break_frees_the_decoder(fresh: bs.Soak) -> None:
     """``for index, piece in dec.stream_batch(...): break`` is how a caller stops reading. The
     single-request ``stream`` is closed as soon as it is dropped, so the next call runs; a batch
@@ -162,9 +159,6 @@ def test_a_batch_stream_left_by_break_frees_the_decoder(fresh: bs.Soak) -> None:
         gc.collect()
 
 
-@pytest.mark.xfail(strict=True, reason="BatchLoop.cancel compares the index without checking its type: "
-                   "cancel('1') raises \"'<=' not supported between instances of 'int' and 'str'\", "
-                   "cancel(1.0) and cancel(True) are taken as request 1")
 @pytest.mark.parametrize("index", ["1", 1.0, True], ids=["str", "float", "bool"])
 def test_cancel_refuses_an_index_that_is_not_an_int_naming_it(fresh: bs.Soak, index: Any) -> None:
     stream = fresh.ids_only.stream_batch([[7, 8, 9], [20, 21]], max_new_tokens=4)
@@ -175,8 +169,6 @@ def test_cancel_refuses_an_index_that_is_not_an_int_naming_it(fresh: bs.Soak, in
         stream.close()
 
 
-@pytest.mark.xfail(strict=True, reason="close() ends the running requests as cancelled but leaves the queued "
-                   "ones without an output, and result() then returns fewer outputs than prompts")
 def test_after_close_every_request_has_an_output(fresh: bs.Soak) -> None:
     """``close()`` is the caller hanging up: every request of the batch is over, so each has an
     output (the queued ones cancelled with no tokens), and ``result()`` has one per prompt, as
