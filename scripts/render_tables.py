@@ -465,8 +465,8 @@ FIRST_SCREEN = [
     Setting("CPU", "float32", "chat", None),
     Setting("CPU", "bfloat16", "code", None),
     Setting("CPU", "bfloat16", "chat", None),
-    Setting("GPU", "bfloat16", "code", None),
-    Setting("GPU", "bfloat16", "chat", None),
+    Setting("GPU", "bfloat16", "code", "gpu-h100-2026-11-26-0179ff1/bench-humaneval-mtbench10"),
+    Setting("GPU", "bfloat16", "chat", "gpu-h100-2026-11-26-0179ff1/bench-humaneval-mtbench10"),
     Setting("CPU", "bfloat16", "code", None, batch=8),
     Setting("GPU", "bfloat16", "code", None, batch=8),
 ]

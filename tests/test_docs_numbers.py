@@ -77,7 +77,7 @@ def test_every_table_name_is_used():
 def _run_values(run: Path) -> set[str]:
     """The ratios a run's results files hold, as a page would write them."""
     values: set[float] = set()
-    for path in run.glob("*summary.json"):
+    for path in run.rglob("*summary.json"):  # a run folder may hold several outputs in subfolders
         for data in json.loads(path.read_text()).get("datasets", {}).values():
             for m in data["methods"].values():
                 for key in ("speedup_median", "speedup_geomean", "speedup_min", "speedup_max",
