@@ -247,7 +247,7 @@ class NGramMachine(RuleBasedStateMachine):
                                    max_requests=max_requests, **kwargs)
         self.N, self.bounded, self.shared = N, bounded, shared
         self.streams: dict[int, list[int]] = {}  # live requests
-        self.fed: list[list[int]] = []  # every stream a shared model has counted (ended ones included)
+        self.fed: list[list[int]] = []  # every stream the shared model has counted (those of ended requests)
         self.ids = itertools.count(1)
 
     @rule(prompt=st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=1, max_size=8))
@@ -255,7 +255,6 @@ class NGramMachine(RuleBasedStateMachine):
         rid = next(self.ids)
         self.src.begin(Context(tuple(prompt), len(prompt), rid))
         self.streams[rid] = list(prompt)
-        self.fed.append(self.streams[rid])
 
     @precondition(lambda self: self.streams)
     @rule(data=st.data(), new=st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=1, max_size=4))
@@ -267,10 +266,15 @@ class NGramMachine(RuleBasedStateMachine):
         self.src.observe(Feedback(committed=list(new), context=Context(tuple(self.streams[rid]), 1, rid)))
 
     @precondition(lambda self: self.streams)
-    @rule(data=st.data())
-    def end(self, data) -> None:
+    @rule(data=st.data(), fail=st.booleans())
+    def end(self, data, fail) -> None:
+        """A shared model learns a request's stream when it ends, nothing of one that fails (nor of
+        one whose state was dropped past ``max_requests``)."""
         rid = data.draw(st.sampled_from(sorted(self.streams)))
-        self.src.end(Context(tuple(self.streams.pop(rid)), 1, rid))
+        stream = self.streams.pop(rid)
+        if self.shared and not fail and rid in self.src.active_requests:
+            self.fed.append(stream)
+        (self.src.abort if fail else self.src.end)(Context(tuple(stream), 1, rid))
         assert rid not in self.src.active_requests
 
     @precondition(lambda self: self.streams)
@@ -311,6 +315,9 @@ class NGramMachine(RuleBasedStateMachine):
         assert len(live) <= self.src.max_requests
         assert set(live) <= set(self.streams), "a state outlived its request"
         models = [self.src.shared_model] if self.shared else [self.src.model_for(r) for r in live]
+        if self.shared:
+            for rid in live:  # an overlay holds what its request counted, not bounded by the shared caps
+                assert set(self.src.model_for(rid).contexts()) <= set(recount(self.streams[rid], self.N))
         for model in models:
             if self.bounded:
                 assert model.num_contexts <= 5
@@ -324,6 +331,15 @@ class NGramMachine(RuleBasedStateMachine):
                     for t, c in f.items():
                         expect.setdefault(ctx, {})[t] = expect.get(ctx, {}).get(t, 0) + c
             assert model_table(self.src.shared_model) == expect
+            for rid in live:  # a running request drafts from its own counts and the shared ones (as
+                # they were when it first counted a context: requests ending later do not reach its copy)
+                own = recount(self.streams[rid], self.N)
+                view = model_table(self.src.model_for(rid))
+                assert set(view) == set(expect) | set(own)
+                for ctx, f in view.items():
+                    for t, c in f.items():
+                        mine, shared = own.get(ctx, {}).get(t, 0), expect.get(ctx, {}).get(t, 0)
+                        assert (mine <= c <= mine + shared) if ctx in own else c == shared, (ctx, t, c)
         else:
             for rid in live:
                 assert model_table(self.src.model_for(rid)) == recount(self.streams[rid], self.N)
