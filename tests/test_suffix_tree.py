@@ -270,16 +270,18 @@ def test_eviction_takes_back_exactly_the_oldest_response() -> None:
         src.check_invariants()
 
 
-def test_a_response_evicted_while_running_stops_growing_in_the_cache() -> None:
+def test_a_response_joins_the_cache_when_its_request_ends() -> None:
     src = SuffixTree(max_depth=4, max_cached_requests=1)
     src.begin(ctx([1, 2], 2, 1))
     src.observe(Feedback([3], ctx([1, 2, 3], 2, 1)))
-    src.begin(ctx([5], 1, 2))  # pushes request 1's response out
+    src.begin(ctx([5], 1, 2))
     src.observe(Feedback([4], ctx([1, 2, 3, 4], 2, 1)))
-    assert src.cached_sequences() == [[]]
+    assert src.cached_sequences() == []  # nothing has ended yet
     assert src.request_state(ctx([1, 2, 3, 4], 2, 1)).local.counts() == brute_counts([[1, 2, 3, 4]], 4)
     src.end(ctx([1, 2, 3, 4], 2, 1))
-    src.end(ctx([5], 1, 2))
+    assert src.cached_sequences() == [[3, 4]]
+    src.end(ctx([5, 6], 1, 2))  # pushes request 1's response out (a cache of one)
+    assert src.cached_sequences() == [[6]]
     src.check_invariants()
 
 
@@ -326,9 +328,9 @@ TOKENS = st.integers(0, 3)  # a tiny alphabet, so strings repeat and nodes split
 
 
 class SuffixMachine(RuleBasedStateMachine):
-    """Requests begin (maybe evicting the oldest response), grow, end; after every step the trees
-    hold exactly the recounted suffixes of the live sequences, and matches and drafts agree with
-    brute force."""
+    """Requests begin, grow, end (their response joining the cache, maybe evicting the oldest) or
+    fail (leaving nothing); after every step the trees hold exactly the recounted suffixes of the
+    live sequences, and matches and drafts agree with brute force."""
 
     @initialize(depth=st.integers(2, 6), cap=st.integers(0, 3))
     def setup(self, depth, cap) -> None:
@@ -344,9 +346,6 @@ class SuffixMachine(RuleBasedStateMachine):
         self.next_rid += 1
         self.src.begin(ctx(prompt, len(prompt), rid))
         self.running[rid] = [len(prompt), list(prompt)]
-        if self.cap:
-            self.cache.append([rid, []])
-            del self.cache[: max(0, len(self.cache) - self.cap)]
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), new=st.lists(TOKENS, min_size=1, max_size=4))
@@ -355,16 +354,19 @@ class SuffixMachine(RuleBasedStateMachine):
         prompt_length, tokens = self.running[rid]
         tokens += new
         self.src.observe(Feedback(list(new), ctx(tokens, prompt_length, rid)))
-        for entry in self.cache:
-            if entry[0] == rid:
-                entry[1] = tokens[prompt_length:]
 
     @precondition(lambda self: self.running)
-    @rule(data=st.data())
-    def end(self, data) -> None:
+    @rule(data=st.data(), fail=st.booleans())
+    def end(self, data, fail) -> None:
         rid = data.draw(st.sampled_from(sorted(self.running)))
         prompt_length, tokens = self.running.pop(rid)
+        if fail:
+            self.src.abort(ctx(tokens, prompt_length, rid))
+            return
         self.src.end(ctx(tokens, prompt_length, rid))
+        if self.cap:
+            self.cache.append([rid, tokens[prompt_length:]])
+            del self.cache[: max(0, len(self.cache) - self.cap)]
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), budget=st.integers(0, 12))

@@ -14,8 +14,8 @@ paper                                       this module
 ==========================================  ====================================================
 Sec. 3, suffix tree construction: a global  :class:`SuffixTrie` (one per request, over prompt +
 tree over previous outputs and a            output; one shared, over the responses of the last
-per-request tree over the prompt and the    ``max_cached_requests`` requests, kept up to date
-tokens generated so far, depth-limited      token by token as in ArcticInference)
+per-request tree over the prompt and the    ``max_cached_requests`` finished requests, each
+tokens generated so far, depth-limited      added when its request ends)
 Sec. 3, pattern matching: the last ``p``    :meth:`SuffixTrie.speculate` walks every context
 tokens located in each tree                 suffix that occurs, ``p`` = 1 .. longest (<= depth)
 Sec. 3, speculation tree expansion:         ``SuffixTrie._expand``: best-first by
@@ -57,12 +57,15 @@ every response occurs twice (then every substring up to ``max_depth`` repeats: ~
 token), and 1.2 KB per token at four copies (copies past the second add almost nothing: nodes are
 per *distinct* repeated string). The global tree forgets the oldest request's response first
 (FIFO, as ArcticInference's ``max_cached_requests``), taking back exactly its suffixes' counts, so
-it never holds more than ``max_cached_requests`` responses (the running requests' included: a
-response enters the cache when its request begins). The default, 1000 responses (vLLM's is 10000,
-for a C++ tree of ~10x less memory per token), bounds 300-token responses to ~0.1 GB when they do
-not repeat and ~0.75 GB in the worst case. A running request also keeps the tokens of the responses
-its admission evicted (usually one) until it ends: if it fails, :meth:`SuffixTree.abort` takes its
-response out and puts them back.
+it never holds more than ``max_cached_requests`` responses. The default, 1000 responses (vLLM's
+is 10000, for a C++ tree of ~10x less memory per token), bounds 300-token responses to ~0.1 GB
+when they do not repeat and ~0.75 GB in the worst case.
+
+When a response joins. A response enters the global tree when its request ends (ArcticInference
+extends it token by token while the request runs); until then the request drafts from its own
+tree, which holds its response too. So requests running at the same time see each other's
+responses once they end, and a failed request (:meth:`SuffixTree.abort`) only drops its own tree:
+the global tree never held anything of it.
 
 Cost (one CPU core; a 3000-token prompt and 500 generated tokens after 100 requests warmed the
 global tree): ``propose`` 0.11 ms median (0.18 ms p90), ``observe`` 0.02 ms median; replaying all
@@ -72,7 +75,7 @@ for 3000 tokens). One cost is lumpy: once the trees hold a few 100 000 nodes, a 
 Python's garbage collector (rare; it is amortised in the 0.6 ms) can pause one step for ~0.5 s.
 
 Thread safety: the global tree and the request cache are guarded by one lock, held for the short
-global part of ``propose``/``observe`` and for ``begin``/``end``; per-request trees belong to
+global part of ``propose`` and while ``end`` adds a response; per-request trees belong to
 their request (:class:`~specdraft.sources.base.SourceBase` keeps them by ``request_id``), so one
 source object can serve several decoders in several threads.
 """
@@ -455,15 +458,11 @@ class SuffixTrie:
 
 @dataclass
 class _Request:
-    """Per-request state: its own trie (prompt + output) and its slot in the global cache."""
+    """Per-request state: its own trie over prompt + output."""
 
     local: SuffixTrie
     length: int  # context tokens in ``local``
     prompt_length: int
-    cache_id: int | None  # its response's sequence id in the global tree (None: not cached)
-    cached_length: int = 0  # output tokens in the global tree
-    # responses its admission evicted, oldest first: (cache id, tokens, still open), for abort
-    evicted: list[tuple[int, list[int], bool]] = field(default_factory=list)
 
 
 class SuffixTree(SourceBase[_Request]):
@@ -522,7 +521,6 @@ class SuffixTree(SourceBase[_Request]):
         self._lock = threading.Lock()
         self._global = SuffixTrie(max_depth)
         self._cached: OrderedDict[int, None] = OrderedDict()  # cache ids, oldest first (= ascending)
-        self._live: dict[int, _Request] = {}  # cache id -> its running request's state
         self._next_id = 0
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -531,22 +529,7 @@ class SuffixTree(SourceBase[_Request]):
         local = SuffixTrie(self.max_depth)
         tokens = [int(t) for t in context.tokens]
         local.add(0, tokens)
-        state = _Request(local, len(tokens), context.prompt_length, None)
-        if self.max_cached_requests:
-            with self._lock:
-                cache_id = state.cache_id = self._next_id
-                self._next_id += 1
-                self._global.add(cache_id)
-                self._cached[cache_id] = None
-                while len(self._cached) > self.max_cached_requests:
-                    oldest, _ = self._cached.popitem(last=False)
-                    # kept while this request runs, so that abort can put it back
-                    evicted = (oldest, self._global.sequence(oldest), self._global.is_open(oldest))
-                    state.evicted.append(evicted)
-                    self._global.remove(oldest)
-                self._live[cache_id] = state
-        self._sync_global(state, tokens)
-        return state
+        return _Request(local, len(tokens), context.prompt_length)
 
     def propose(self, context: Context, budget: int) -> Draft:
         if budget <= 0:
@@ -567,63 +550,34 @@ class SuffixTree(SourceBase[_Request]):
         self._sync(feedback.context)
 
     def end(self, context: Context) -> None:
+        """The request is over: its response (what it generated) joins the global tree, the oldest
+        cached response goes if the cache is then past ``max_cached_requests``, and its state is
+        dropped."""
         with self._states_lock:
-            state = self._states.get(context.request_id)
-        if state is not None and state.cache_id is not None:
+            known = context.request_id in self._states
+        if known and self.max_cached_requests:
+            response = [int(t) for t in context.tokens[context.prompt_length :]]
             with self._lock:
-                if state.cache_id in self._global:
-                    self._global.close(state.cache_id)
-                self._live.pop(state.cache_id, None)
-                state.evicted = []
+                cache_id = self._next_id
+                self._next_id += 1
+                self._global.add(cache_id, response)
+                self._global.close(cache_id)
+                self._cached[cache_id] = None
+                while len(self._cached) > self.max_cached_requests:
+                    oldest, _ = self._cached.popitem(last=False)
+                    self._global.remove(oldest)
         super().end(context)
 
     def abort(self, context: Context) -> None:
-        """The request failed: take its response out of the global tree and put back the responses
-        its admission evicted (see :class:`~specdraft.sources.base.DraftSource`).
-
-        The evicted responses come back with their tokens, at their place in the cache order
-        (oldest first) and open if their request still runs (with what it committed since, which
-        it still counts as cached), closed otherwise. With no other request admitted or aborted
-        meanwhile, the global tree then holds exactly the responses it held before, so its counts
-        are the same, and so are its drafts (they depend on the counts alone, see ``_expand``).
-        With concurrent requests: if others' admissions filled the cache meanwhile, only as many
-        of the evicted responses as fit come back (the youngest), and a request still running whose
-        admission evicted this one's response will not bring it back. Unknown ids are ignored.
-        """
-        with self._states_lock:
-            state = self._states.pop(context.request_id, None)
-        if state is None or state.cache_id is None:
-            return
-        cache_id = state.cache_id
-        with self._lock:
-            self._live.pop(cache_id, None)
-            if cache_id in self._global:
-                self._global.remove(cache_id)
-                del self._cached[cache_id]
-            for other in self._live.values():  # evicted by a running request: it must not come back
-                if any(entry[0] == cache_id for entry in other.evicted):
-                    other.evicted = [entry for entry in other.evicted if entry[0] != cache_id]
-            room = self.max_cached_requests - len(self._cached)
-            back = state.evicted[max(len(state.evicted) - room, 0) :] if room > 0 else []
-            for old_id, tokens, was_open in back:
-                if old_id in self._global:
-                    continue
-                owner = self._live.get(old_id) if was_open else None
-                if owner is not None:  # still running: what it committed while evicted comes too
-                    start = owner.prompt_length + len(tokens)
-                    tokens = tokens + owner.local.sequence(0)[start : owner.prompt_length + owner.cached_length]
-                self._global.add(old_id, tokens)
-                if owner is None:
-                    self._global.close(old_id)
-                self._cached[old_id] = None
-            if back:  # ids are given in admission order, so ascending ids = oldest first
-                self._cached = OrderedDict((i, None) for i in sorted(self._cached))
-            state.evicted = []
+        """The request failed (see :class:`~specdraft.sources.base.DraftSource`): drop its state. Its
+        response would join the global tree only at ``end``, so the global tree is exactly as it was
+        before the request began, whatever other requests did meanwhile. Unknown ids are ignored."""
+        super().end(context)
 
     # -- state ------------------------------------------------------------------------------------
 
     def _sync(self, context: Context) -> _Request:
-        """Bring the request's trees up to ``context`` (the first token, from the prefill, is only
+        """Bring the request's tree up to ``context`` (the first token, from the prefill, is only
         seen here; a context that is not an extension of what was seen rebuilds the local tree)."""
         state = self.request_state(context)
         tokens = context.tokens
@@ -635,20 +589,7 @@ class SuffixTree(SourceBase[_Request]):
         elif n > state.length:
             state.local.extend(0, [int(t) for t in tokens[state.length :]])
             state.length = n
-        self._sync_global(state, tokens)
         return state
-
-    def _sync_global(self, state: _Request, tokens: Sequence[int]) -> None:
-        if state.cache_id is None:
-            return
-        out = len(tokens) - state.prompt_length
-        if out <= state.cached_length:
-            return
-        new = [int(t) for t in tokens[state.prompt_length + state.cached_length :]]
-        with self._lock:
-            if state.cache_id in self._global:  # else evicted while running: it stays out
-                self._global.extend(state.cache_id, new)
-            state.cached_length = out
 
     # -- inspection -------------------------------------------------------------------------------
 
@@ -673,6 +614,7 @@ class SuffixTree(SourceBase[_Request]):
             assert len(self._cached) <= max(self.max_cached_requests, 0)
             assert list(self._cached) == [i for i in self._cached if i in self._global]
             assert self._global.num_sequences == len(self._cached)
+            assert not any(self._global.is_open(i) for i in self._cached), "a cached response is still open"
             self._global.check_invariants()
 
     def __repr__(self) -> str:
