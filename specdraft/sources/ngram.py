@@ -132,9 +132,9 @@ def followers_of(stats: Followers) -> dict[int, int]:
 
 def ranked(stats: Followers, b: int) -> list[int]:
     """The ``b`` best next tokens: highest count first, ties most recent first."""
-    if b == 1:
+    if b == 1 or len(stats) == _RESERVED + 1:  # (most contexts have one follower)
         return [stats[_BEST]]
-    return heapq.nlargest(b, (t for t in stats if t >= 0), key=stats.__getitem__)
+    return heapq.nlargest(b, [t for t in stats if t >= 0], key=stats.__getitem__)
 
 
 def last_update(stats: Followers) -> int:
@@ -231,7 +231,7 @@ class NGramModel:
                     if lru and len(table) >= max_contexts:
                         table.popitem(last=False)  # type: ignore[call-arg]
                     copied = base_get(ctx) if base_get is not None else None
-                    f = table[ctx] = dict(copied) if copied is not None else {_BEST: -1, _BEST_KEY: -1}
+                    f = table[ctx] = {_BEST: -1, _BEST_KEY: -1} if copied is None else dict(copied)
                 elif lru:
                     table.move_to_end(ctx)  # type: ignore[attr-defined]
                 key = f.get(nxt)
