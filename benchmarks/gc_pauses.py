@@ -22,7 +22,7 @@ What is recorded:
   ran inside a step (a step's time includes it) or between requests;
 * the host time of each step (``propose`` + merge + ``observe`` of every source): median and p99,
   and per source;
-* after the run, ``len(gc.get_objects())`` (tracked objects) and the time of one full
+* after the run, the tracked objects (``len(gc.get_objects())`` plus the frozen ones) and the time of one full
   ``gc.collect()``; with ``--per-source``, the tracked objects each source holds.
 
 ``--settle`` calls :func:`specdraft.sources.bulk.settle_long_lived` between requests (where the
