@@ -55,8 +55,9 @@ class TrieMachine(RuleBasedStateMachine):
     counted there.
 
     The model counts exactly as the paper says (every prefix of every window). A request teaches the
-    shared trie only when it ends (its output windows; its prompt stays in its overlay, dropped at
-    ``end``), and nothing when it is aborted. After an operation that pruned, the model drops what the
+    shared trie only when it ends (its output windows; its prompt is counted in the running part,
+    from which ``end`` takes it back), and nothing when it is aborted; drafts read the running part
+    too. After an operation that pruned, the model drops what the
     trie dropped -- checking that the survivors' counts are untouched, that within every first-token
     tree nothing dropped was more frequent than anything kept, and that every tree is within
     ``capacity`` and the trie within ``max_nodes``.
@@ -158,7 +159,8 @@ class TrieMachine(RuleBasedStateMachine):
         else:
             assert sum(len(b) for b in branches) <= k
         assert all(branches), "an empty branch was proposed"
-        keys = set(self.model)
+        keys = set(self.trie.snapshot(running=True))  # (what the running requests taught is read too)
+        assert set(self.model) <= keys
         # every branch continues one matched suffix of the context, inside the trie
         matches = [m for m in range(1, min(self.trie.branch_length, len(tokens)) + 1)
                    if all(tuple(tokens[-m:]) + tuple(b) in keys for b in branches)]

@@ -1,12 +1,13 @@
 """FrequencyTrie (Ant's Lookahead trie): data-structure invariants, retrieval, threads, greedy identity.
 
 The invariants are checked against a model of the ideal, unpruned trie. The shared trie holds the
-output windows of finished requests and what was inserted; each running request drafts from the
-shared trie and its own overlay (its prompt windows and the output windows it completed so far)
-read as one. Without pruning both views must equal the model exactly; with pruning, every
-surviving count is at most the model's (a pruned node made anew has counted only what came after),
-never negative, the shared trie never holds a prompt count, the key sets are prefix-closed, every
-first-token tree within ``capacity`` and every store within ``max_nodes`` after every call. Ending
+output windows of finished requests and what was inserted; every running request drafts from the
+shared trie and what all running requests taught so far (their prompt windows and the output
+windows they completed) read as one. Without pruning both views must equal the model exactly; with
+pruning, every surviving count is at most the model's (a pruned node made anew has counted only
+what came after), never negative, the shared trie never holds a prompt count, the key sets are
+prefix-closed, every first-token tree within ``capacity`` and each part within ``max_nodes`` after
+every call. Ending
 a request must add exactly its output windows to the shared trie, whatever was pruned before.
 """
 
@@ -53,8 +54,8 @@ def output_windows(tokens, prompt_length, branch_length, final):
 
 
 class Model:
-    """Expected ``(out, prompt)`` counts of an unpruned trie: the shared one, and each running
-    request's view (the shared counts plus its overlay's)."""
+    """Expected ``(out, prompt)`` counts of an unpruned trie: the shared one, and what the running
+    requests draft from (the shared counts plus what every running request taught so far)."""
 
     def __init__(self, branch_length):
         self.L = branch_length
@@ -76,12 +77,11 @@ class Model:
         for s, e in prompt_windows(tokens, self.L):
             self.out.update(window_keys(tokens, s, e))
 
-    def expected(self, rid=None):
-        """The shared counts, or with ``rid`` what that running request drafts from."""
+    def expected(self, running=False):
+        """The shared counts, or with ``running`` what the running requests draft from."""
         out = Counter(self.out)
         prompt = Counter()
-        if rid is not None:
-            p, tokens = self.active[rid]
+        for p, tokens in self.active.values() if running else ():
             for s, e in output_windows(tokens, len(p), self.L, final=False):
                 out.update(window_keys(tokens, s, e))
             for s, e in prompt_windows(p, self.L):
@@ -101,11 +101,6 @@ def check_bounds(trie: FrequencyTrie) -> None:
     assert all(out >= 0 and prompt == 0 for out, prompt in snap.values()), "a negative or prompt count shared"
 
 
-def overlay_prunes(trie: FrequencyTrie, rid: int) -> int:
-    """How often a running request's overlay was pruned (white box: no public counter)."""
-    return trie._requests[rid].store.prunes
-
-
 def check_view(snap, expected, exact: bool) -> None:
     if exact:
         assert snap == expected
@@ -120,9 +115,8 @@ def check_against_model(trie: FrequencyTrie, model: Model) -> None:
     trie.check_invariants()
     check_bounds(trie)
     check_view(trie.snapshot(), model.expected(), trie.prunes == 0)
-    for rid in model.active:
-        exact = trie.prunes == 0 and overlay_prunes(trie, rid) == 0
-        check_view(trie.snapshot(rid), model.expected(rid), exact)
+    exact = trie.prunes == 0 and trie.running_prunes == 0
+    check_view(trie.snapshot(running=True), model.expected(running=True), exact)
 
 
 # -- stateful property test ----------------------------------------------------------------------------
@@ -222,14 +216,13 @@ class TrieMachine(RuleBasedStateMachine):
         assert removed == max(0, size - down_to) and self.trie.tree_size(first) == min(size, down_to)
         assert {k: v for k, v in after.items() if k[0] != first} == {k: v for k, v in before.items() if k[0] != first}
 
-    @rule(context=st.lists(SMALL_VOCAB, min_size=1, max_size=8), budget=st.integers(0, 12), data=st.data())
-    def query(self, context, budget, data):
-        """What the shared trie drafts, or a running request (its overlay read with it)."""
+    @rule(context=st.lists(SMALL_VOCAB, min_size=1, max_size=8), budget=st.integers(0, 12))
+    def query(self, context, budget):
+        """What the running requests draft (the shared trie alone when none runs)."""
         trie = self.trie
-        rid = data.draw(st.sampled_from([None, *sorted(self.contexts)]))
-        branches = trie.retrieve(context, budget, rid)
+        branches = trie.retrieve(context, budget)
         k = min(budget, trie.decoding_length)
-        snap = trie.snapshot(rid)
+        snap = trie.snapshot(running=True)
         w = trie.prompt_weight
         score = {key: out + w * prompt for key, (out, prompt) in snap.items()}
         matches = [m for m in range(1, min(trie.branch_length, len(context)) + 1)
@@ -293,17 +286,17 @@ def test_is_a_draft_source_and_validates_arguments():
             FrequencyTrie(**bad)
 
 
-def test_prompt_windows_are_counted_in_the_overlay_and_eliminated_exactly():
+def test_prompt_windows_are_counted_while_running_and_eliminated_exactly():
     trie = FrequencyTrie(branch_length=2)
     trie.insert([7, 8, 9])  # some output knowledge first
     before = trie.snapshot()
     c = ctx([1, 2, 3, 1, 2, 4])
     trie.begin(c)
-    assert trie.counts([1], 1) == (0, 2) and trie.counts([1, 2], 1) == (0, 2)
-    assert trie.counts([1, 2, 3], 1) == (0, 1) and trie.counts([1, 2, 4], 1) == (0, 1)
-    assert trie.counts([2, 4], 1) == (0, 1) and trie.counts([4], 1) is None  # a window needs a successor
-    assert trie.counts([1, 2, 3, 1], 1) is None  # windows are branch_length + 1 tokens
-    assert trie.counts([7, 8], 1) == (1, 0)  # the request reads the shared counts too
+    assert trie.counts([1], running=True) == (0, 2) and trie.counts([1, 2], running=True) == (0, 2)
+    assert trie.counts([1, 2, 3], running=True) == (0, 1) and trie.counts([1, 2, 4], running=True) == (0, 1)
+    assert trie.counts([2, 4], running=True) == (0, 1) and trie.counts([4], running=True) is None  # a window needs a successor
+    assert trie.counts([1, 2, 3, 1], running=True) is None  # windows are branch_length + 1 tokens
+    assert trie.counts([7, 8], running=True) == (1, 0)  # the request reads the shared counts too
     assert trie.snapshot() == before  # which its prompt never touches
     trie.end(c)  # no output: the trie is back where it was
     assert trie.snapshot() == before
@@ -357,17 +350,18 @@ def test_prompt_branches_win_over_more_frequent_output_branches():
     for _ in range(50):
         trie.insert([1, 2, 3])  # output: 1 -> 2 -> 3, fifty times
     trie.begin(ctx([1, 4, 5], rid=7))  # prompt: 1 -> 4 -> 5, once
-    assert trie.retrieve([1], budget=2, request_id=7) == [[4, 5]]
-    assert trie.retrieve([1], budget=4, request_id=7) == [[4, 5], [2, 3]]
+    assert trie.retrieve([1], budget=2) == [[4, 5]]
+    assert trie.retrieve([1], budget=4) == [[4, 5], [2, 3]]
     assert trie.propose(ctx([1], rid=7), 2).branches == [[4, 5]]
-    assert trie.retrieve([1], budget=2) == [[2, 3]]  # other requests never see the prompt
+    assert trie.propose(ctx([1], rid=8), 2).branches == [[4, 5]]  # the other running requests read it too
+    assert trie.counts([1, 4]) is None  # but the shared trie never holds it
     trie.end(ctx([1, 4, 5], rid=7))
-    assert trie.retrieve([1], budget=2, request_id=7) == [[2, 3]]
+    assert trie.retrieve([1], budget=2) == [[2, 3]]
     weak = FrequencyTrie(branch_length=2, min_nodes=1, prompt_weight=1)  # no amplification
     for _ in range(50):
         weak.insert([1, 2, 3])
     weak.begin(ctx([1, 4, 5], rid=7))
-    assert weak.retrieve([1], budget=2, request_id=7) == [[2, 3]]
+    assert weak.retrieve([1], budget=2) == [[2, 3]]
 
 
 def test_multi_stage_retrieval_prefers_the_longest_suffix_with_enough_nodes():
@@ -416,11 +410,11 @@ def test_capacity_is_per_first_token_tree_and_keeps_the_frequent_nodes():
     assert trie.tree_prunes > 0 and trie.global_prunes == 0
     assert len(trie) > 64  # the other trees hold their own 64 nodes each
     assert trie.retrieve([1], budget=3) == [[2, 3, 4]]
-    # A prompt whose own tree passes the capacity: that tree of its overlay is pruned (the invariants
-    # check every overlay's trees), and ending it leaves no prompt count.
+    # A prompt whose own tree passes the capacity: that tree's running nodes are pruned (the
+    # invariants check both parts of every tree), and ending it leaves no prompt count.
     prompt = [rng.choice([7, rng.randrange(VOCAB)]) for _ in range(200)]
     trie.begin(ctx(prompt, rid=3))
-    assert trie._requests[3].store.tree_prunes > 0
+    assert trie.running_prunes > 0
     trie.check_invariants()
     trie.end(ctx(prompt, rid=3))
     trie.check_invariants()
@@ -437,9 +431,9 @@ def test_a_big_prompt_does_not_wipe_what_other_trees_learned():
     learned = {k: v for k, v in trie.snapshot().items() if k[0] in (1, 2)}
     prompt = [rng.randrange(10, VOCAB) for _ in range(200)]
     trie.begin(ctx(prompt, rid=1))
-    assert len(trie.snapshot(1)) > 16 * trie.decoding_length
-    assert {k: v for k, v in trie.snapshot(1).items() if k[0] in (1, 2)} == learned
-    assert trie.retrieve([9, 1], budget=4, request_id=1) == [[2, 3, 4]]
+    assert len(trie.snapshot(running=True)) > 16 * trie.decoding_length
+    assert {k: v for k, v in trie.snapshot(running=True).items() if k[0] in (1, 2)} == learned
+    assert trie.retrieve([9, 1], budget=4) == [[2, 3, 4]]
     trie.end(ctx(prompt, rid=1))
     assert {k: v for k, v in trie.snapshot().items() if k[0] in (1, 2)} == learned
     trie.check_invariants()
@@ -456,10 +450,10 @@ def test_max_nodes_bounds_the_whole_trie_least_frequent_first():
             trie.check_invariants()
     assert trie.global_prunes > 0
     assert trie.retrieve([1], budget=3) == [[2, 3, 4]]
-    # A running request's overlay is bounded the same way (the invariants check it).
+    # What the running requests taught is bounded the same way (the invariants check it).
     prompt = [rng.randrange(VOCAB) for _ in range(100)]
     trie.begin(ctx(prompt, rid=3))
-    assert len(trie) <= 100 and trie._requests[3].store.size <= 100
+    assert len(trie) <= 100 and len(trie.snapshot(running=True)) <= 200 and trie.running_prunes > 0
     trie.check_invariants()
     trie.end(ctx(prompt, rid=3))
     trie.check_invariants()
@@ -479,17 +473,17 @@ def test_max_nodes_bounds_the_whole_trie_least_frequent_first():
 
 
 def test_pruning_the_shared_trie_never_touches_a_running_requests_prompt():
-    """A request's prompt lives in its overlay: pruning the shared trie away to nothing, or other
+    """A request's prompt lives in the running part: pruning the shared trie away to nothing, or other
     requests with the same prompt ending, leaves its prompt counts whole, and nothing of it behind."""
     trie = FrequencyTrie(branch_length=1, prompt_weight=1)
     trie.begin(ctx([1, 2], rid=1))  # A: (1,) and (1, 2), prompt count 1 each
     for _ in range(5):
         trie.insert([3, 4])
     trie.prune(0)
-    assert len(trie) == 0 and trie.counts([1], 1) == (0, 1) and trie.counts([1, 2], 1) == (0, 1)
+    assert len(trie) == 0 and trie.counts([1], running=True) == (0, 1) and trie.counts([1, 2], running=True) == (0, 1)
     trie.begin(ctx([1, 2], rid=2))  # B, the same prompt
     trie.end(ctx([1, 2], rid=2))
-    assert trie.counts([1]) is None and trie.counts([1], 1) == (0, 1)
+    assert trie.counts([1]) is None and trie.counts([1], running=True) == (0, 1)
     trie.end(ctx([1, 2], rid=1))
     assert trie.counts([1]) is None and trie.active_requests == 0
     trie.check_invariants()
@@ -501,7 +495,7 @@ def test_ablation_switches():
                                           (dict(insert_output=False), True, False)]:
         trie = FrequencyTrie(branch_length=2, **kw)
         trie.begin(ctx(prompt))
-        assert (trie.counts([1, 2], 1) is not None) == expect_prompt
+        assert (trie.counts([1, 2], running=True) is not None) == expect_prompt
         trie.observe(Feedback(out, ctx(prompt + out, 4)))
         trie.end(ctx(prompt + out, 4))
         assert (trie.counts([5, 6]) is not None) == expect_out
@@ -515,8 +509,8 @@ def test_reused_request_id_and_unknown_requests():
     trie = FrequencyTrie(branch_length=2)
     trie.end(ctx([1, 2, 3], rid=5))  # never begun: ignored
     trie.begin(ctx([1, 2, 3], rid=5))
-    trie.begin(ctx([4, 5, 6], rid=5))  # same id again: the first overlay is dropped
-    assert trie.counts([1, 2], 5) is None and trie.counts([4, 5], 5) == (0, 1)
+    trie.begin(ctx([4, 5, 6], rid=5))  # same id again: the first one's counts are taken back
+    assert trie.counts([1, 2], running=True) is None and trie.counts([4, 5], running=True) == (0, 1)
     trie.observe(Feedback([9, 9], ctx([7, 8, 9, 9], 2, rid=6)))  # observe without begin
     trie.end(ctx([7, 8, 9, 9], 2, rid=6))
     trie.end(ctx([4, 5, 6], rid=5))

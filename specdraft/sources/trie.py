@@ -17,9 +17,9 @@ paper                                  this package
 4.3.1 branch inserting                 :meth:`~FrequencyTrie.begin` (prompt, amplified),
                                        :meth:`~FrequencyTrie.observe` and
                                        :meth:`~FrequencyTrie.end` (output), :meth:`~FrequencyTrie.insert`
-4.3.1 branch eliminating               a request's prompt is counted in its own overlay only
-                                       (see below), so :meth:`~FrequencyTrie.end` removes it by
-                                       dropping the overlay
+4.3.1 branch eliminating               a request's prompt is counted in the running part only
+                                       (see below), so :meth:`~FrequencyTrie.end` takes it
+                                       back exactly
 4.3.1 node pruning                     :class:`~specdraft.sources.trie_store.NodeStore`: least
                                        frequent nodes of one first-token tree first, past
                                        ``capacity``; of the whole trie, past ``max_nodes``
@@ -54,42 +54,47 @@ and, since a per-tree bound alone lets memory grow with the number of distinct t
 vocabulary x capacity), ``max_nodes`` bounds the whole trie as well, dropping the globally least
 frequent nodes first.
 
-Overlays: what a request learns, and when the others see it. Every request counts what it
-teaches in an *overlay*, a small trie of its own: its prompt windows at ``begin`` (amplified by
-``prompt_weight``) and its output windows as they complete. It drafts from the shared trie and its
-overlay read as one (counts added, see :mod:`~specdraft.sources.trie_select`), so its own prompt
-and output help its own drafts at once. The shared trie changes only when a request ends: ``end``
-counts the request's output windows there and drops the overlay, which takes the prompt's
-amplified counts with it (the paper's branch eliminating). A failed request (``abort``) just drops
-its overlay, so it leaves the shared trie exactly as it was, by construction, whatever other
-requests did meanwhile. Requests running at the same time see each other's outputs once they
-end, not while they run, and never each other's prompts.
+Shared and running parts: what a request learns, and when. Every node's counts are the sum of a
+*shared* part, what finished requests and :meth:`~FrequencyTrie.insert` taught, and a *running*
+part, what the requests still running taught so far: their prompt windows at ``begin`` (amplified by
+``prompt_weight``) and their output windows as they complete (see
+:mod:`~specdraft.sources.trie_store`). Every request drafts from the sums, so it sees its own prompt
+and output at once, and what the other running requests are learning too (read only), as if all
+wrote to one trie. The shared part changes only when a request ends: ``end`` takes the request's
+running counts back (its prompt's amplified counts with them: the paper's branch eliminating) and
+counts its output windows in the shared part. A failed request (``abort``) only has its running
+counts taken back; nothing it did ever reached the shared part, whose counts, stamps, clock and
+prunes are kept apart from the running ones, so the shared trie is exactly as it was, by
+construction, whatever other requests did meanwhile, and the other requests stop seeing what it
+taught the moment it aborts. (What it may leave behind, until they end, is in what the other
+running requests draft from: a tie-break stamp on nodes they counted too, and, since the running
+part of all requests shares one bound, the nodes of theirs a prune of the running part took while
+it ran.)
 
 Windows. A window is ``branch_length + 1`` tokens: the token a branch follows plus the branch,
 as in the authors' implementation (``token_ids[i + 1 : i + branch_length + 1]`` filed under
 ``token_ids[i]``), so matching one context token still yields branches of ``branch_length``.
-Output windows are counted in the overlay as in the paper's "incrementally put branches of O"
+Output windows are counted in the running part as in the paper's "incrementally put branches of O"
 (Algorithm 1, line 24): each window once, when its last token is committed. At ``end`` every
 output window goes into the shared trie, those that would run past the end of the output
 shortened. A window counts as output if it contains at least one generated token, so the last
 ``branch_length`` prompt tokens (a chat template's "assistant" header, say) stay linked to what
 was generated after them.
 
-Data layout. The shared trie and each overlay are a
+Data layout. The whole trie, both parts, is one
 :class:`~specdraft.sources.trie_store.NodeStore`: nodes are indexes into flat lists of ints and
 dicts of ints, none of which Python's cyclic garbage collector tracks, so a full trie of
 ``max_nodes`` nodes adds nothing to a full collection, and pruned or dropped nodes make no garbage
 for it to find. :attr:`FrequencyTrie.trie` shows the shared nodes as a :class:`pygtrie.Trie` (token
-tuple -> :class:`TrieNode`, a copy of the node's counts), built on demand for reading.
+tuple -> :class:`TrieNode`, a copy of the node's shared counts), built on demand for reading.
 
-Thread safety. One re-entrant lock (``threading.RLock``) guards the shared trie and the table of
-overlays; an overlay is written only by its own request's calls. ``begin`` indexes the prompt into
-the new overlay without the lock, so a long prompt does not hold up the other requests' steps;
-``propose`` holds it while it reads (at most ``budget`` nodes and their siblings), ``observe``
-while it counts the one to few windows a step completes, and ``end`` while it counts the request's
-output into the shared trie. Pruning is amortised: a tree is pruned when it passes ``capacity``
-and then goes down to ``prune_to * capacity``; the whole trie when it passes ``max_nodes``, down
-to ``prune_to * max_nodes``.
+Thread safety. One re-entrant lock (``threading.RLock``) guards the store and the table of running
+requests; every method holds it from start to end. The hot-path sections are short (``propose``
+reads at most ``budget`` nodes and their siblings; ``observe`` counts the one to few windows a step
+completes); ``begin`` holds it while it counts the prompt's windows, ``end`` and ``abort`` while
+they take a request's counts back (a few tens of milliseconds for a prompt of some thousand tokens).
+Pruning is amortised: a tree is pruned when it passes ``capacity`` and then goes down to ``prune_to
+* capacity``; the whole trie when it passes ``max_nodes``, down to ``prune_to * max_nodes``.
 
 Cost: well under 1% of a small model's CPU step per decoding step, all included. The
 measurements (``benchmarks/trie_overhead.py``, ``benchmarks/gc_pauses.py``) are in the
@@ -117,11 +122,6 @@ HIERARCHICAL = "hierarchical"
 PARALLEL = "parallel"
 DEFAULT_MAX_NODES = 131_072
 
-#: Where an overlay's clock starts: past any stamp the shared trie will reach, so that among nodes
-#: of equal frequency the ones a request touched itself count as the most recent for its drafts.
-OVERLAY_STAMPS = 1 << 48
-
-
 @dataclass(frozen=True)
 class TrieNode:
     """A copy of one node of the shared trie, as :attr:`FrequencyTrie.trie` shows it: ``out`` counts
@@ -135,15 +135,26 @@ class TrieNode:
     stamp: int
 
 
-class _Overlay:
-    """One running request's own counts (see the module docstring) and where its output stands."""
+class _Request:
+    """One running request: what it counted in the running part, so that it can be taken back.
 
-    __slots__ = ("store", "prompt_length", "next_start")
+    ``tokens`` are the prompt and the output counted so far; the prompt's windows were counted with
+    consecutive running clocks from ``prompt_tick`` (0: none counted), the output windows, which
+    start at ``first`` and go on one token at a time, with the clocks in ``ticks``."""
 
-    def __init__(self, store: NodeStore, prompt_length: int, next_start: int) -> None:
-        self.store = store
+    __slots__ = ("tokens", "prompt_length", "prompt_tick", "first", "ticks")
+
+    def __init__(self, tokens: list[int], prompt_length: int, first: int) -> None:
+        self.tokens = tokens
         self.prompt_length = prompt_length
-        self.next_start = next_start  # start of the first output window not counted yet
+        self.prompt_tick = 0
+        self.first = first  # start of the first output window
+        self.ticks: list[int] = []  # the running clock of each output window counted, in order
+
+    @property
+    def next_start(self) -> int:
+        """The start of the first output window not counted yet."""
+        return self.first + len(self.ticks)
 
 
 class FrequencyTrie:
@@ -162,14 +173,15 @@ class FrequencyTrie:
         Node pruning threshold of one first-token tree (Sec. 4.3.1, N_max; per tree as in the
         authors' implementation, see the module docstring). ``None`` = 16 x ``decoding_length``,
         the best value of Table 6. After every public call no tree (the nodes whose key starts with
-        a given token, that token's node included) holds more than ``capacity`` nodes, in the shared
-        trie and in each overlay; a tree that passes it loses its least frequent nodes down to
-        ``prune_to * capacity``, and the other trees are not touched.
+        a given token, that token's node included) holds more than ``capacity`` nodes in the shared
+        trie, nor more than ``capacity`` nodes that only the running requests taught; a tree that
+        passes it loses its least frequent nodes down to ``prune_to * capacity``, and the other
+        trees are not touched.
     ``max_nodes``
         Bound on the whole trie (not in the paper, whose trie grows with the number of distinct
         first tokens): after every public call the shared trie holds at most ``max_nodes`` nodes,
-        and so does each running request's overlay; past it the globally least frequent nodes go,
-        down to ``prune_to * max_nodes``.
+        and the nodes only the running requests taught are at most as many; past it the globally
+        least frequent nodes go, down to ``prune_to * max_nodes``.
     ``prompt_weight``
         The "significant factor" prompt frequencies are amplified by (Sec. 4.3.2) so prompt
         branches win over output branches; 10 000 as in the reference implementation (its
@@ -233,80 +245,86 @@ class FrequencyTrie:
         self._lock = threading.RLock()
         self._view: pygtrie.Trie | None = None  # the pygtrie view of :attr:`trie`, made on demand
         self._view_version = -1
-        self._shared = self._store()
-        self._requests: dict[int, _Overlay] = {}
-
-    def _store(self, stamp_base: int = 0) -> NodeStore:
-        return NodeStore(self.capacity, self.max_nodes, self.prompt_weight, self.prune_to, stamp_base)
+        self._store = NodeStore(capacity, max_nodes, prompt_weight, prune_to)
+        self._requests: dict[int, _Request] = {}
 
     # -- the DraftSource protocol -----------------------------------------------------------
 
     def begin(self, context: Context) -> None:
         """Branch inserting, prompt part (Sec. 4.3.1; Algorithm 1, lines 5-10): every window of the
-        prompt, counted as prompt (amplified) in the request's new overlay. A request id begun again
-        without ``end`` drops its earlier overlay, as ``abort`` would."""
+        prompt, counted as prompt (amplified) in the running part. A request id begun again without
+        ``end`` has its earlier counts taken back first, as ``abort`` would."""
         prompt = [int(t) for t in context.tokens[: context.prompt_length]]
-        overlay = self._overlay(len(prompt))
-        if self.insert_prompt:
-            overlay.store.insert_all(prompt, 0, self.branch_length + 1, as_prompt=True)
-            overlay.store.prune_if_needed()
+        request = _Request(prompt, len(prompt), self._first_output_window(len(prompt)))
         with self._lock:
-            self._requests[context.request_id] = overlay
+            old = self._requests.pop(context.request_id, None)
+            if old is not None:
+                self._take_back(old)
+            if self.insert_prompt and len(prompt) > 1:
+                request.prompt_tick = self._store.add_all(prompt, 0, self.branch_length + 1, True, shared=False)
+                self._store.prune_if_needed()
+            self._requests[context.request_id] = request
 
     def propose(self, context: Context, budget: int) -> Draft:
-        """Trie retrieving (Sec. 4.3.2; Algorithm 1, lines 12-19) from the shared trie and the
-        request's overlay read as one: see :meth:`retrieve`."""
-        return Draft(branches=self.retrieve(context.tokens, budget, context.request_id))
+        """Trie retrieving (Sec. 4.3.2; Algorithm 1, lines 12-19): see :meth:`retrieve`."""
+        return Draft(branches=self.retrieve(context.tokens, budget))
 
     def observe(self, feedback: Feedback) -> None:
         """Branch inserting, output part (Algorithm 1, line 24): count the windows the committed
-        tokens complete in the request's overlay, each once."""
+        tokens complete in the running part, each once."""
         context = feedback.context
         with self._lock:
-            overlay = self._requests.get(context.request_id)
-            if overlay is None:  # observe without begin: track the output anyway, count no prompt
-                overlay = self._requests[context.request_id] = self._overlay(context.prompt_length)
+            request = self._requests.get(context.request_id)
+            if request is None:  # observe without begin: track the output anyway, count no prompt
+                n = context.prompt_length
+                request = _Request([int(t) for t in context.tokens[:n]], n, self._first_output_window(n))
+                self._requests[context.request_id] = request
+            tokens = request.tokens
+            tokens.extend(int(t) for t in context.tokens[len(tokens) :])
             if not self.insert_output:
                 return
-            tokens = context.tokens
             width = self.branch_length + 1
-            start = overlay.next_start
-            store = overlay.store
+            store, ticks = self._store, request.ticks
+            start = request.next_start
             while start + width <= len(tokens):
-                store.insert(tokens, start, start + width)
+                ticks.append(store.add_running(tokens, start, start + width))
                 start += 1
-            overlay.next_start = start
             store.prune_if_needed()
 
     def end(self, context: Context) -> None:
-        """The request is over: count every output window in the shared trie (those running past the
-        end of the output shortened), and drop the overlay, its prompt counts with it (branch
-        eliminating, Sec. 4.3.1; Algorithm 1, line 27). Unknown request ids are ignored."""
+        """The request is over: take its running counts back (its prompt's with them: branch
+        eliminating, Sec. 4.3.1; Algorithm 1, line 27) and count every output window in the shared
+        part (those running past the end of the output shortened). Unknown request ids are ignored."""
         with self._lock:
-            overlay = self._requests.pop(context.request_id, None)
-            if overlay is None:
+            request = self._requests.pop(context.request_id, None)
+            if request is None:
                 return
+            self._take_back(request)
             tokens = [int(t) for t in context.tokens]
             width = self.branch_length + 1
-            shared = self._shared
-            if self.insert_output and len(tokens) > overlay.prompt_length:
-                shared.insert_all(tokens, self._first_output_window(overlay.prompt_length), width)
+            store = self._store
+            if self.insert_output and len(tokens) > request.prompt_length:
+                store.add_all(tokens, request.first, width)
             if not self.eliminate and self.insert_prompt:  # the ablation: the prompt stays
-                shared.insert_all(tokens[: overlay.prompt_length], 0, width, as_prompt=True)
-            shared.prune_if_needed()
+                store.add_all(tokens[: request.prompt_length], 0, width, as_prompt=True)
+            store.prune_if_needed()
 
     def abort(self, context: Context) -> None:
-        """The request failed (see :class:`~specdraft.sources.base.DraftSource`): drop its overlay.
-        The shared trie never held anything of it, so it is exactly as it was before the request
-        began, whatever other requests did meanwhile. Unknown request ids are ignored."""
+        """The request failed (see :class:`~specdraft.sources.base.DraftSource`): take its running
+        counts back. The shared part never held anything of it, so the shared trie is exactly as it
+        was before the request began, whatever other requests did meanwhile. Unknown request ids
+        are ignored."""
         with self._lock:
-            self._requests.pop(context.request_id, None)
+            request = self._requests.pop(context.request_id, None)
+            if request is not None:
+                self._take_back(request)
 
     # -- public helpers ------------------------------------------------------------------------
 
-    def retrieve(self, tokens: Sequence[int], budget: int, request_id: int | None = None) -> list[list[int]]:
+    def retrieve(self, tokens: Sequence[int], budget: int) -> list[list[int]]:
         """Draft branches for the context ``tokens`` using at most ``budget`` draft tokens, from the
-        shared trie, read together with the overlay of ``request_id`` when that request is running.
+        shared trie and what the running requests taught so far, read as one (what ``propose``
+        drafts from; with no request running, the shared trie alone).
 
         Multi-stage retrieval (Sec. 4.3.2): match the longest suffix of ``tokens`` (at most
         ``branch_length`` tokens) that is a key of the trie and whose subtree offers at least
@@ -321,18 +339,16 @@ class FrequencyTrie:
             return []
         tail = [int(t) for t in tokens[-self.branch_length :]]
         with self._lock:
-            overlay = self._requests.get(request_id) if request_id is not None else None
-            selected = _retrieve(self._shared, overlay.store if overlay is not None else None, tail, k,
-                                 self.branch_length, self.min_nodes)
+            selected = _retrieve(self._store, tail, k, self.branch_length, self.min_nodes)
         return _branches(selected, k, self.mode == PARALLEL) if selected else []
 
     def insert(self, tokens: Sequence[int]) -> None:
-        """Insert every window of ``tokens`` as an output branch (persistent), e.g. to warm the
-        trie with past answers, as the paper does with its dev set (Sec. 5.1)."""
+        """Insert every window of ``tokens`` as an output branch in the shared trie (persistent),
+        e.g. to warm the trie with past answers, as the paper does with its dev set (Sec. 5.1)."""
         tokens = [int(t) for t in tokens]
         with self._lock:
-            self._shared.insert_all(tokens, 0, self.branch_length + 1)
-            self._shared.prune_if_needed()
+            self._store.add_all(tokens, 0, self.branch_length + 1)
+            self._store.prune_if_needed()
 
     def prune(self, target: int | None = None, *, first_token: int | None = None) -> int:
         """Node pruning of the shared trie now (normally automatic); returns how many nodes went.
@@ -340,27 +356,31 @@ class FrequencyTrie:
         ``prune(n)``: the globally least frequent nodes until ``n`` remain in the trie.
         ``prune(n, first_token=t)``: the least frequent nodes of ``t``'s tree until ``n`` remain in
         it (default ``prune_to * capacity``). ``prune()``: every tree above ``prune_to *
-        capacity`` down to it, then the trie down to ``prune_to * max_nodes`` if above.
+        capacity`` down to it, then the trie down to ``prune_to * max_nodes`` if above. What the
+        running requests taught stays.
         """
         with self._lock:
-            shared = self._shared
-            if first_token is not None:
-                t = int(first_token)
-                if t not in shared.tree_size:
-                    return 0
-                return shared.prune_tree(t, shared.tree_watermark() if target is None else max(0, int(target)))
-            if target is not None:
-                return shared.prune_global(max(0, int(target)))
-            low = shared.tree_watermark()
-            removed = 0
-            for t in [t for t, n in shared.tree_size.items() if n > low]:
-                removed += shared.prune_tree(t, low)
-            return removed + shared.prune_global(shared.global_watermark())
+            removed = self._prune_shared(target, first_token)
+            self._store.bound_running()  # (a node the running requests count in stays, running only)
+            return removed
+
+    def _prune_shared(self, target: int | None, first_token: int | None) -> int:
+        store = self._store
+        if first_token is not None:
+            t = int(first_token)
+            return store.prune_tree(t, store.tree_watermark() if target is None else max(0, int(target)))
+        if target is not None:
+            return store.prune_global(max(0, int(target)))
+        low = store.tree_watermark()
+        removed = 0
+        for t in [t for t, n in store.tree_size.items() if n > low]:
+            removed += store.prune_tree(t, low)
+        return removed + store.prune_global(store.global_watermark())
 
     def clear(self) -> None:
         """Forget everything (counts and running requests)."""
         with self._lock:
-            self._shared.clear()
+            self._store.clear()
             self._requests.clear()
 
     # -- inspection ----------------------------------------------------------------------------
@@ -368,25 +388,27 @@ class FrequencyTrie:
     def tree_size(self, first_token: int) -> int:
         """Nodes in the shared tree of ``first_token`` (the nodes whose key starts with it); 0 if none."""
         with self._lock:
-            return self._shared.tree_size.get(int(first_token), 0)
+            return self._store.tree_size.get(int(first_token), 0)
 
     def tree_sizes(self) -> dict[int, int]:
         """``first token -> node count`` of every shared tree (a copy)."""
         with self._lock:
-            return dict(self._shared.tree_size)
+            return dict(self._store.tree_size)
 
     @property
     def trie(self) -> pygtrie.Trie:
-        """Every shared node as a :class:`pygtrie.Trie` (token tuple -> :class:`TrieNode`), for reading
-        only. Built from the nodes when first asked for after a change (O(trie size))."""
+        """Every shared node as a :class:`pygtrie.Trie` (token tuple -> :class:`TrieNode`, its shared
+        counts), for reading only. Built from the nodes when first asked for after a change (O(trie
+        size))."""
         with self._lock:
-            shared = self._shared
-            if self._view is None or self._view_version != (id(shared.token), shared.version, shared.clock):
+            store = self._store
+            version = (store.version, store.clock)
+            if self._view is None or self._view_version != version:
                 view = pygtrie.Trie()
-                for key, n in shared.items():
-                    view[key] = TrieNode(shared.token[n], shared.depth[n], shared.out[n], shared.prompt[n],
-                                         shared.stamp[n])
-                self._view, self._view_version = view, (id(shared.token), shared.version, shared.clock)
+                for key, n in store.items(shared_only=True):
+                    view[key] = TrieNode(store.token[n], store.depth[n], store.shared_out[n], store.shared_prompt[n],
+                                         store.shared_stamp[n])
+                self._view, self._view_version = view, version
             return self._view
 
     @property
@@ -396,11 +418,11 @@ class FrequencyTrie:
 
     def __len__(self) -> int:
         """The number of shared nodes (distinct non-empty prefixes of inserted windows)."""
-        return self._shared.size
+        return self._store.size
 
     @property
     def node_count(self) -> int:
-        return self._shared.size
+        return self._store.size
 
     @property
     def active_requests(self) -> int:
@@ -409,78 +431,94 @@ class FrequencyTrie:
             return len(self._requests)
 
     @property
+    def clock(self) -> int:
+        """The shared clock: output windows counted in the shared trie so far."""
+        return self._store.clock
+
+    @property
     def prunes(self) -> int:
         """How many times pruning ran on the shared trie (per tree or global)."""
-        return self._shared.prunes
+        return self._store.prunes
 
     @property
     def tree_prunes(self) -> int:
         """Of :attr:`prunes`, the per-tree prunes (a tree past ``capacity``)."""
-        return self._shared.tree_prunes
+        return self._store.tree_prunes
 
     @property
     def global_prunes(self) -> int:
         """Of :attr:`prunes`, the global prunes (the trie past ``max_nodes``)."""
-        return self._shared.global_prunes
+        return self._store.global_prunes
 
     @property
     def pruned_nodes(self) -> int:
         """Shared nodes removed by pruning, in total."""
-        return self._shared.pruned_nodes
+        return self._store.pruned_nodes
 
-    def counts(self, key: Sequence[int], request_id: int | None = None) -> tuple[int, int] | None:
-        """``(out, prompt)`` counts of ``key`` in the shared trie, or in the shared trie and the
-        overlay of ``request_id`` added (what that request drafts from); ``None`` if neither has it."""
+    @property
+    def running_prunes(self) -> int:
+        """How many times the nodes only running requests taught were pruned."""
+        return self._store.running_prunes
+
+    def counts(self, key: Sequence[int], running: bool = False) -> tuple[int, int] | None:
+        """``(out, prompt)`` counts of ``key`` in the shared trie, or with ``running`` in what the
+        running requests draft from (the running counts added); ``None`` if it has none there."""
         key = [int(t) for t in key]
         if not key:
             return None
         with self._lock:
-            found = None
-            for store in self._stores(request_id):
-                node = store.find(key, 0, len(key))
-                if node >= 0:
-                    out, prompt = found or (0, 0)
-                    found = (out + store.out[node], prompt + store.prompt[node])
-            return found
+            store = self._store
+            node = store.find(key, 0, len(key))
+            if node < 0 or not (running or store.is_shared(node)):
+                return None
+            if running:
+                return store.out[node], store.prompt[node]
+            return store.shared_out[node], store.shared_prompt[node]
 
-    def snapshot(self, request_id: int | None = None) -> dict[tuple[int, ...], tuple[int, int]]:
-        """Every key as ``key -> (out, prompt)``: the shared trie's, or with ``request_id`` what that
-        request drafts from (its overlay's counts added). For tests and inspection; O(trie size)."""
+    def snapshot(self, running: bool = False) -> dict[tuple[int, ...], tuple[int, int]]:
+        """Every key as ``key -> (out, prompt)``: the shared trie's, or with ``running`` what the
+        running requests draft from (the running counts added). For tests and inspection; O(trie
+        size)."""
         with self._lock:
-            out: dict[tuple[int, ...], tuple[int, int]] = {}
-            for store in self._stores(request_id):
-                for key, n in store.items():
-                    o, p = out.get(key, (0, 0))
-                    out[key] = (o + store.out[n], p + store.prompt[n])
-            return out
+            store = self._store
+            if running:
+                return {key: (store.out[n], store.prompt[n]) for key, n in store.items()}
+            return {key: (store.shared_out[n], store.shared_prompt[n]) for key, n in store.items(shared_only=True)}
 
     def check_invariants(self) -> None:
-        """Assert the structural invariants of the shared trie and of every overlay (O(size); for
-        tests): links agree, the key set is prefix-closed, counts are >= 0 and every node has a
-        positive frequency, a parent's counts are at least the sum of its children's, the per-tree
-        node counts are right and within ``capacity``, and the total is within ``max_nodes``; the
-        pygtrie view holds the shared keys."""
+        """Assert the structural invariants (O(size); for tests): links agree, the key sets are
+        prefix-closed, both parts are >= 0 and every node holds a count, a parent's counts are at
+        least the sum of its children's, the per-tree node counts are right and within
+        ``capacity``, and the totals within ``max_nodes``; the pygtrie view holds the shared keys;
+        with no request running, no running count is left."""
         with self._lock:
-            keys = self._shared.check()
+            keys = self._store.check()
             assert set(tuple(k) for k in self.trie.keys()) == set(keys), "the pygtrie view is stale"
-            for overlay in self._requests.values():
-                overlay.store.check()
-                assert all(stamp >= OVERLAY_STAMPS for stamp in overlay.store.stamp[1:])
+            if not self._requests:
+                store = self._store
+                left = [key for key, n in store.items()
+                        if (store.out[n], store.prompt[n]) != (store.shared_out[n], store.shared_prompt[n])]
+                assert store.running_size == 0 and not left, f"running counts outlived their request at {left[:3]}"
 
     def __repr__(self) -> str:
-        return (f"FrequencyTrie(nodes={self._shared.size}, trees={len(self._shared.tree_size)}, "
+        return (f"FrequencyTrie(nodes={self._store.size}, trees={len(self._store.tree_size)}, "
                 f"capacity={self.capacity}, max_nodes={self.max_nodes}, decoding_length={self.decoding_length}, "
                 f"branch_length={self.branch_length}, mode={self.mode!r}, active_requests={len(self._requests)})")
 
-    # -- internals -----------------------------------------------------------------------------
-
-    def _overlay(self, prompt_length: int) -> _Overlay:
-        return _Overlay(self._store(OVERLAY_STAMPS), prompt_length, self._first_output_window(prompt_length))
+    # -- internals (callers hold the lock) ------------------------------------------------------
 
     def _first_output_window(self, prompt_length: int) -> int:
         """The first window holding a generated token starts ``branch_length`` tokens before them."""
         return max(0, prompt_length - self.branch_length)
 
-    def _stores(self, request_id: int | None) -> list[NodeStore]:
-        overlay = self._requests.get(request_id) if request_id is not None else None
-        return [self._shared] if overlay is None else [self._shared, overlay.store]
+    def _take_back(self, request: _Request) -> None:
+        """Take every running count of ``request`` back: its prompt windows and its output windows."""
+        store, width = self._store, self.branch_length + 1
+        tokens = request.tokens
+        if request.prompt_tick:
+            n = request.prompt_length
+            for start in range(n - 1):
+                store.take_back(tokens, start, min(start + width, n), True, request.prompt_tick + start)
+        for i, tick in enumerate(request.ticks):
+            start = request.first + i
+            store.take_back(tokens, start, start + width, False, tick)

@@ -9,23 +9,39 @@ ancestors, a parent's counts are never below the sum of its children's: frequenc
 down, so "the least frequent nodes" is always closed under descendants once ties go deepest-first,
 and pruning them keeps the key set prefix-closed.
 
+Two parts. Each count is the sum of a *shared* part (``shared_out``, ``shared_prompt``, with its
+own clock in ``shared_stamp``), what finished requests and insertions taught, and a *running* part,
+what the requests still running taught so far. Retrieval reads the sums, so every running request
+drafts from everything at the cost of one store. The shared part changes only through
+:meth:`add_shared` and the shared prunes; a running request's windows are counted with
+:meth:`add_running` and taken back with :meth:`take_back`, and neither touches the shared part
+or its clock. So once a request's windows are taken back, the shared part is exactly what it would
+be had the request never run, and so is everything the shared part decides later (its prunes rank
+shared counts and shared stamps only). A node lives while either part holds a count; its
+``stamp`` is the running clock of the last running window through it while it has a running
+part (running stamps start at :data:`RUNNING_STAMPS`, past any shared stamp: what is being
+learnt now counts as the most recent), its shared stamp otherwise.
+
 Layout. A node is an int, an index into parallel lists (``token``, ``parent``, ``depth``, ``out``,
-``prompt``, ``stamp``, ``children``); ``children[n]`` is a dict ``token -> child`` (``None`` while
-the node has none). Ints and dicts of ints are not tracked by Python's cyclic garbage collector, so
-a store of any size is a handful of tracked objects: a full collection does not scan its nodes,
-and a node that goes makes no garbage for the collector to find (a node object linked to its
-parent would be a reference cycle). Node 0 is the root, the empty key. A removed node's index is
-reused by the next node made.
+``prompt``, ``stamp``, ``born``, ``shared_out``, ``shared_prompt``, ``shared_stamp``,
+``children``); ``children[n]`` is a dict ``token -> child`` (``None`` while the node has none). Ints
+and dicts of ints are not tracked by Python's cyclic garbage collector, so a store of any size is a
+handful of tracked objects: a full collection does not scan its nodes, and a node that goes makes no
+garbage for the collector to find (a node object linked to its parent would be a reference cycle).
+Node 0 is the root, the empty key. A removed node's index is reused by the next node made;
+``born`` is the running clock when the node was made, so :meth:`take_back` can tell a node that
+held a window's count from one made anew after a prune took the first.
 
 Bounds. After :meth:`prune_if_needed` no first-token tree (the nodes whose key starts with a
-given token, that token's node included) holds more than ``capacity`` nodes, and the store holds at
-most ``max_nodes``. A tree past ``capacity`` loses its least frequent nodes down to ``prune_to *
-capacity``; the store past ``max_nodes`` its globally least frequent nodes, down to ``prune_to *
-max_nodes``. Only the trees that grew since the last check are looked at; a tree's prune ranks
-only its own nodes, O(T log T).
+given token, that token's node included) holds more than ``capacity`` shared nodes, and the store
+holds at most ``max_nodes`` of them; the same two bounds hold for the nodes with only a running
+part. Past ``capacity`` a tree loses its least frequent nodes down to ``prune_to * capacity``;
+past ``max_nodes`` the store its globally least frequent, down to ``prune_to * max_nodes``. A
+shared prune drops the shared part (a node with a running part stays, for the running requests),
+a running prune the whole node. Only the trees that grew since the last check are looked at; a
+tree's prune ranks only its own nodes, O(T log T).
 
-Not thread-safe on its own: :class:`~specdraft.sources.trie.FrequencyTrie` guards the shared store
-with its lock, and each request's overlay store belongs to that request.
+Not thread-safe on its own: :class:`~specdraft.sources.trie.FrequencyTrie` guards it with its lock.
 """
 
 from __future__ import annotations
@@ -33,52 +49,55 @@ from __future__ import annotations
 import heapq
 from typing import Iterator, Sequence
 
-__all__ = ["NodeStore", "ROOT"]
+__all__ = ["NodeStore", "ROOT", "RUNNING_STAMPS"]
 
 #: The root node: the empty key, never counted.
 ROOT = 0
 #: ``parent`` of a removed node (its index waits in the free list).
 _GONE = -2
+#: Where the running clock starts: past any stamp the shared clock will reach.
+RUNNING_STAMPS = 1 << 48
 
 
 class NodeStore:
-    """Counted windows in flat lists (see the module docstring). ``stamp_base`` starts the store's
-    clock: every window inserted stamps the nodes it touches with the next clock value."""
+    """Counted windows in flat lists, in a shared and a running part (see the module docstring)."""
 
-    def __init__(self, capacity: int, max_nodes: int, prompt_weight: float, prune_to: float,
-                 stamp_base: int = 0) -> None:
+    def __init__(self, capacity: int, max_nodes: int, prompt_weight: float, prune_to: float) -> None:
         self.capacity = capacity
         self.max_nodes = max_nodes
         self.prompt_weight = prompt_weight
         self.prune_to = prune_to
-        self.token: list[int] = [-1]
-        self.parent: list[int] = [-1]
-        self.depth: list[int] = [0]
-        self.out: list[int] = [0]
-        self.prompt: list[int] = [0]
-        self.stamp: list[int] = [0]
-        self.children: list[dict[int, int] | None] = [None]
-        self._free: list[int] = []
-        self.size = 0  #: nodes in the store (the root not counted)
-        self.tree_size: dict[int, int] = {}  #: first token -> nodes of its tree (its own node included)
-        self._grown: set[int] = set()  # first tokens whose tree got new nodes since the last check
-        self.clock = stamp_base  #: the stamp of the last window inserted
-        self.holds_prompt = False  #: whether a prompt window was ever counted (retrieval skips the column if not)
-        self.version = 0  #: structural changes (nodes made or removed): when a view of the keys is stale
-        self.prunes = 0  #: how many times pruning ran (per tree or global)
+        self.prunes = 0  #: how many times the shared part was pruned (per tree or global)
         self.tree_prunes = 0  #: of which per-tree prunes (a tree past ``capacity``)
         self.global_prunes = 0  #: of which global prunes (the store past ``max_nodes``)
-        self.pruned_nodes = 0  #: nodes removed by pruning, in total
+        self.pruned_nodes = 0  #: shared nodes pruned, in total
+        self.running_prunes = 0  #: how many times nodes with only a running part were pruned
+        self.version = 0  #: structural changes (nodes made or removed): when a view of the keys is stale
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every node, both parts (the counters of past prunes stay)."""
+        self.token, self.parent, self.depth, self.children = [-1], [-1], [0], [None]
+        self.out, self.prompt, self.stamp, self.born = [0], [0], [0], [0]
+        self.shared_out, self.shared_prompt, self.shared_stamp = [0], [0], [0]
+        self._free: list[int] = []
+        self.size = 0  #: nodes with a shared part
+        self.tree_size: dict[int, int] = {}  #: first token -> its tree's nodes with a shared part
+        self.running_size = 0  #: nodes with only a running part
+        self.running_tree_size: dict[int, int] = {}  #: first token -> its tree's running-only nodes
+        self._grown: set[int] = set()  # trees whose shared part grew since the last check
+        self._running_grown: set[int] = set()  # trees whose running-only nodes grew since then
+        self.clock = 0  #: the shared clock: the stamp of the last shared window
+        self.tick = RUNNING_STAMPS  #: the running clock: running windows and node births
+        self.version += 1
 
     # -- counting windows ----------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], start: int, stop: int, as_prompt: bool = False) -> None:
-        """Count one window ``tokens[start:stop]`` (as a prompt window or an output window) in every
-        node of its path, making the nodes it lacks."""
-        self.clock += 1
-        clock = self.clock
-        if as_prompt:
-            self.holds_prompt = True
+    def add_running(self, tokens: Sequence[int], start: int, stop: int, as_prompt: bool = False) -> int:
+        """Count one window ``tokens[start:stop]`` in the running part of every node of its path,
+        making the nodes it lacks; returns its running clock (what :meth:`take_back` needs)."""
+        self.tick += 1
+        tick = self.tick
         counts = self.prompt if as_prompt else self.out
         children, stamp = self.children, self.stamp
         node = ROOT
@@ -89,65 +108,152 @@ class NodeStore:
             if child is None:
                 break
             counts[child] += 1
-            stamp[child] = clock
+            stamp[child] = tick
             node = child
             i += 1
         if i < stop:  # below a missing node everything is missing: make the rest, counted once
-            self._extend(node, tokens, start, i, stop, counts, clock)
+            self._make(node, tokens, start, i, stop, as_prompt, False)
+        return tick
 
-    def insert_all(self, tokens: Sequence[int], first: int, width: int, as_prompt: bool = False) -> None:
-        """Count every window of ``tokens`` that starts at ``first`` or later: ``width`` tokens, or
-        fewer where the tokens end (a window needs at least two tokens)."""
-        n = len(tokens)
-        for start in range(first, n - 1):
-            self.insert(tokens, start, min(start + width, n), as_prompt)
-
-    def _extend(self, node: int, tokens: Sequence[int], start: int, first: int, stop: int,
-                counts: list[int], clock: int) -> None:
-        """Make the nodes of ``tokens[first:stop]`` below ``node`` (the node of
-        ``tokens[start:first]``), each counted once and stamped ``clock``."""
-        children, free = self.children, self._free
-        as_prompt = counts is self.prompt
-        level = self.depth[node]
-        j = first
-        while free and j < stop:  # reuse the indexes of removed nodes first
-            child = free.pop()
-            level += 1
-            t = tokens[j]
-            self.token[child], self.parent[child], self.depth[child] = t, node, level
-            self.out[child], self.prompt[child] = (0, 1) if as_prompt else (1, 0)
-            self.stamp[child], children[child] = clock, None
+    def add_shared(self, tokens: Sequence[int], start: int, stop: int, as_prompt: bool = False) -> None:
+        """Count one window ``tokens[start:stop]`` in the shared part of every node of its path."""
+        self.clock += 1
+        self.tick += 1  # (the births of the nodes it makes)
+        clock = self.clock
+        counts, own = (self.prompt, self.shared_prompt) if as_prompt else (self.out, self.shared_out)
+        out, prompt, shared_out, shared_prompt = self.out, self.prompt, self.shared_out, self.shared_prompt
+        children, stamp, shared_stamp = self.children, self.stamp, self.shared_stamp
+        node = ROOT
+        i = start
+        while i < stop:
             kids = children[node]
-            if kids is None:
-                children[node] = {t: child}
-            else:
-                kids[t] = child
+            child = kids.get(tokens[i]) if kids is not None else None
+            if child is None:
+                break
+            if not shared_out[child] and not shared_prompt[child]:  # a running-only node joins the shared part
+                self._count_sizes(tokens[start], 1, -1)
+            counts[child] += 1
+            own[child] += 1
+            shared_stamp[child] = clock
+            if out[child] == shared_out[child] and prompt[child] == shared_prompt[child]:
+                stamp[child] = clock  # no running part: the shared stamp is the node's
             node = child
-            j += 1
-        if j < stop:  # then new indexes, appended: one list extend per field
-            child = len(self.token)
-            n = stop - j
-            new = tokens[j:stop]
+            i += 1
+        if i < stop:
+            self._make(node, tokens, start, i, stop, as_prompt, True)
+
+    def add_all(self, tokens: Sequence[int], first: int, width: int, as_prompt: bool = False,
+                shared: bool = True) -> int:
+        """Count every window of ``tokens`` that starts at ``first`` or later: ``width`` tokens, or
+        fewer where the tokens end (a window needs at least two tokens). Returns the running clock
+        of the first window (running windows get consecutive clocks)."""
+        n = len(tokens)
+        add = self.add_shared if shared else self.add_running
+        for start in range(first, n - 1):
+            add(tokens, start, min(start + width, n), as_prompt)
+        return self.tick - max(0, n - 1 - first) + 1
+
+    def take_back(self, tokens: Sequence[int], start: int, stop: int, as_prompt: bool, tick: int) -> None:
+        """Take the running count of the window ``tokens[start:stop]``, counted with running clock
+        ``tick``, back from the nodes of its path that still hold it; a node left with no count goes
+        (it has no children: theirs are at most its own). A node made after ``tick`` never held
+        it: a prune took the node that did, with its subtree, so the walk stops there."""
+        counts = self.prompt if as_prompt else self.out
+        out, prompt, shared_out, shared_prompt = self.out, self.prompt, self.shared_out, self.shared_prompt
+        children, born = self.children, self.born
+        node = ROOT
+        for i in range(start, stop):
             kids = children[node]
-            if kids is None:
-                children[node] = {new[0]: child}
-            else:
-                kids[new[0]] = child
-            self.token.extend(new)
-            self.parent.append(node)
-            self.parent.extend(range(child, child + n - 1))
-            self.depth.extend(range(level + 1, level + n + 1))
-            self.out.extend([0 if as_prompt else 1] * n)
-            self.prompt.extend([1 if as_prompt else 0] * n)
-            self.stamp.extend([clock] * n)
-            children.extend([{t: c} for t, c in zip(new[1:], range(child + 1, child + n))])
-            children.append(None)
+            child = kids.get(tokens[i]) if kids is not None else None
+            if child is None or born[child] > tick:
+                return
+            counts[child] -= 1
+            if out[child] == shared_out[child] and prompt[child] == shared_prompt[child]:
+                if not out[child] and not prompt[child]:
+                    self.remove(child)
+                    return
+                self.stamp[child] = self.shared_stamp[child]  # no running part left
+            node = child
+
+    def _make(self, node: int, tokens: Sequence[int], start: int, first: int, stop: int, as_prompt: bool,
+              shared: bool) -> None:
+        """Make the nodes of ``tokens[first:stop]`` below ``node`` (the node of
+        ``tokens[start:first]``), each counted once, in the shared part or the running part."""
         made = stop - first
-        self.size += made
+        level = self.depth[node]
+        while self._free and first < stop:  # reuse the indexes of removed nodes first
+            node = self._reuse(node, tokens[first], level + 1, as_prompt, shared)
+            level += 1
+            first += 1
+        if first < stop:  # then new indexes, appended: one list extend per field
+            self._append(node, tokens[first:stop], level, as_prompt, shared)
+        self._count_sizes(tokens[start], made if shared else 0, 0 if shared else made)
         self.version += 1
-        tree = tokens[start]
-        self.tree_size[tree] = self.tree_size.get(tree, 0) + made
-        self._grown.add(tree)
+
+    def _fields(self, as_prompt: bool, shared: bool) -> tuple[int, int, int, int, int]:
+        """A new node's out, prompt, stamp, shared out and shared prompt (its born is the tick)."""
+        out, prompt = (0, 1) if as_prompt else (1, 0)
+        if shared:
+            return out, prompt, self.clock, out, prompt
+        return out, prompt, self.tick, 0, 0
+
+    def _reuse(self, parent: int, token: int, depth: int, as_prompt: bool, shared: bool) -> int:
+        child = self._free.pop()
+        self.token[child], self.parent[child], self.depth[child], self.children[child] = token, parent, depth, None
+        out, prompt, stamp, s_out, s_prompt = self._fields(as_prompt, shared)
+        self.out[child], self.prompt[child], self.stamp[child], self.born[child] = out, prompt, stamp, self.tick
+        self.shared_out[child], self.shared_prompt[child] = s_out, s_prompt
+        self.shared_stamp[child] = self.clock if shared else 0
+        self._link(parent, token, child)
+        return child
+
+    def _append(self, parent: int, new: Sequence[int], level: int, as_prompt: bool, shared: bool) -> None:
+        child = len(self.token)
+        n = len(new)
+        self._link(parent, new[0], child)
+        self.token.extend(new)
+        self.parent.append(parent)
+        self.parent.extend(range(child, child + n - 1))
+        self.depth.extend(range(level + 1, level + n + 1))
+        out, prompt, stamp, s_out, s_prompt = self._fields(as_prompt, shared)
+        self.out.extend([out] * n)
+        self.prompt.extend([prompt] * n)
+        self.stamp.extend([stamp] * n)
+        self.born.extend([self.tick] * n)
+        self.shared_out.extend([s_out] * n)
+        self.shared_prompt.extend([s_prompt] * n)
+        self.shared_stamp.extend([self.clock if shared else 0] * n)
+        self.children.extend([{t: c} for t, c in zip(new[1:], range(child + 1, child + n))])
+        self.children.append(None)
+
+    def _link(self, parent: int, token: int, child: int) -> None:
+        kids = self.children[parent]
+        if kids is None:
+            self.children[parent] = {token: child}
+        else:
+            kids[token] = child
+
+    def _count_sizes(self, tree: int, shared: int, running: int) -> None:
+        """``shared`` more nodes with a shared part in ``tree`` and ``running`` more running-only ones
+        (either may be negative)."""
+        if shared:
+            self.size += shared
+            left = self.tree_size.get(tree, 0) + shared
+            if left:
+                self.tree_size[tree] = left
+            else:
+                del self.tree_size[tree]
+            if shared > 0:
+                self._grown.add(tree)
+        if running:
+            self.running_size += running
+            left = self.running_tree_size.get(tree, 0) + running
+            if left:
+                self.running_tree_size[tree] = left
+            else:
+                del self.running_tree_size[tree]
+            if running > 0:
+                self._running_grown.add(tree)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -164,8 +270,9 @@ class NodeStore:
                 return -1
         return node
 
-    def frequency(self, node: int) -> float:
-        return self.out[node] + self.prompt_weight * self.prompt[node]
+    def is_shared(self, node: int) -> bool:
+        """Whether the node has a shared part."""
+        return bool(self.shared_out[node] or self.shared_prompt[node])
 
     def key(self, node: int) -> tuple[int, ...]:
         """The tokens from the root to ``node``."""
@@ -184,7 +291,7 @@ class NodeStore:
         return self.token[node]
 
     def subtree(self, top: int) -> list[int]:
-        """``top`` and every node below it."""
+        """``top`` and every node below it, parents before children."""
         children = self.children
         nodes = []
         stack = [top]
@@ -196,9 +303,10 @@ class NodeStore:
                 stack.extend(kids.values())
         return nodes
 
-    def items(self) -> Iterator[tuple[tuple[int, ...], int]]:
-        """``(key, node)`` for every node, parents before children."""
-        children = self.children
+    def items(self, shared_only: bool = False) -> Iterator[tuple[tuple[int, ...], int]]:
+        """``(key, node)`` for every node (with ``shared_only``, every node with a shared part),
+        parents before children."""
+        children, shared_out, shared_prompt = self.children, self.shared_out, self.shared_prompt
         stack: list[tuple[tuple[int, ...], int]] = [((), ROOT)]
         while stack:
             key, node = stack.pop()
@@ -206,13 +314,14 @@ class NodeStore:
             if kids:
                 for t, child in kids.items():
                     child_key = key + (t,)
-                    yield child_key, child
+                    if not shared_only or shared_out[child] or shared_prompt[child]:
+                        yield child_key, child
                     stack.append((child_key, child))
 
     # -- removing ------------------------------------------------------------------------------
 
     def remove(self, node: int) -> int:
-        """Remove ``node`` and its subtree; returns the number of nodes removed."""
+        """Remove ``node`` and its subtree, both parts; returns the number of nodes removed."""
         tree = self.first_token(node)
         parent = self.parent
         kids = self.children[parent[node]]
@@ -220,30 +329,17 @@ class NodeStore:
         if not kids:
             self.children[parent[node]] = None
         gone = self.subtree(node)
-        children, free = self.children, self._free
+        children, shared_out, shared_prompt = self.children, self.shared_out, self.shared_prompt
+        shared = 0
         for n in gone:
             parent[n] = _GONE
             children[n] = None
-        free.extend(gone)
-        removed = len(gone)
-        self.size -= removed
+            if shared_out[n] or shared_prompt[n]:
+                shared += 1
+        self._free.extend(gone)
+        self._count_sizes(tree, -shared, shared - len(gone))
         self.version += 1
-        left = self.tree_size[tree] - removed
-        if left:
-            self.tree_size[tree] = left
-        else:  # the first-token node itself went: the whole tree
-            del self.tree_size[tree]
-        return removed
-
-    def clear(self) -> None:
-        """Forget every node (the counters of past prunes stay)."""
-        self.token, self.parent, self.depth = [-1], [-1], [0]
-        self.out, self.prompt, self.stamp, self.children = [0], [0], [0], [None]
-        self._free = []
-        self.size = 0
-        self.tree_size.clear()
-        self._grown.clear()
-        self.version += 1
+        return len(gone)
 
     # -- pruning (Sec. 4.3.1, node pruning) -----------------------------------------------------
 
@@ -255,92 +351,146 @@ class NodeStore:
 
     def prune_if_needed(self) -> None:
         """After every change that may add nodes: prune each grown tree past ``capacity``, then the
-        whole store if past ``max_nodes``."""
+        whole store if past ``max_nodes``; the shared part first (its drops may leave running-only
+        nodes), then the running-only nodes."""
+        capacity, low = self.capacity, self.tree_watermark()
         if self._grown:
-            capacity, sizes = self.capacity, self.tree_size
-            over = [t for t in self._grown if sizes.get(t, 0) > capacity]
+            over = [t for t in self._grown if self.tree_size.get(t, 0) > capacity]
             self._grown.clear()
-            if over:
-                low = self.tree_watermark()
-                for t in over:
-                    self.prune_tree(t, low)
+            for t in over:
+                self.prune_tree(t, low)
         if self.size > self.max_nodes:
             self.prune_global(self.global_watermark())
+        self.bound_running()
 
-    def prune_tree(self, first_token: int, target: int) -> int:
-        """Drop the least frequent nodes of ``first_token``'s tree until ``target`` remain in it."""
+    def bound_running(self) -> None:
+        """Prune the nodes with only a running part: each grown tree past ``capacity``, then all of
+        them if past ``max_nodes``."""
+        capacity, low = self.capacity, self.tree_watermark()
+        if self._running_grown:
+            over = [t for t in self._running_grown if self.running_tree_size.get(t, 0) > capacity]
+            self._running_grown.clear()
+            for t in over:
+                self._prune_running(self._tree_nodes(t), self.running_tree_size[t] - low)
+        if self.running_size > self.max_nodes:
+            self._prune_running(self.subtree(ROOT)[1:], self.running_size - self.global_watermark())
+
+    def _tree_nodes(self, first_token: int) -> list[int]:
         kids = self.children[ROOT]
         top = kids.get(first_token) if kids else None
-        if top is None or self.tree_size[first_token] <= target:
+        return [] if top is None else self.subtree(top)
+
+    def prune_tree(self, first_token: int, target: int) -> int:
+        """Drop the shared part of the least frequent shared nodes of ``first_token``'s tree until
+        ``target`` remain in it."""
+        if self.tree_size.get(first_token, 0) <= target:
             return 0
-        nodes = self.subtree(top)
-        removed = self._drop(nodes, len(nodes) - target)
+        removed = self._drop_shared(self._tree_nodes(first_token), self.tree_size[first_token] - target)
         self.tree_prunes += 1
         return removed
 
     def prune_global(self, target: int) -> int:
-        """Drop the globally least frequent nodes until ``target`` remain. O(N log N)."""
+        """Drop the shared part of the globally least frequent shared nodes until ``target``
+        remain. O(N log N)."""
         if self.size <= target:
             return 0
-        nodes = self.subtree(ROOT)[1:]
-        removed = self._drop(nodes, self.size - target)
+        removed = self._drop_shared(self.subtree(ROOT)[1:], self.size - target)
         self.global_prunes += 1
         return removed
 
-    def _drop(self, nodes: list[int], excess: int) -> int:
-        """Remove the ``excess`` least frequent of ``nodes`` (a set closed under descendants).
-
-        Order: frequency ascending, then deepest first, then stalest first. A node's descendants
-        are never more frequent and always deeper, so they come before it: the dropped set is
-        closed under descendants and the store stays prefix-closed.
-        """
-        if excess <= 0:
-            return 0
-        w, out, prompt, depth, stamp = self.prompt_weight, self.out, self.prompt, self.depth, self.stamp
-        key = lambda n: (out[n] + w * prompt[n], -depth[n], stamp[n])  # noqa: E731
-        if excess >= len(nodes):
-            victims = nodes
-        elif 4 * excess < len(nodes):
-            victims = heapq.nsmallest(excess, nodes, key=key)
-        else:
-            nodes.sort(key=key)
-            victims = nodes[:excess]
-        doomed = set(victims)
-        parent = self.parent
-        tops = [n for n in victims if parent[n] not in doomed]  # (the root is never doomed)
+    def _drop_shared(self, nodes: list[int], excess: int) -> int:
+        """Drop the shared part of the ``excess`` least frequent shared nodes among ``nodes`` (by
+        shared frequency, then deepest first, then stalest shared stamp: descendants first, so the
+        shared key set stays prefix-closed). A victim with a running part stays as a running-only
+        node; one without goes, and so do its descendants, all victims without one too."""
+        w, s_out, s_prompt, s_stamp, depth = (self.prompt_weight, self.shared_out, self.shared_prompt,
+                                              self.shared_stamp, self.depth)
+        shared = [n for n in nodes if s_out[n] or s_prompt[n]]
+        victims = _least(shared, excess, lambda n: (s_out[n] + w * s_prompt[n], -depth[n], s_stamp[n]))
+        out, prompt, parent = self.out, self.prompt, self.parent
+        empty = set()
+        for n in victims:
+            if out[n] == s_out[n] and prompt[n] == s_prompt[n]:
+                empty.add(n)
+                continue
+            out[n] -= s_out[n]
+            prompt[n] -= s_prompt[n]
+            s_out[n] = s_prompt[n] = s_stamp[n] = 0
+            self._count_sizes(self.first_token(n), -1, 1)
+        tops = [n for n in empty if parent[n] not in empty]  # (before any goes: removal unlinks)
         removed = sum(self.remove(n) for n in tops)
-        assert removed == len(victims), "pruned set was not closed under descendants"
+        assert removed == len(empty), "pruned set was not closed under descendants"
         self.prunes += 1
-        self.pruned_nodes += removed
-        return removed
+        self.pruned_nodes += len(victims)
+        self.version += 1
+        return len(victims)
+
+    def _prune_running(self, nodes: list[int], excess: int) -> None:
+        """Remove the ``excess`` least frequent running-only nodes among ``nodes`` (descendants
+        first, as in :meth:`_drop_shared`; a running-only node's descendants are running-only)."""
+        if excess <= 0:
+            return
+        w, out, prompt, stamp, depth = self.prompt_weight, self.out, self.prompt, self.stamp, self.depth
+        s_out, s_prompt, parent = self.shared_out, self.shared_prompt, self.parent
+        running = [n for n in nodes if not s_out[n] and not s_prompt[n]]
+        doomed = set(_least(running, excess, lambda n: (out[n] + w * prompt[n], -depth[n], stamp[n])))
+        tops = [n for n in doomed if parent[n] not in doomed]  # (before any goes: removal unlinks)
+        removed = sum(self.remove(n) for n in tops)
+        assert removed == len(doomed), "pruned set was not closed under descendants"
+        self.running_prunes += 1
 
     # -- checks --------------------------------------------------------------------------------
 
     def check(self) -> dict[tuple[int, ...], int]:
-        """Assert the structural invariants (O(size); for tests) and return ``key -> node``: links
-        agree, counts are >= 0, every node has a positive frequency, a parent's counts are at least
-        the sum of its children's, tree sizes are right and within ``capacity``, the size within
-        ``max_nodes``, and no removed index is reachable."""
+        """Assert the structural invariants (O(size); for tests) and return ``key -> node`` of the
+        shared nodes: links agree, both parts are >= 0 and every node holds a count, a parent's
+        counts (each part) are at least the sum of its children's, the stamps follow the parts,
+        tree sizes are right and within the bounds, and no removed index is reachable."""
         keys: dict[tuple[int, ...], int] = {}
         per_tree: dict[int, int] = {}
-        out, prompt = self.out, self.prompt
+        running_tree: dict[int, int] = {}
         for key, node in self.items():
-            assert self.parent[node] != _GONE, f"removed node {node} reachable under {key}"
-            assert self.token[node] == key[-1] and self.depth[node] == len(key), f"node {node} under {key}"
-            assert out[node] >= 0 and prompt[node] >= 0, f"negative count at {key}"
-            assert out[node] + prompt[node] > 0, f"zero-frequency node kept at {key}"
-            kids = self.children[node]
-            assert kids is None or kids, f"empty child dict kept at {key}"
-            if kids:
-                assert all(self.parent[c] == node for c in kids.values()), f"child links disagree at {key}"
-                assert out[node] >= sum(out[c] for c in kids.values()), f"out counts grow going down at {key}"
-                assert prompt[node] >= sum(prompt[c] for c in kids.values()), f"prompt counts grow at {key}"
-            keys[key] = node
-            per_tree[key[0]] = per_tree.get(key[0], 0) + 1
-        assert len(keys) == self.size, f"size {self.size} but {len(keys)} nodes reachable"
-        assert len(keys) + len(self._free) + 1 == len(self.token), "a node index is neither used nor free"
-        assert per_tree == self.tree_size, "per-tree node counts are off"
-        for t, n in per_tree.items():
-            assert n <= self.capacity, f"tree {t} holds {n} nodes, capacity is {self.capacity}"
-        assert self.size <= self.max_nodes, f"{self.size} nodes exceed max_nodes {self.max_nodes}"
+            self._check_node(key, node)
+            if self.is_shared(node):
+                keys[key] = node
+                per_tree[key[0]] = per_tree.get(key[0], 0) + 1
+            else:
+                running_tree[key[0]] = running_tree.get(key[0], 0) + 1
+        live = len(keys) + sum(running_tree.values())
+        assert len(keys) == self.size, f"size {self.size} but {len(keys)} shared nodes reachable"
+        assert live + len(self._free) + 1 == len(self.token), "a node index is neither used nor free"
+        assert per_tree == self.tree_size, "per-tree shared node counts are off"
+        assert running_tree == self.running_tree_size, "per-tree running node counts are off"
+        for sizes in (per_tree, running_tree):
+            assert all(n <= self.capacity for n in sizes.values()), f"a tree holds more than {self.capacity} nodes"
+            assert sum(sizes.values()) <= self.max_nodes, f"more than max_nodes {self.max_nodes} nodes"
         return keys
+
+    def _check_node(self, key: tuple[int, ...], node: int) -> None:
+        out, prompt, s_out, s_prompt = self.out, self.prompt, self.shared_out, self.shared_prompt
+        assert self.parent[node] != _GONE, f"removed node {node} reachable under {key}"
+        assert self.token[node] == key[-1] and self.depth[node] == len(key), f"node {node} under {key}"
+        assert 0 <= s_out[node] <= out[node] and 0 <= s_prompt[node] <= prompt[node], f"parts at {key}"
+        assert out[node] + prompt[node] > 0, f"zero-frequency node kept at {key}"
+        running = out[node] != s_out[node] or prompt[node] != s_prompt[node]
+        if running:
+            assert self.stamp[node] > RUNNING_STAMPS, f"running part without a running stamp at {key}"
+        else:
+            assert self.stamp[node] == self.shared_stamp[node] <= self.clock, f"stale stamp at {key}"
+        kids = self.children[node]
+        assert kids is None or kids, f"empty child dict kept at {key}"
+        if kids:
+            assert all(self.parent[c] == node for c in kids.values()), f"child links disagree at {key}"
+            for column in (out, prompt, s_out, s_prompt):
+                assert column[node] >= sum(column[c] for c in kids.values()), f"counts grow going down at {key}"
+            assert all(self.born[c] >= self.born[node] for c in kids.values()), f"born before its parent at {key}"
+
+
+def _least(nodes: list[int], excess: int, key) -> list[int]:
+    """The ``excess`` smallest of ``nodes`` by ``key`` (all of them if fewer)."""
+    if excess >= len(nodes):
+        return nodes
+    if 4 * excess < len(nodes):
+        return heapq.nsmallest(excess, nodes, key=key)
+    nodes.sort(key=key)
+    return nodes[:excess]
