@@ -401,7 +401,10 @@ def test_suffix_abort_restores_the_global_tree(seed: int) -> None:
     assert before["cached"] == 3
     tokens = stream(rng, 6, 30)
     context = suffix_request(src, tokens, 6, 99)
-    assert {**suffix_snapshot(src), "live": 0} == before  # a response joins the global tree at end
+    during = suffix_snapshot(src)
+    shared = ("sequences", "ids", "open", "cached")
+    assert {k: during[k] for k in shared} == {k: before[k] for k in shared}  # it joins the cache at end
+    assert during["counts"] != before["counts"]  # but the running requests read it as it grows
     src.abort(context)
     assert suffix_snapshot(src) == before
     assert suffix_drafts(src, tails) == drafts
@@ -466,7 +469,7 @@ def test_suffix_concurrent_requests_join_the_cache_as_they_end(seed: int) -> Non
     src.end(ctx(streams[10], 4, 10))
     src.check_invariants()
     snap = suffix_snapshot(src)
-    assert snap["sequences"] == [streams[12][4:], streams[10][4:]] and snap["ids"] == sorted(snap["ids"])
+    assert snap["sequences"] == [streams[12][4:], streams[10][4:]]  # in the order they ended
     assert snap["open"] == [False, False] and snap["live"] == 0
 
 

@@ -59,11 +59,15 @@ it never holds more than ``max_cached_requests`` responses. The default, 1000 re
 is 10000, for a C++ tree of ~10x less memory per token), bounds 300-token responses to ~0.1 GB
 when they do not repeat and ~0.75 GB in the worst case.
 
-When a response joins. A response enters the global tree when its request ends (ArcticInference
-extends it token by token while the request runs); until then the request drafts from its own
-tree, which holds its response too. So requests running at the same time see each other's
-responses once they end, and a failed request (:meth:`SuffixTree.abort`) only drops its own tree:
-the global tree never held anything of it.
+When a response joins. A running request's response is a sequence of the global tree from its
+``begin``, growing with every ``observe`` (as in ArcticInference), so every running request drafts
+from the others' responses as they are written, and from its own. It joins the cache of finished
+responses (and may push the oldest out) when its request ends. A failed request
+(:meth:`SuffixTree.abort`) has its response removed, which takes back exactly its suffixes'
+counts, and the cache never held it: the global tree's counts, its cached responses and their
+order are exactly as if the request had never run, whatever other requests did meanwhile, and the
+other requests stop seeing it the moment it aborts. (The trie may keep an explicit node where a
+leaf was before; drafts depend on the counts alone.)
 
 Cost (one CPU core; a 3000-token prompt and 500 generated tokens after 100 requests warmed the
 global tree): ``propose`` 0.11 ms median (0.18 ms p90), ``observe`` 0.02 ms median; replaying all
@@ -72,7 +76,8 @@ collector ~30% of it), under 0.5% of a ~150 ms forward; ``begin`` indexes the pr
 for 3000 tokens).
 
 Thread safety: the global tree and the request cache are guarded by one lock, held for the short
-global part of ``propose`` and while ``end`` adds a response; per-request trees belong to
+global part of ``propose`` and ``observe`` and while ``begin``, ``end`` and ``abort`` add, close or
+remove a response; per-request trees belong to
 their request (:class:`~specdraft.sources.base.SourceBase` keeps them by ``request_id``), so one
 source object can serve several decoders in several threads.
 """
@@ -92,11 +97,13 @@ __all__ = ["SuffixDraft", "SuffixTree", "SuffixTrie"]
 
 @dataclass
 class _Request:
-    """Per-request state: its own trie over prompt + output."""
+    """Per-request state: its own trie over prompt + output, and its response's id in the global
+    tree (``None`` without a global tree)."""
 
     local: SuffixTrie
     length: int  # context tokens in ``local``
     prompt_length: int
+    response: int | None
 
 
 class SuffixTree(SourceBase[_Request]):
@@ -154,8 +161,8 @@ class SuffixTree(SourceBase[_Request]):
         self.name = name
         self._lock = threading.Lock()
         self._global = SuffixTrie(max_depth)
-        self._cached: OrderedDict[int, None] = OrderedDict()  # cache ids, oldest first (= ascending)
-        self._next_id = 0
+        self._cached: OrderedDict[int, None] = OrderedDict()  # the finished responses' ids, oldest first
+        self._next_id = 0  # the next response's id in the global tree
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -163,7 +170,13 @@ class SuffixTree(SourceBase[_Request]):
         local = SuffixTrie(self.max_depth)
         tokens = [int(t) for t in context.tokens]
         local.add(0, tokens)
-        return _Request(local, len(tokens), context.prompt_length)
+        response = None
+        if self.max_cached_requests:
+            with self._lock:
+                response = self._next_id
+                self._next_id += 1
+                self._global.add(response, tokens[context.prompt_length :])
+        return _Request(local, len(tokens), context.prompt_length, response)
 
     def propose(self, context: Context, budget: int) -> Draft:
         if budget <= 0:
@@ -184,45 +197,61 @@ class SuffixTree(SourceBase[_Request]):
         self._sync(feedback.context)
 
     def end(self, context: Context) -> None:
-        """The request is over: its response (what it generated) joins the global tree, the oldest
-        cached response goes if the cache is then past ``max_cached_requests``, and its state is
-        dropped."""
+        """The request is over: its response (what it generated) stops growing and joins the cache
+        of finished responses, the oldest of which goes if the cache is then past
+        ``max_cached_requests``; its state is dropped. Unknown ids are ignored."""
         with self._states_lock:
             known = context.request_id in self._states
-        if known and self.max_cached_requests:
-            response = [int(t) for t in context.tokens[context.prompt_length :]]
-            with self._lock:
-                cache_id = self._next_id
-                self._next_id += 1
-                self._global.add(cache_id, response)
-                self._global.close(cache_id)
-                self._cached[cache_id] = None
-                while len(self._cached) > self.max_cached_requests:
-                    oldest, _ = self._cached.popitem(last=False)
-                    self._global.remove(oldest)
-        super().end(context)
+        if not known:
+            return
+        state = self._sync(context)
+        with self._states_lock:
+            self._states.pop(context.request_id, None)
+        if state.response is None:
+            return
+        with self._lock:
+            self._global.close(state.response)
+            self._cached[state.response] = None
+            while len(self._cached) > self.max_cached_requests:
+                oldest, _ = self._cached.popitem(last=False)
+                self._global.remove(oldest)
 
     def abort(self, context: Context) -> None:
-        """The request failed (see :class:`~specdraft.sources.base.DraftSource`): drop its state. Its
-        response would join the global tree only at ``end``, so the global tree is exactly as it was
-        before the request began, whatever other requests did meanwhile. Unknown ids are ignored."""
-        super().end(context)
+        """The request failed (see :class:`~specdraft.sources.base.DraftSource`): its response leaves
+        the global tree (its counts taken back exactly) without ever joining the cache, so the global
+        tree is as if the request had never run, whatever other requests did meanwhile; its state is
+        dropped. Unknown ids are ignored."""
+        with self._states_lock:
+            state = self._states.pop(context.request_id, None)
+        if state is not None and state.response is not None:
+            with self._lock:
+                self._global.remove(state.response)
 
     # -- state ------------------------------------------------------------------------------------
 
     def _sync(self, context: Context) -> _Request:
-        """Bring the request's tree up to ``context`` (the first token, from the prefill, is only
-        seen here; a context that is not an extension of what was seen rebuilds the local tree)."""
+        """Bring the request's tree and its response in the global tree up to ``context`` (the first
+        token, from the prefill, is only seen here; a context that is not an extension of what was
+        seen rebuilds both)."""
         state = self.request_state(context)
         tokens = context.tokens
         n = len(tokens)
+        if n == state.length:
+            return state
         if n < state.length:
             state.local = SuffixTrie(self.max_depth)
             state.local.add(0, [int(t) for t in tokens])
-            state.length = n
-        elif n > state.length:
+        else:
             state.local.extend(0, [int(t) for t in tokens[state.length :]])
-            state.length = n
+        if state.response is not None:
+            with self._lock:
+                if n < state.length:
+                    self._global.remove(state.response)
+                    self._global.add(state.response, [int(t) for t in tokens[state.prompt_length :]])
+                else:
+                    new = tokens[max(state.length, state.prompt_length) :]
+                    self._global.extend(state.response, [int(t) for t in new])
+        state.length = n
         return state
 
     # -- inspection -------------------------------------------------------------------------------
@@ -234,7 +263,8 @@ class SuffixTree(SourceBase[_Request]):
             return len(self._cached)
 
     def global_counts(self) -> dict[tuple[int, ...], int]:
-        """The global tree's strings and counts (O(size); for tests)."""
+        """The global tree's strings and counts (O(size); for tests): the cached responses and the
+        running requests' responses so far."""
         with self._lock:
             return self._global.counts()
 
@@ -243,13 +273,25 @@ class SuffixTree(SourceBase[_Request]):
         with self._lock:
             return [self._global.sequence(i) for i in self._cached]
 
+    def running_sequences(self) -> list[list[int]]:
+        """The running requests' responses so far, in the order they began (for tests and
+        inspection)."""
+        with self._lock:
+            return [self._global.sequence(i) for i in sorted(self._live_responses())]
+
     def check_invariants(self) -> None:
         with self._lock:
+            live = self._live_responses()
             assert len(self._cached) <= max(self.max_cached_requests, 0)
             assert list(self._cached) == [i for i in self._cached if i in self._global]
-            assert self._global.num_sequences == len(self._cached)
+            assert self._global.num_sequences == len(self._cached) + len(live), "a response outlived its request"
             assert not any(self._global.is_open(i) for i in self._cached), "a cached response is still open"
+            assert all(self._global.is_open(i) for i in live), "a running response is closed"
             self._global.check_invariants()
+
+    def _live_responses(self) -> set[int]:
+        with self._states_lock:
+            return {s.response for s in self._states.values() if s.response is not None}
 
     def __repr__(self) -> str:
         return (f"SuffixTree(max_depth={self.max_depth}, max_spec_factor={self.max_spec_factor}, "
