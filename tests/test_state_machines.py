@@ -317,9 +317,14 @@ class NGramMachine(RuleBasedStateMachine):
         assert len(live) <= self.src.max_requests
         assert set(live) <= set(self.streams), "a state outlived its request"
         models = [self.src.shared_model] if self.shared else [self.src.model_for(r) for r in live]
+        running: dict = {}  # what the running requests counted (shared mode: their view holds it)
+        for rid in live:
+            for ctx, f in recount(self.streams[rid], self.N).items():
+                for t, c in f.items():
+                    running.setdefault(ctx, {})[t] = running.get(ctx, {}).get(t, 0) + c
         if self.shared:
-            for rid in live:  # an overlay holds what its request counted, not bounded by the shared caps
-                assert set(self.src.model_for(rid).contexts()) <= set(recount(self.streams[rid], self.N))
+            for rid in live:  # the view holds what the running requests counted, not bounded by the shared caps
+                assert set(self.src.model_for(rid).contexts()) <= set(running)
         for model in models:
             if self.bounded:
                 assert model.num_contexts <= 5
@@ -333,15 +338,12 @@ class NGramMachine(RuleBasedStateMachine):
                     for t, c in f.items():
                         expect.setdefault(ctx, {})[t] = expect.get(ctx, {}).get(t, 0) + c
             assert model_table(self.src.shared_model) == expect
-            for rid in live:  # a running request drafts from its own counts and the shared ones (as
-                # they were when it first counted a context: requests ending later do not reach its copy)
-                own = recount(self.streams[rid], self.N)
-                view = model_table(self.src.model_for(rid))
-                assert set(view) == set(expect) | set(own)
-                for ctx, f in view.items():
+            for rid in live:  # a running request drafts from the shared counts and every running request's
+                combined = {ctx: dict(f) for ctx, f in expect.items()}
+                for ctx, f in running.items():
                     for t, c in f.items():
-                        mine, shared = own.get(ctx, {}).get(t, 0), expect.get(ctx, {}).get(t, 0)
-                        assert (mine <= c <= mine + shared) if ctx in own else c == shared, (ctx, t, c)
+                        combined.setdefault(ctx, {})[t] = combined.get(ctx, {}).get(t, 0) + c
+                assert model_table(self.src.model_for(rid)) == combined
         else:
             for rid in live:
                 assert model_table(self.src.model_for(rid)) == recount(self.streams[rid], self.N)

@@ -55,17 +55,19 @@ State and memory
     bounds are approximate; that only changes the drafts, never the output (the verifier
     decides). The same two bounds can be set in per-request mode too.
 
-    *Overlays* (shared mode): a running request counts its stream in its own model, an overlay of
-    the shared one: a context it updates is first copied from the shared model (copy on write),
-    and its drafts read the overlay first, then the shared model, so they see the shared counts and
-    their own at once. The shared model changes only at ``end``, which counts the request's stream
-    into it; so a failed request (``abort``) leaves it exactly as it was, by construction. Requests
-    running at the same time see each other's counts once they end, except in the contexts they
-    had already counted themselves (their copy stays as it was made). An overlay holds at
-    most the ``(N - 1) * L`` contexts a per-request model of the same request would, and is
-    dropped at ``end``. Counting at ``end`` gives the shared model exactly what counting step by
-    step did when requests run one at a time (same counts, tie-break stamps, clock and LRU order:
-    one clock tick per position either way).
+    *Running requests* (shared mode): the shared model changes only at ``end``, which counts the
+    request's stream into it; so a failed request (``abort``) leaves it exactly as it was, by
+    construction. Until then a request counts its stream in one view shared by every running
+    request (:class:`~specdraft.sources.ngram_running.RunningCounts`, an overlay of the shared
+    model: a context one of them updates is first copied from the shared model, then counted), and
+    drafts read the view first, then the shared model: every running request sees the shared counts,
+    its own and the other running requests' at once, as if all counted in one table. ``end`` and
+    ``abort`` take the request's counts back from the view exactly (it keeps how many each context's
+    followers were counted by running requests), so a failed request's counts stop being seen the
+    moment it aborts. The view holds at most the ``(N - 1) * L`` contexts per running request of
+    ``L`` tokens a per-request model would, and is empty when no request runs. Counting at ``end``
+    gives the shared model exactly what counting step by step did when requests run one at a time
+    (same counts, tie-break stamps, clock and LRU order: one clock tick per position either way).
 
     *Layout*: a context's statistics are one dict of ints (``token -> count << 40 | last seen``,
     with the current prediction under two negative keys, :data:`_BEST` and :data:`_BEST_KEY`), and
@@ -163,8 +165,9 @@ class NGramModel:
     ``n = len(context) + 1``). ``add`` counts a token stream incrementally; ``predict`` and
     ``draft`` query it with back-off. With a ``base`` model the model is an *overlay* of it: a
     context is copied from the base at its first update here (copy on write), and queries read the
-    overlay first, then the base; the base is never written. An overlay does not evict (it holds
-    what one request counts). Not thread-safe by itself (:class:`MultiLevelNGram` locks).
+    overlay first, then the base; the base is never written. An overlay neither evicts contexts nor
+    caps followers (it holds what the running requests count, which their lengths bound). Not
+    thread-safe by itself (:class:`MultiLevelNGram` locks).
     """
 
     __slots__ = ("max_ngram", "max_contexts", "max_followers", "_table", "_clock", "_base")
@@ -191,7 +194,13 @@ class NGramModel:
 
     def overlay(self) -> "NGramModel":
         """A new, empty overlay of this model (see the class docstring)."""
-        return NGramModel(self.max_ngram, None, self.max_followers, base=self)
+        return NGramModel(self.max_ngram, None, None, base=self)
+
+    def sync_clock(self) -> None:
+        """An overlay: go on from the base's clock if the base got ahead, so that what is counted
+        next is newer than anything the base holds."""
+        if self._base is not None and self._base._clock > self._clock:
+            self._clock = self._base._clock
 
     def _lookup(self):
         """``get(context)`` over this model and its base (the overlay first)."""
@@ -334,15 +343,17 @@ class NGramModel:
 
 
 class _Request:
-    """A running request: the model it counts in (its own, or its overlay of the shared one), how
-    many of its tokens that model counted, and where its counting started."""
+    """A running request: the model it counts in (its own, or in shared mode the running requests'
+    view), how many of its tokens were counted, and where its counting started; in shared mode also
+    its tokens, so that its counts can be taken back."""
 
-    __slots__ = ("model", "seen", "start")
+    __slots__ = ("model", "seen", "start", "tokens")
 
-    def __init__(self, model: NGramModel, seen: int) -> None:
+    def __init__(self, model: NGramModel, seen: int, tokens: list[int] | None = None) -> None:
         self.model = model
         self.seen = seen  # tokens of this request's stream already counted
-        self.start = seen  # its first counted position (an overlay's stream joins the shared model from here)
+        self.start = seen  # its first counted position (its stream joins the shared model from here)
+        self.tokens = tokens
 
 
 class MultiLevelNGram:
@@ -398,6 +409,11 @@ class MultiLevelNGram:
         self._lock = threading.Lock()
         self._requests: OrderedDict[int, _Request] = OrderedDict()
         self._shared_model = self._new_model() if shared else None
+        self._running = None
+        if self._shared_model is not None:
+            from .ngram_running import RunningCounts  # (it builds on this module)
+
+            self._running = RunningCounts(self._shared_model)
         # rank vectors of the branching positions, best first (see the module docstring)
         depth = min(branch_depth, num_tokens) if top_b > 1 else 0
         self._rank_vectors = sorted(itertools.product(range(top_b), repeat=depth),
@@ -410,7 +426,7 @@ class MultiLevelNGram:
 
     def begin(self, context: Context) -> None:
         with self._lock, collector_paused():
-            self._requests.pop(context.request_id, None)
+            self._drop(self._requests.pop(context.request_id, None))
             self._state(context, begin=True)
 
     def observe(self, feedback: Feedback) -> None:
@@ -419,20 +435,22 @@ class MultiLevelNGram:
 
     def end(self, context: Context) -> None:
         """The request is over: drop its state; in shared mode, first count what it counted (its
-        stream, from where its counting started) into the shared model."""
+        stream, from where its counting started) into the shared model, and take its counts back
+        from the running requests' view."""
         with self._lock:
             state = self._requests.pop(context.request_id, None)
             shared = self._shared_model
-            if state is not None and shared is not None and state.seen > state.start:
-                shared.add(context.tokens[: state.seen], state.start)
+            if state is not None and state.tokens is not None and shared is not None and state.seen > state.start:
+                shared.add(state.tokens[: state.seen], state.start)
+            self._drop(state)
 
     def abort(self, context: Context) -> None:
-        """The request failed: drop its state (see :class:`~specdraft.sources.base.DraftSource`). The
-        shared model never held anything of it (it counted in its overlay), so it is exactly as it
-        was before the request began, whatever other requests did meanwhile. An unknown request id
-        is ignored."""
+        """The request failed: take its counts back from the running requests' view and drop its
+        state (see :class:`~specdraft.sources.base.DraftSource`). The shared model never held
+        anything of it, so it is exactly as it was before the request began, whatever other requests
+        did meanwhile. An unknown request id is ignored."""
         with self._lock:
-            self._requests.pop(context.request_id, None)
+            self._drop(self._requests.pop(context.request_id, None))
 
     def propose(self, context: Context, budget: int) -> Draft:
         if budget <= 0 or not len(context.tokens):
@@ -448,8 +466,9 @@ class MultiLevelNGram:
     # -- inspection ----------------------------------------------------------------------------
 
     def model_for(self, request_id: int) -> NGramModel | None:
-        """The model a request drafts from (its overlay of the shared one in shared mode), or, for
-        a request not running, the shared model (``None`` in per-request mode)."""
+        """The model a request drafts from (in shared mode the running requests' view, an overlay of
+        the shared model), or, for a request not running, the shared model (``None`` in per-request
+        mode)."""
         with self._lock:
             state = self._requests.get(request_id)
             if state is not None:
@@ -479,22 +498,35 @@ class MultiLevelNGram:
         """
         tokens = context.tokens
         state = self._requests.get(context.request_id)
-        shared = self._shared_model
+        running = self._running
         if state is None:
-            if shared is None:
+            if running is None:
                 state = _Request(self._new_model(), 0)
             else:
-                state = _Request(shared.overlay(), 0 if begin else len(tokens))
+                state = _Request(running.view, 0 if begin else len(tokens), [])
             self._requests[context.request_id] = state
             while len(self._requests) > self.max_requests:
-                self._requests.popitem(last=False)
+                self._drop(self._requests.popitem(last=False)[1])
         elif len(tokens) < state.seen:  # the stream was rewound: never happens with Decoder
-            state.model = self._new_model() if shared is None else shared.overlay()
+            if running is None:
+                state.model = self._new_model()
+            else:
+                self._drop(state)
+                state.tokens = []
             state.seen = state.start = 0
         if len(tokens) > state.seen:
-            state.model.add(tokens, state.seen)
+            if running is None:
+                state.model.add(tokens, state.seen)
+            else:
+                state.tokens.extend(int(t) for t in tokens[len(state.tokens) :])  # type: ignore[union-attr]
+                running.add(state.tokens, state.seen)  # type: ignore[arg-type]
             state.seen = len(tokens)
         return state
+
+    def _drop(self, state: _Request | None) -> None:
+        """Take a dropped shared-mode state's counts back from the running requests' view."""
+        if state is not None and state.tokens is not None and self._running is not None and state.seen > state.start:
+            self._running.take_back(state.tokens, state.start, state.seen)
 
     def _tree(self, model: NGramModel, tail: tuple[int, ...], budget: int) -> list[list[int]]:
         """Top-b alternatives at the first ``branch_depth`` positions, each continued greedily."""
