@@ -280,7 +280,7 @@ class FrequencyTrie:
                 request = _Request([int(t) for t in context.tokens[:n]], n, self._first_output_window(n))
                 self._requests[context.request_id] = request
             tokens = request.tokens
-            tokens.extend(int(t) for t in context.tokens[len(tokens) :])
+            tokens.extend(map(int, context.tokens[len(tokens) :]))
             if not self.insert_output:
                 return
             width = self.branch_length + 1
@@ -522,3 +522,4 @@ class FrequencyTrie:
         for i, tick in enumerate(request.ticks):
             start = request.first + i
             store.take_back(tokens, start, start + width, False, tick)
+        store.sort_free()  # (outside any step: the next steps' new nodes take runs of what went)

@@ -112,7 +112,17 @@ class NodeStore:
             node = child
             i += 1
         if i < stop:  # below a missing node everything is missing: make the rest, counted once
-            self._make(node, tokens, start, i, stop, as_prompt, False)
+            made = stop - i
+            free = self._free
+            run = free[-made:]
+            if len(run) == made and run[-1] - run[0] == made - 1 and run == [*range(run[0], run[0] + made)]:
+                del free[-made:]  # (the common case of _make, without its calls)
+                self._place(node, tokens[i:stop], (0, 1, tick, tick, 0, 0, 0) if as_prompt else
+                            (1, 0, tick, tick, 0, 0, 0), run[0])
+                self._count_sizes(tokens[start], 0, made)
+                self.version += 1
+            else:
+                self._make(node, tokens, start, i, stop, as_prompt, False)
         return tick
 
     def add_shared(self, tokens: Sequence[int], start: int, stop: int, as_prompt: bool = False) -> None:
@@ -155,9 +165,10 @@ class NodeStore:
 
     def take_back(self, tokens: Sequence[int], start: int, stop: int, as_prompt: bool, tick: int) -> None:
         """Take the running count of the window ``tokens[start:stop]``, counted with running clock
-        ``tick``, back from the nodes of its path that still hold it; a node left with no count goes
-        (it has no children: theirs are at most its own). A node made after ``tick`` never held
-        it: a prune took the node that did, with its subtree, so the walk stops there."""
+        ``tick``, back from the nodes of its path that still hold it; a node left with no count goes,
+        with what is below it (which held nothing but the rest of this window). A node made after
+        ``tick`` never held it: a prune took the node that did, with its subtree, so the walk stops
+        there."""
         counts = self.prompt if as_prompt else self.out
         out, prompt, shared_out, shared_prompt = self.out, self.prompt, self.shared_out, self.shared_prompt
         children, born = self.children, self.born
@@ -169,62 +180,131 @@ class NodeStore:
                 return
             counts[child] -= 1
             if out[child] == shared_out[child] and prompt[child] == shared_prompt[child]:
-                if not out[child] and not prompt[child]:
-                    self.remove(child)
+                if not out[child] and not prompt[child]:  # it only held this window: so does what is below
+                    self._cut(node, tokens[i], child, tokens[start])
                     return
                 self.stamp[child] = self.shared_stamp[child]  # no running part left
             node = child
 
+    def sort_free(self) -> None:
+        """Sort the freed indexes, so that the last ones form runs of consecutive indexes for new
+        chains to take (see :meth:`_make`). Cheap on a list of sorted runs; worth it after many
+        nodes went (a request's counts taken back)."""
+        self._free.sort()
+
+    def _cut(self, parent: int, token: int, child: int, tree: int) -> None:
+        """Remove ``child``, a running-only node, and its subtree (what :meth:`remove` does, knowing
+        the tree and that every node below is running-only)."""
+        children, parents, free = self.children, self.parent, self._free
+        kids = children[parent]
+        del kids[token]  # type: ignore[union-attr]
+        if not kids:
+            children[parent] = None
+        gone = 0
+        stack = [child]
+        while stack:
+            node = stack.pop()
+            kids = children[node]
+            if kids:
+                stack.extend(kids.values())
+            children[node] = None
+            parents[node] = _GONE
+            free.append(node)
+            gone += 1
+        self._count_sizes(tree, 0, -gone)
+        self.version += 1
+
     def _make(self, node: int, tokens: Sequence[int], start: int, first: int, stop: int, as_prompt: bool,
               shared: bool) -> None:
         """Make the nodes of ``tokens[first:stop]`` below ``node`` (the node of
-        ``tokens[start:first]``), each counted once, in the shared part or the running part."""
+        ``tokens[start:first]``), each counted once, in the shared part or the running part.
+
+        Where the last freed indexes are a run of consecutive ones (see :meth:`sort_free`), a new
+        chain takes them with one slice assignment per list, as cheap as appending. Otherwise new
+        indexes are appended, unless freed ones are more than half of all: then they are taken one
+        by one (three times slower per node), so the lists never hold more than twice the nodes."""
         made = stop - first
-        level = self.depth[node]
-        while self._free and first < stop:  # reuse the indexes of removed nodes first
-            node = self._reuse(node, tokens[first], level + 1, as_prompt, shared)
-            level += 1
-            first += 1
-        if first < stop:  # then new indexes, appended: one list extend per field
-            self._append(node, tokens[first:stop], level, as_prompt, shared)
+        fields = self._fields(as_prompt, shared)
+        free = self._free
+        run = free[-made:]
+        if len(run) == made and run[-1] - run[0] == made - 1 and run == [*range(run[0], run[0] + made)]:
+            del free[-made:]
+            self._place(node, tokens[first:stop], fields, run[0])
+        else:
+            if 2 * len(free) > len(self.token):
+                node, first = self._reuse(node, tokens, first, stop, fields)
+            if first < stop:
+                self._place(node, tokens[first:stop], fields, len(self.token))
         self._count_sizes(tokens[start], made if shared else 0, 0 if shared else made)
         self.version += 1
 
-    def _fields(self, as_prompt: bool, shared: bool) -> tuple[int, int, int, int, int]:
-        """A new node's out, prompt, stamp, shared out and shared prompt (its born is the tick)."""
+    def _fields(self, as_prompt: bool, shared: bool) -> tuple[int, int, int, int, int, int, int]:
+        """A new node's out, prompt, stamp, born, shared out, shared prompt and shared stamp."""
         out, prompt = (0, 1) if as_prompt else (1, 0)
         if shared:
-            return out, prompt, self.clock, out, prompt
-        return out, prompt, self.tick, 0, 0
+            return out, prompt, self.clock, self.tick, out, prompt, self.clock
+        return out, prompt, self.tick, self.tick, 0, 0, 0
 
-    def _reuse(self, parent: int, token: int, depth: int, as_prompt: bool, shared: bool) -> int:
-        child = self._free.pop()
-        self.token[child], self.parent[child], self.depth[child], self.children[child] = token, parent, depth, None
-        out, prompt, stamp, s_out, s_prompt = self._fields(as_prompt, shared)
-        self.out[child], self.prompt[child], self.stamp[child], self.born[child] = out, prompt, stamp, self.tick
-        self.shared_out[child], self.shared_prompt[child] = s_out, s_prompt
-        self.shared_stamp[child] = self.clock if shared else 0
-        self._link(parent, token, child)
-        return child
+    def _reuse(self, node: int, tokens: Sequence[int], first: int, stop: int,
+               fields: tuple[int, ...]) -> tuple[int, int]:
+        """Make the nodes of ``tokens[first:stop]`` below ``node`` in freed indexes, one by one,
+        while there are; returns the last node made and where it stopped."""
+        free, token, parent, depth, children = self._free, self.token, self.parent, self.depth, self.children
+        out, prompt, stamp, born = self.out, self.prompt, self.stamp, self.born
+        shared_out, shared_prompt, shared_stamp = self.shared_out, self.shared_prompt, self.shared_stamp
+        f_out, f_prompt, f_stamp, f_born, f_shared_out, f_shared_prompt, f_shared_stamp = fields
+        level = depth[node]
+        while free and first < stop:
+            child = free.pop()
+            t = tokens[first]
+            level += 1
+            token[child] = t
+            parent[child] = node
+            depth[child] = level
+            children[child] = None
+            out[child] = f_out
+            prompt[child] = f_prompt
+            stamp[child] = f_stamp
+            born[child] = f_born
+            shared_out[child] = f_shared_out
+            shared_prompt[child] = f_shared_prompt
+            shared_stamp[child] = f_shared_stamp
+            kids = children[node]
+            if kids is None:
+                children[node] = {t: child}
+            else:
+                kids[t] = child
+            node = child
+            first += 1
+        return node, first
 
-    def _append(self, parent: int, new: Sequence[int], level: int, as_prompt: bool, shared: bool) -> None:
-        child = len(self.token)
+    def _place(self, parent: int, new: Sequence[int], fields: tuple[int, ...], child: int) -> None:
+        """Make a chain of nodes for the tokens ``new`` below ``parent`` at the consecutive indexes
+        from ``child`` (freed ones, or, from the lists' end, new ones)."""
         n = len(new)
-        self._link(parent, new[0], child)
-        self.token.extend(new)
-        self.parent.append(parent)
-        self.parent.extend(range(child, child + n - 1))
-        self.depth.extend(range(level + 1, level + n + 1))
-        out, prompt, stamp, s_out, s_prompt = self._fields(as_prompt, shared)
-        self.out.extend([out] * n)
-        self.prompt.extend([prompt] * n)
-        self.stamp.extend([stamp] * n)
-        self.born.extend([self.tick] * n)
-        self.shared_out.extend([s_out] * n)
-        self.shared_prompt.extend([s_prompt] * n)
-        self.shared_stamp.extend([self.clock if shared else 0] * n)
-        self.children.extend([{t: c} for t, c in zip(new[1:], range(child + 1, child + n))])
-        self.children.append(None)
+        end = child + n
+        level = self.depth[parent]
+        kids = self.children[parent]
+        if kids is None:
+            self.children[parent] = {new[0]: child}
+        else:
+            kids[new[0]] = child
+        runs: dict[int, list[int]] = {}  # (one list per distinct value: most fields are 0 or the clock)
+        values = [(self.token, new), (self.parent, [parent, *range(child, end - 1)]),
+                  (self.depth, range(level + 1, level + n + 1)),
+                  (self.children, [*[{t: c} for t, c in zip(new[1:], range(child + 1, end))], None])]
+        for column, value in zip((self.out, self.prompt, self.stamp, self.born, self.shared_out,
+                                  self.shared_prompt, self.shared_stamp), fields):
+            run = runs.get(value)
+            if run is None:
+                run = runs[value] = [value] * n
+            values.append((column, run))
+        if child == len(self.token):
+            for column, value in values:
+                column.extend(value)
+        else:
+            for column, value in values:
+                column[child:end] = value
 
     def _link(self, parent: int, token: int, child: int) -> None:
         kids = self.children[parent]
@@ -320,9 +400,11 @@ class NodeStore:
 
     # -- removing ------------------------------------------------------------------------------
 
-    def remove(self, node: int) -> int:
-        """Remove ``node`` and its subtree, both parts; returns the number of nodes removed."""
-        tree = self.first_token(node)
+    def remove(self, node: int, tree: int | None = None) -> int:
+        """Remove ``node`` and its subtree, both parts; returns the number of nodes removed. ``tree``:
+        the node's first token, if known."""
+        if tree is None:
+            tree = self.first_token(node)
         parent = self.parent
         kids = self.children[parent[node]]
         del kids[self.token[node]]
@@ -353,15 +435,16 @@ class NodeStore:
         """After every change that may add nodes: prune each grown tree past ``capacity``, then the
         whole store if past ``max_nodes``; the shared part first (its drops may leave running-only
         nodes), then the running-only nodes."""
-        capacity, low = self.capacity, self.tree_watermark()
         if self._grown:
+            capacity, low = self.capacity, self.tree_watermark()
             over = [t for t in self._grown if self.tree_size.get(t, 0) > capacity]
             self._grown.clear()
             for t in over:
                 self.prune_tree(t, low)
         if self.size > self.max_nodes:
             self.prune_global(self.global_watermark())
-        self.bound_running()
+        if self._running_grown or self.running_size > self.max_nodes:
+            self.bound_running()
 
     def bound_running(self) -> None:
         """Prune the nodes with only a running part: each grown tree past ``capacity``, then all of
@@ -371,7 +454,7 @@ class NodeStore:
             over = [t for t in self._running_grown if self.running_tree_size.get(t, 0) > capacity]
             self._running_grown.clear()
             for t in over:
-                self._prune_running(self._tree_nodes(t), self.running_tree_size[t] - low)
+                self._prune_running(self._tree_nodes(t), self.running_tree_size[t] - low, t)
         if self.running_size > self.max_nodes:
             self._prune_running(self.subtree(ROOT)[1:], self.running_size - self.global_watermark())
 
@@ -385,7 +468,7 @@ class NodeStore:
         ``target`` remain in it."""
         if self.tree_size.get(first_token, 0) <= target:
             return 0
-        removed = self._drop_shared(self._tree_nodes(first_token), self.tree_size[first_token] - target)
+        removed = self._drop_shared(self._tree_nodes(first_token), self.tree_size[first_token] - target, first_token)
         self.tree_prunes += 1
         return removed
 
@@ -398,15 +481,16 @@ class NodeStore:
         self.global_prunes += 1
         return removed
 
-    def _drop_shared(self, nodes: list[int], excess: int) -> int:
+    def _drop_shared(self, nodes: list[int], excess: int, tree: int | None = None) -> int:
         """Drop the shared part of the ``excess`` least frequent shared nodes among ``nodes`` (by
         shared frequency, then deepest first, then stalest shared stamp: descendants first, so the
         shared key set stays prefix-closed). A victim with a running part stays as a running-only
-        node; one without goes, and so do its descendants, all victims without one too."""
+        node; one without goes, and so do its descendants, all victims without one too. ``tree``:
+        the first token of all of ``nodes``, if they share one."""
         w, s_out, s_prompt, s_stamp, depth = (self.prompt_weight, self.shared_out, self.shared_prompt,
                                               self.shared_stamp, self.depth)
-        shared = [n for n in nodes if s_out[n] or s_prompt[n]]
-        victims = _least(shared, excess, lambda n: (s_out[n] + w * s_prompt[n], -depth[n], s_stamp[n]))
+        ranked = [(s_out[n] + w * s_prompt[n], -depth[n], s_stamp[n], n) for n in nodes if s_out[n] or s_prompt[n]]
+        victims = [entry[3] for entry in _least(ranked, excess)]
         out, prompt, parent = self.out, self.prompt, self.parent
         empty = set()
         for n in victims:
@@ -416,26 +500,26 @@ class NodeStore:
             out[n] -= s_out[n]
             prompt[n] -= s_prompt[n]
             s_out[n] = s_prompt[n] = s_stamp[n] = 0
-            self._count_sizes(self.first_token(n), -1, 1)
+            self._count_sizes(self.first_token(n) if tree is None else tree, -1, 1)
         tops = [n for n in empty if parent[n] not in empty]  # (before any goes: removal unlinks)
-        removed = sum(self.remove(n) for n in tops)
+        removed = sum(self.remove(n, tree) for n in tops)
         assert removed == len(empty), "pruned set was not closed under descendants"
         self.prunes += 1
         self.pruned_nodes += len(victims)
         self.version += 1
         return len(victims)
 
-    def _prune_running(self, nodes: list[int], excess: int) -> None:
+    def _prune_running(self, nodes: list[int], excess: int, tree: int | None = None) -> None:
         """Remove the ``excess`` least frequent running-only nodes among ``nodes`` (descendants
         first, as in :meth:`_drop_shared`; a running-only node's descendants are running-only)."""
         if excess <= 0:
             return
         w, out, prompt, stamp, depth = self.prompt_weight, self.out, self.prompt, self.stamp, self.depth
         s_out, s_prompt, parent = self.shared_out, self.shared_prompt, self.parent
-        running = [n for n in nodes if not s_out[n] and not s_prompt[n]]
-        doomed = set(_least(running, excess, lambda n: (out[n] + w * prompt[n], -depth[n], stamp[n])))
+        ranked = [(out[n] + w * prompt[n], -depth[n], stamp[n], n) for n in nodes if not s_out[n] and not s_prompt[n]]
+        doomed = {entry[3] for entry in _least(ranked, excess)}
         tops = [n for n in doomed if parent[n] not in doomed]  # (before any goes: removal unlinks)
-        removed = sum(self.remove(n) for n in tops)
+        removed = sum(self.remove(n, tree) for n in tops)
         assert removed == len(doomed), "pruned set was not closed under descendants"
         self.running_prunes += 1
 
@@ -486,11 +570,11 @@ class NodeStore:
             assert all(self.born[c] >= self.born[node] for c in kids.values()), f"born before its parent at {key}"
 
 
-def _least(nodes: list[int], excess: int, key) -> list[int]:
-    """The ``excess`` smallest of ``nodes`` by ``key`` (all of them if fewer)."""
-    if excess >= len(nodes):
-        return nodes
-    if 4 * excess < len(nodes):
-        return heapq.nsmallest(excess, nodes, key=key)
-    nodes.sort(key=key)
-    return nodes[:excess]
+def _least(ranked: list[tuple[float, int, int, int]], excess: int) -> list[tuple[float, int, int, int]]:
+    """The ``excess`` smallest of ``ranked`` (all of them if fewer)."""
+    if excess >= len(ranked):
+        return ranked
+    if 4 * excess < len(ranked):
+        return heapq.nsmallest(excess, ranked)
+    ranked.sort()
+    return ranked[:excess]
