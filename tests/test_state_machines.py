@@ -51,13 +51,16 @@ def merged_size(branches: list[list[int]]) -> int:
 
 
 class TrieMachine(RuleBasedStateMachine):
-    """FrequencyTrie against a brute-force dict ``key -> [out, prompt]`` of every window counted.
+    """FrequencyTrie's shared trie against a brute-force dict ``key -> [out, prompt]`` of every window
+    counted there.
 
-    The model counts exactly as the paper says (every prefix of every window), takes back a
-    request's prompt contribution at ``end`` and, after an operation that pruned, drops what the
-    trie dropped -- checking that the survivors' counts are untouched, that within every
-    first-token tree nothing dropped was more frequent than anything kept, and that every tree is
-    within ``capacity`` and the trie within ``max_nodes``.
+    The model counts exactly as the paper says (every prefix of every window). A request teaches the
+    shared trie only when it ends (its output windows; its prompt is counted in the running part,
+    from which ``end`` takes it back), and nothing when it is aborted; drafts read the running part
+    too. After an operation that pruned, the model drops what the
+    trie dropped -- checking that the survivors' counts are untouched, that within every first-token
+    tree nothing dropped was more frequent than anything kept, and that every tree is within
+    ``capacity`` and the trie within ``max_nodes``.
     """
 
     @initialize(branch_length=st.integers(1, 4), decoding_length=st.integers(1, 8), capacity=st.integers(2, 24),
@@ -68,41 +71,16 @@ class TrieMachine(RuleBasedStateMachine):
                                   max_nodes=max_nodes, prompt_weight=prompt_weight, mode=mode, prune_to=prune_to)
         self.width = branch_length + 1
         self.model: dict[tuple[int, ...], list[int]] = {}
-        # per request: [tokens, prompt_length, next_start, set of keys its prompt counted (still alive)]
+        # per request: [tokens, prompt_length]
         self.requests: dict[int, list] = {}
         self.ids = itertools.count(1)
         self.prunes_before = 0
 
     # -- the brute-force model --------------------------------------------------------------------
 
-    def _count(self, window, contributed: set | None) -> None:
+    def _count(self, window) -> None:
         for i in range(1, len(window) + 1):
-            key = tuple(window[:i])
-            counts = self.model.setdefault(key, [0, 0])
-            if contributed is None:
-                counts[0] += 1
-            else:
-                counts[1] += 1
-                contributed.add(key)
-
-    def _drop_subtree(self, key) -> None:
-        for k in [k for k in self.model if k[: len(key)] == key]:
-            del self.model[k]
-        for req in self.requests.values():
-            req[3] -= {k for k in req[3] if k[: len(key)] == key}
-
-    def _eliminate(self, prompt, mine: set) -> None:
-        for start in range(len(prompt) - 1):
-            for stop in range(start + 1, min(start + self.width, len(prompt)) + 1):
-                key = tuple(prompt[start:stop])
-                if key not in self.model or key not in mine:
-                    break
-                counts = self.model[key]
-                counts[1] -= 1
-                if counts == [0, 0]:
-                    self._drop_subtree(key)
-                    mine -= {k for k in mine if k[: len(key)] == key}
-                    break
+            self.model.setdefault(tuple(window[:i]), [0, 0])[0] += 1
 
     def _freq(self, counts) -> float:
         return counts[0] + self.trie.prompt_weight * counts[1]
@@ -126,19 +104,14 @@ class TrieMachine(RuleBasedStateMachine):
                     f"tree {tree}: pruned a node of frequency {max(dropped)} but kept one of {min(kept)}"
             for key in gone:
                 self.model.pop(key, None)
-            for req in self.requests.values():
-                req[3] -= gone
 
     # -- operations ---------------------------------------------------------------------------------
 
     @rule(prompt=st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=1, max_size=10))
     def begin(self, prompt) -> None:
         rid = next(self.ids)
-        mine: set = set()
         self.trie.begin(Context(tuple(prompt), len(prompt), rid))
-        for start in range(len(prompt) - 1):
-            self._count(prompt[start:start + self.width], mine)
-        self.requests[rid] = [list(prompt), len(prompt), max(0, len(prompt) - self.trie.branch_length), mine]
+        self.requests[rid] = [list(prompt), len(prompt)]
         self._sync()
 
     @precondition(lambda self: self.requests)
@@ -147,30 +120,29 @@ class TrieMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.requests)))
         req = self.requests[rid]
         req[0] += new
-        tokens = req[0]
-        self.trie.observe(Feedback(committed=list(new), context=Context(tuple(tokens), req[1], rid)))
-        while req[2] + self.width <= len(tokens):
-            self._count(tokens[req[2]:req[2] + self.width], None)
-            req[2] += 1
+        self.trie.observe(Feedback(committed=list(new), context=Context(tuple(req[0]), req[1], rid)))
         self._sync()
 
     @precondition(lambda self: self.requests)
-    @rule(data=st.data())
-    def end(self, data) -> None:
+    @rule(data=st.data(), fail=st.booleans())
+    def end(self, data, fail) -> None:
         rid = data.draw(st.sampled_from(sorted(self.requests)))
-        tokens, prompt_length, next_start, mine = self.requests.pop(rid)
-        self.trie.end(Context(tuple(tokens), prompt_length, rid))
-        if len(tokens) > prompt_length:
-            for start in range(next_start, len(tokens) - 1):
-                self._count(tokens[start:], None)
-        self._eliminate(tokens[:prompt_length], mine)
+        tokens, prompt_length = self.requests.pop(rid)
+        context = Context(tuple(tokens), prompt_length, rid)
+        if fail:
+            self.trie.abort(context)
+        else:
+            self.trie.end(context)
+            if len(tokens) > prompt_length:
+                for start in range(max(0, prompt_length - self.trie.branch_length), len(tokens) - 1):
+                    self._count(tokens[start : start + self.width])
         self._sync()
 
     @rule(tokens=tokens_st)
     def insert(self, tokens) -> None:
         self.trie.insert(tokens)
         for start in range(len(tokens) - 1):
-            self._count(tokens[start:start + self.width], None)
+            self._count(tokens[start:start + self.width])
         self._sync()
 
     @rule()
@@ -187,7 +159,8 @@ class TrieMachine(RuleBasedStateMachine):
         else:
             assert sum(len(b) for b in branches) <= k
         assert all(branches), "an empty branch was proposed"
-        keys = set(self.model)
+        keys = set(self.trie.snapshot(running=True))  # (what the running requests taught is read too)
+        assert set(self.model) <= keys
         # every branch continues one matched suffix of the context, inside the trie
         matches = [m for m in range(1, min(self.trie.branch_length, len(tokens)) + 1)
                    if all(tuple(tokens[-m:]) + tuple(b) in keys for b in branches)]
@@ -208,9 +181,8 @@ class TrieMachine(RuleBasedStateMachine):
         assert self.trie.active_requests == len(self.requests)
 
     @invariant()
-    def no_prompt_counts_outlive_their_requests(self) -> None:
-        if not self.requests:
-            assert all(prompt == 0 for _, prompt in self.trie.snapshot().values())
+    def no_prompt_count_is_shared(self) -> None:
+        assert all(prompt == 0 for _, prompt in self.trie.snapshot().values())
 
 
 TestTrieMachine = TrieMachine.TestCase
@@ -277,7 +249,7 @@ class NGramMachine(RuleBasedStateMachine):
                                    max_requests=max_requests, **kwargs)
         self.N, self.bounded, self.shared = N, bounded, shared
         self.streams: dict[int, list[int]] = {}  # live requests
-        self.fed: list[list[int]] = []  # every stream a shared model has counted (ended ones included)
+        self.fed: list[list[int]] = []  # every stream the shared model has counted (those of ended requests)
         self.ids = itertools.count(1)
 
     @rule(prompt=st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=1, max_size=8))
@@ -285,7 +257,6 @@ class NGramMachine(RuleBasedStateMachine):
         rid = next(self.ids)
         self.src.begin(Context(tuple(prompt), len(prompt), rid))
         self.streams[rid] = list(prompt)
-        self.fed.append(self.streams[rid])
 
     @precondition(lambda self: self.streams)
     @rule(data=st.data(), new=st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=1, max_size=4))
@@ -297,10 +268,15 @@ class NGramMachine(RuleBasedStateMachine):
         self.src.observe(Feedback(committed=list(new), context=Context(tuple(self.streams[rid]), 1, rid)))
 
     @precondition(lambda self: self.streams)
-    @rule(data=st.data())
-    def end(self, data) -> None:
+    @rule(data=st.data(), fail=st.booleans())
+    def end(self, data, fail) -> None:
+        """A shared model learns a request's stream when it ends, nothing of one that fails (nor of
+        one whose state was dropped past ``max_requests``)."""
         rid = data.draw(st.sampled_from(sorted(self.streams)))
-        self.src.end(Context(tuple(self.streams.pop(rid)), 1, rid))
+        stream = self.streams.pop(rid)
+        if self.shared and not fail and rid in self.src.active_requests:
+            self.fed.append(stream)
+        (self.src.abort if fail else self.src.end)(Context(tuple(stream), 1, rid))
         assert rid not in self.src.active_requests
 
     @precondition(lambda self: self.streams)
@@ -341,6 +317,14 @@ class NGramMachine(RuleBasedStateMachine):
         assert len(live) <= self.src.max_requests
         assert set(live) <= set(self.streams), "a state outlived its request"
         models = [self.src.shared_model] if self.shared else [self.src.model_for(r) for r in live]
+        running: dict = {}  # what the running requests counted (shared mode: their view holds it)
+        for rid in live:
+            for ctx, f in recount(self.streams[rid], self.N).items():
+                for t, c in f.items():
+                    running.setdefault(ctx, {})[t] = running.get(ctx, {}).get(t, 0) + c
+        if self.shared:
+            for rid in live:  # the view holds what the running requests counted, not bounded by the shared caps
+                assert set(self.src.model_for(rid).contexts()) <= set(running)
         for model in models:
             if self.bounded:
                 assert model.num_contexts <= 5
@@ -354,6 +338,12 @@ class NGramMachine(RuleBasedStateMachine):
                     for t, c in f.items():
                         expect.setdefault(ctx, {})[t] = expect.get(ctx, {}).get(t, 0) + c
             assert model_table(self.src.shared_model) == expect
+            for rid in live:  # a running request drafts from the shared counts and every running request's
+                combined = {ctx: dict(f) for ctx, f in expect.items()}
+                for ctx, f in running.items():
+                    for t, c in f.items():
+                        combined.setdefault(ctx, {})[t] = combined.get(ctx, {}).get(t, 0) + c
+                assert model_table(self.src.model_for(rid)) == combined
         else:
             for rid in live:
                 assert model_table(self.src.model_for(rid)) == recount(self.streams[rid], self.N)

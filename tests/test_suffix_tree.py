@@ -270,16 +270,19 @@ def test_eviction_takes_back_exactly_the_oldest_response() -> None:
         src.check_invariants()
 
 
-def test_a_response_evicted_while_running_stops_growing_in_the_cache() -> None:
+def test_a_response_joins_the_cache_when_its_request_ends() -> None:
     src = SuffixTree(max_depth=4, max_cached_requests=1)
     src.begin(ctx([1, 2], 2, 1))
     src.observe(Feedback([3], ctx([1, 2, 3], 2, 1)))
-    src.begin(ctx([5], 1, 2))  # pushes request 1's response out
+    src.begin(ctx([5], 1, 2))
     src.observe(Feedback([4], ctx([1, 2, 3, 4], 2, 1)))
-    assert src.cached_sequences() == [[]]
+    assert src.cached_sequences() == []  # nothing has ended yet
+    assert src.running_sequences() == [[3, 4], []]  # but the running responses are read already
     assert src.request_state(ctx([1, 2, 3, 4], 2, 1)).local.counts() == brute_counts([[1, 2, 3, 4]], 4)
     src.end(ctx([1, 2, 3, 4], 2, 1))
-    src.end(ctx([5], 1, 2))
+    assert src.cached_sequences() == [[3, 4]]
+    src.end(ctx([5, 6], 1, 2))  # pushes request 1's response out (a cache of one)
+    assert src.cached_sequences() == [[6]]
     src.check_invariants()
 
 
@@ -326,9 +329,10 @@ TOKENS = st.integers(0, 3)  # a tiny alphabet, so strings repeat and nodes split
 
 
 class SuffixMachine(RuleBasedStateMachine):
-    """Requests begin (maybe evicting the oldest response), grow, end; after every step the trees
-    hold exactly the recounted suffixes of the live sequences, and matches and drafts agree with
-    brute force."""
+    """Requests begin, grow, end (their response joining the cache, maybe evicting the oldest) or
+    fail (leaving nothing); after every step the trees hold exactly the recounted suffixes of the
+    live sequences (the global tree: the cached responses and the running ones so far), and
+    matches and drafts agree with brute force."""
 
     @initialize(depth=st.integers(2, 6), cap=st.integers(0, 3))
     def setup(self, depth, cap) -> None:
@@ -344,9 +348,6 @@ class SuffixMachine(RuleBasedStateMachine):
         self.next_rid += 1
         self.src.begin(ctx(prompt, len(prompt), rid))
         self.running[rid] = [len(prompt), list(prompt)]
-        if self.cap:
-            self.cache.append([rid, []])
-            del self.cache[: max(0, len(self.cache) - self.cap)]
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), new=st.lists(TOKENS, min_size=1, max_size=4))
@@ -355,16 +356,19 @@ class SuffixMachine(RuleBasedStateMachine):
         prompt_length, tokens = self.running[rid]
         tokens += new
         self.src.observe(Feedback(list(new), ctx(tokens, prompt_length, rid)))
-        for entry in self.cache:
-            if entry[0] == rid:
-                entry[1] = tokens[prompt_length:]
 
     @precondition(lambda self: self.running)
-    @rule(data=st.data())
-    def end(self, data) -> None:
+    @rule(data=st.data(), fail=st.booleans())
+    def end(self, data, fail) -> None:
         rid = data.draw(st.sampled_from(sorted(self.running)))
         prompt_length, tokens = self.running.pop(rid)
+        if fail:
+            self.src.abort(ctx(tokens, prompt_length, rid))
+            return
         self.src.end(ctx(tokens, prompt_length, rid))
+        if self.cap:
+            self.cache.append([rid, tokens[prompt_length:]])
+            del self.cache[: max(0, len(self.cache) - self.cap)]
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), budget=st.integers(0, 12))
@@ -380,14 +384,20 @@ class SuffixMachine(RuleBasedStateMachine):
         local = brute_speculate(brute_counts([tokens], self.depth), tokens, self.depth, cap)
         best = local
         if self.cap:
-            other = brute_speculate(brute_counts([o for _, o in self.cache], self.depth), tokens, self.depth, cap)
+            other = brute_speculate(brute_counts(self.global_sequences(), self.depth), tokens, self.depth, cap)
             if other[0] > local[0]:
                 best = other
         assert len(draft.branches) == len(best[2])
 
+    def global_sequences(self) -> list[list]:
+        """What the global tree holds: the cached responses and the running requests' so far."""
+        if not self.cap:
+            return []
+        return [o for _, o in self.cache] + [tokens[p:] for p, tokens in self.running.values()]
+
     @rule(context=st.lists(TOKENS, max_size=8))
     def match(self, context) -> None:
-        cached = brute_counts([o for _, o in self.cache], self.depth)
+        cached = brute_counts(self.global_sequences(), self.depth)
         assert self.src._global.longest_match(context) == brute_longest(cached, context, self.depth)
         draft = self.src._global.speculate(context, self.depth)
         check_draft(draft, brute_speculate(cached, context, self.depth, self.depth))
@@ -399,7 +409,8 @@ class SuffixMachine(RuleBasedStateMachine):
         self.src.check_invariants()
         assert self.src.cached_requests == len(self.cache) <= self.cap
         assert self.src.cached_sequences() == [o for _, o in self.cache]
-        assert self.src.global_counts() == brute_counts([o for _, o in self.cache], self.depth)
+        assert self.src.global_counts() == brute_counts(self.global_sequences(), self.depth)
+        assert self.src.running_sequences() == ([t[p:] for _, (p, t) in sorted(self.running.items())] if self.cap else [])
         for rid, (prompt_length, tokens) in self.running.items():
             local = self.src.request_state(ctx(tokens, prompt_length, rid)).local
             local.check_invariants()

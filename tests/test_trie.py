@@ -1,13 +1,14 @@
 """FrequencyTrie (Ant's Lookahead trie): data-structure invariants, retrieval, threads, greedy identity.
 
-The invariants are checked against a model of the ideal, unpruned trie: every inserted window
-counted on every prefix, prompt windows only while their request runs. Without pruning the trie
-must equal the model exactly; with pruning, every surviving count is at most the model's (a pruned
-node made anew has counted only what came after), never negative, prompt counts all zero once
-no request runs, the key set prefix-closed, every first-token tree within ``capacity`` and the
-whole trie within ``max_nodes`` after every call. Ending a request must take back exactly its own
-prompt counts (on the nodes that lived through the request) and add exactly its last output
-windows, whatever was pruned in between.
+The invariants are checked against a model of the ideal, unpruned trie. The shared trie holds the
+output windows of finished requests and what was inserted; every running request drafts from the
+shared trie and what all running requests taught so far (their prompt windows and the output
+windows they completed) read as one. Without pruning both views must equal the model exactly; with
+pruning, every surviving count is at most the model's (a pruned node made anew has counted only
+what came after), never negative, the shared trie never holds a prompt count, the key sets are
+prefix-closed, every first-token tree within ``capacity`` and each part within ``max_nodes`` after
+every call. Ending
+a request must add exactly its output windows to the shared trie, whatever was pruned before.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def output_windows(tokens, prompt_length, branch_length, final):
 
 
 class Model:
-    """Expected ``(out, prompt)`` counts of an unpruned trie."""
+    """Expected ``(out, prompt)`` counts of an unpruned trie: the shared one, and what the running
+    requests draft from (the shared counts plus what every running request taught so far)."""
 
     def __init__(self, branch_length):
         self.L = branch_length
@@ -75,10 +77,11 @@ class Model:
         for s, e in prompt_windows(tokens, self.L):
             self.out.update(window_keys(tokens, s, e))
 
-    def expected(self):
+    def expected(self, running=False):
+        """The shared counts, or with ``running`` what the running requests draft from."""
         out = Counter(self.out)
         prompt = Counter()
-        for p, tokens in self.active.values():
+        for p, tokens in self.active.values() if running else ():
             for s, e in output_windows(tokens, len(p), self.L, final=False):
                 out.update(window_keys(tokens, s, e))
             for s, e in prompt_windows(p, self.L):
@@ -95,23 +98,25 @@ def check_bounds(trie: FrequencyTrie) -> None:
     assert all(n <= trie.capacity for n in per_tree.values()), (per_tree, trie.capacity)
     assert len(snap) == len(trie) <= trie.max_nodes, (len(snap), trie.max_nodes)
     assert all(key[:-1] in snap for key in snap if len(key) > 1), "not prefix-closed"
-    assert all(out >= 0 and prompt >= 0 for out, prompt in snap.values()), "negative count"
+    assert all(out >= 0 and prompt == 0 for out, prompt in snap.values()), "a negative or prompt count shared"
 
 
-def check_against_model(trie: FrequencyTrie, model: Model) -> None:
-    trie.check_invariants()
-    check_bounds(trie)
-    snap = trie.snapshot()
-    expected = model.expected()
-    if trie.prunes == 0:
+def check_view(snap, expected, exact: bool) -> None:
+    if exact:
         assert snap == expected
     else:
         for key, (out, prompt) in snap.items():
             assert key in expected, f"{key} was never inserted"
             e_out, e_prompt = expected[key]
             assert 0 <= out <= e_out and 0 <= prompt <= e_prompt, (key, (out, prompt), expected[key])
-    if not model.active:
-        assert all(prompt == 0 for _, prompt in snap.values()), "a finished request left prompt counts behind"
+
+
+def check_against_model(trie: FrequencyTrie, model: Model) -> None:
+    trie.check_invariants()
+    check_bounds(trie)
+    check_view(trie.snapshot(), model.expected(), trie.prunes == 0)
+    exact = trie.prunes == 0 and trie.running_prunes == 0
+    check_view(trie.snapshot(running=True), model.expected(running=True), exact)
 
 
 # -- stateful property test ----------------------------------------------------------------------------
@@ -135,7 +140,6 @@ class TrieMachine(RuleBasedStateMachine):
         self.model = Model(branch_length)
         self.next_id = 1
         self.contexts: dict[int, Context] = {}
-        self.begun: dict[int, dict] = {}  # request id -> {key: node object} of its prompt nodes right after begin
 
     @rule(prompt=st.lists(SMALL_VOCAB, min_size=1, max_size=14))
     def begin(self, prompt):
@@ -145,10 +149,6 @@ class TrieMachine(RuleBasedStateMachine):
         self.trie.begin(ctx)
         self.model.begin(rid, prompt)
         self.contexts[rid] = ctx
-        # The nodes this prompt counted on and that survived begin's own pruning (by identity: a
-        # node pruned later and made anew is another object, which holds none of this request).
-        keys = {k for s, e in prompt_windows(prompt, self.trie.branch_length) for k in window_keys(prompt, s, e)}
-        self.begun[rid] = {k: self.trie.trie[k] for k in keys if k in self.trie.trie}
 
     @precondition(lambda self: self.contexts)
     @rule(data=st.data(), tokens=st.lists(SMALL_VOCAB, min_size=0, max_size=5))
@@ -163,25 +163,14 @@ class TrieMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.contexts)
     @rule(data=st.data())
     def end(self, data):
-        """Elimination restores counts: ``end`` adds the request's last output windows and takes
-        back one prompt count per prompt window from every node that lived through the request;
-        the surviving nodes must hold exactly that, and without a prune every such node survives."""
+        """``end`` adds exactly the request's output windows to the shared trie (its last, shortened
+        ones included) and nothing of its prompt; a prune at the end only removes nodes."""
         rid = data.draw(st.sampled_from(sorted(self.contexts)))
         trie = self.trie
         prompt, tokens = self.model.active[rid]
-        L = trie.branch_length
         tail = Counter()
-        for s, e in output_windows(tokens, len(prompt), L, final=True):
+        for s, e in output_windows(tokens, len(prompt), trie.branch_length, final=True):
             tail.update(window_keys(tokens, s, e))
-        for s, e in output_windows(tokens, len(prompt), L, final=False):
-            tail.subtract(window_keys(tokens, s, e))
-        mine = self.begun.pop(rid)
-        taken = Counter()
-        for s, e in prompt_windows(prompt, L):
-            for key in window_keys(prompt, s, e):
-                if key not in mine or trie.trie.get(key) is not mine[key]:
-                    break  # pruned since (and its subtree with it)
-                taken[key] += 1
         before, prunes = trie.snapshot(), trie.prunes
         trie.end(self.contexts.pop(rid))
         self.model.end(rid)
@@ -189,12 +178,21 @@ class TrieMachine(RuleBasedStateMachine):
         expected = {}
         for key in set(before) | set(tail):
             out, p = before.get(key, (0, 0))
-            expected[key] = (out + tail[key], p - taken[key])
-        assert all(out >= 0 and p >= 0 for out, p in expected.values()), "elimination would go negative"
+            expected[key] = (out + tail[key], p)
         for key, counts in after.items():
             assert counts == expected.get(key), (key, counts, expected.get(key))
         if trie.prunes == prunes:
-            assert set(after) == {k for k, (out, p) in expected.items() if out + p > 0}
+            assert set(after) == set(expected)
+
+    @precondition(lambda self: self.contexts)
+    @rule(data=st.data())
+    def abort(self, data):
+        """``abort`` leaves the shared trie exactly as it was."""
+        rid = data.draw(st.sampled_from(sorted(self.contexts)))
+        before, prunes = self.trie.snapshot(), self.trie.prunes
+        self.trie.abort(self.contexts.pop(rid))
+        self.model.active.pop(rid)
+        assert self.trie.snapshot() == before and self.trie.prunes == prunes
 
     @rule(tokens=token_lists)
     def insert(self, tokens):
@@ -220,10 +218,11 @@ class TrieMachine(RuleBasedStateMachine):
 
     @rule(context=st.lists(SMALL_VOCAB, min_size=1, max_size=8), budget=st.integers(0, 12))
     def query(self, context, budget):
+        """What the running requests draft (the shared trie alone when none runs)."""
         trie = self.trie
         branches = trie.retrieve(context, budget)
         k = min(budget, trie.decoding_length)
-        snap = trie.snapshot()
+        snap = trie.snapshot(running=True)
         w = trie.prompt_weight
         score = {key: out + w * prompt for key, (out, prompt) in snap.items()}
         matches = [m for m in range(1, min(trie.branch_length, len(context)) + 1)
@@ -287,16 +286,18 @@ def test_is_a_draft_source_and_validates_arguments():
             FrequencyTrie(**bad)
 
 
-def test_prompt_windows_are_counted_and_eliminated_exactly():
+def test_prompt_windows_are_counted_while_running_and_eliminated_exactly():
     trie = FrequencyTrie(branch_length=2)
     trie.insert([7, 8, 9])  # some output knowledge first
     before = trie.snapshot()
     c = ctx([1, 2, 3, 1, 2, 4])
     trie.begin(c)
-    assert trie.counts([1]) == (0, 2) and trie.counts([1, 2]) == (0, 2)
-    assert trie.counts([1, 2, 3]) == (0, 1) and trie.counts([1, 2, 4]) == (0, 1)
-    assert trie.counts([2, 4]) == (0, 1) and trie.counts([4]) is None  # a window needs a successor
-    assert trie.counts([1, 2, 3, 1]) is None  # windows are branch_length + 1 tokens
+    assert trie.counts([1], running=True) == (0, 2) and trie.counts([1, 2], running=True) == (0, 2)
+    assert trie.counts([1, 2, 3], running=True) == (0, 1) and trie.counts([1, 2, 4], running=True) == (0, 1)
+    assert trie.counts([2, 4], running=True) == (0, 1) and trie.counts([4], running=True) is None  # a window needs a successor
+    assert trie.counts([1, 2, 3, 1], running=True) is None  # windows are branch_length + 1 tokens
+    assert trie.counts([7, 8], running=True) == (1, 0)  # the request reads the shared counts too
+    assert trie.snapshot() == before  # which its prompt never touches
     trie.end(c)  # no output: the trie is back where it was
     assert trie.snapshot() == before
     trie.check_invariants()
@@ -351,6 +352,9 @@ def test_prompt_branches_win_over_more_frequent_output_branches():
     trie.begin(ctx([1, 4, 5], rid=7))  # prompt: 1 -> 4 -> 5, once
     assert trie.retrieve([1], budget=2) == [[4, 5]]
     assert trie.retrieve([1], budget=4) == [[4, 5], [2, 3]]
+    assert trie.propose(ctx([1], rid=7), 2).branches == [[4, 5]]
+    assert trie.propose(ctx([1], rid=8), 2).branches == [[4, 5]]  # the other running requests read it too
+    assert trie.counts([1, 4]) is None  # but the shared trie never holds it
     trie.end(ctx([1, 4, 5], rid=7))
     assert trie.retrieve([1], budget=2) == [[2, 3]]
     weak = FrequencyTrie(branch_length=2, min_nodes=1, prompt_weight=1)  # no amplification
@@ -406,10 +410,11 @@ def test_capacity_is_per_first_token_tree_and_keeps_the_frequent_nodes():
     assert trie.tree_prunes > 0 and trie.global_prunes == 0
     assert len(trie) > 64  # the other trees hold their own 64 nodes each
     assert trie.retrieve([1], budget=3) == [[2, 3, 4]]
-    # A prompt whose own tree passes the capacity: that tree is pruned, its elimination is still exact.
+    # A prompt whose own tree passes the capacity: that tree's running nodes are pruned (the
+    # invariants check both parts of every tree), and ending it leaves no prompt count.
     prompt = [rng.choice([7, rng.randrange(VOCAB)]) for _ in range(200)]
     trie.begin(ctx(prompt, rid=3))
-    assert trie.tree_size(7) <= 64
+    assert trie.running_prunes > 0
     trie.check_invariants()
     trie.end(ctx(prompt, rid=3))
     trie.check_invariants()
@@ -426,8 +431,8 @@ def test_a_big_prompt_does_not_wipe_what_other_trees_learned():
     learned = {k: v for k, v in trie.snapshot().items() if k[0] in (1, 2)}
     prompt = [rng.randrange(10, VOCAB) for _ in range(200)]
     trie.begin(ctx(prompt, rid=1))
-    assert len(trie) > 16 * trie.decoding_length
-    assert {k: v for k, v in trie.snapshot().items() if k[0] in (1, 2)} == learned
+    assert len(trie.snapshot(running=True)) > 16 * trie.decoding_length
+    assert {k: v for k, v in trie.snapshot(running=True).items() if k[0] in (1, 2)} == learned
     assert trie.retrieve([9, 1], budget=4) == [[2, 3, 4]]
     trie.end(ctx(prompt, rid=1))
     assert {k: v for k, v in trie.snapshot().items() if k[0] in (1, 2)} == learned
@@ -445,10 +450,10 @@ def test_max_nodes_bounds_the_whole_trie_least_frequent_first():
             trie.check_invariants()
     assert trie.global_prunes > 0
     assert trie.retrieve([1], budget=3) == [[2, 3, 4]]
-    # Running requests' prompt branches count too.
+    # What the running requests taught is bounded the same way (the invariants check it).
     prompt = [rng.randrange(VOCAB) for _ in range(100)]
     trie.begin(ctx(prompt, rid=3))
-    assert len(trie) <= 100
+    assert len(trie) <= 100 and len(trie.snapshot(running=True)) <= 200 and trie.running_prunes > 0
     trie.check_invariants()
     trie.end(ctx(prompt, rid=3))
     trie.check_invariants()
@@ -467,25 +472,20 @@ def test_max_nodes_bounds_the_whole_trie_least_frequent_first():
     trie.check_invariants()
 
 
-def test_elimination_after_pruning_takes_back_only_its_own_counts():
-    """A's prompt node is pruned, then made anew by B's prompt; when A ends it must not take B's count."""
+def test_pruning_the_shared_trie_never_touches_a_running_requests_prompt():
+    """A request's prompt lives in the running part: pruning the shared trie away to nothing, or other
+    requests with the same prompt ending, leaves its prompt counts whole, and nothing of it behind."""
     trie = FrequencyTrie(branch_length=1, prompt_weight=1)
     trie.begin(ctx([1, 2], rid=1))  # A: (1,) and (1, 2), prompt count 1 each
     for _ in range(5):
         trie.insert([3, 4])
-    trie.prune(0, first_token=1)  # tree 1 goes: A's nodes are pruned, tree 3 stays
-    assert trie.counts([1]) is None and trie.counts([3, 4]) == (5, 0) and trie.prunes > 0
-    trie.begin(ctx([1, 2], rid=2))  # B makes (1,) and (1, 2) anew
-    trie.prune(2)  # globally least frequent: B's nodes go (then C again, to get the same keys back once more)
-    assert trie.counts([1]) is None and trie.counts([3, 4]) == (5, 0)
+    trie.prune(0)
+    assert len(trie) == 0 and trie.counts([1], running=True) == (0, 1) and trie.counts([1, 2], running=True) == (0, 1)
+    trie.begin(ctx([1, 2], rid=2))  # B, the same prompt
     trie.end(ctx([1, 2], rid=2))
-    trie.begin(ctx([1, 2], rid=3))
-    assert trie.counts([1]) == (0, 1)
-    trie.end(ctx([1, 2], rid=1))  # A ends: nothing of A is left, C's count stays
-    assert trie.counts([1]) == (0, 1) and trie.counts([1, 2]) == (0, 1)
-    trie.check_invariants()
-    trie.end(ctx([1, 2], rid=3))
-    assert trie.counts([1]) is None
+    assert trie.counts([1]) is None and trie.counts([1], running=True) == (0, 1)
+    trie.end(ctx([1, 2], rid=1))
+    assert trie.counts([1]) is None and trie.active_requests == 0
     trie.check_invariants()
 
 
@@ -495,7 +495,7 @@ def test_ablation_switches():
                                           (dict(insert_output=False), True, False)]:
         trie = FrequencyTrie(branch_length=2, **kw)
         trie.begin(ctx(prompt))
-        assert (trie.counts([1, 2]) is not None) == expect_prompt
+        assert (trie.counts([1, 2], running=True) is not None) == expect_prompt
         trie.observe(Feedback(out, ctx(prompt + out, 4)))
         trie.end(ctx(prompt + out, 4))
         assert (trie.counts([5, 6]) is not None) == expect_out
@@ -509,8 +509,8 @@ def test_reused_request_id_and_unknown_requests():
     trie = FrequencyTrie(branch_length=2)
     trie.end(ctx([1, 2, 3], rid=5))  # never begun: ignored
     trie.begin(ctx([1, 2, 3], rid=5))
-    trie.begin(ctx([4, 5, 6], rid=5))  # same id again: the first prompt is taken back
-    assert trie.counts([1, 2]) is None and trie.counts([4, 5]) == (0, 1)
+    trie.begin(ctx([4, 5, 6], rid=5))  # same id again: the first one's counts are taken back
+    assert trie.counts([1, 2], running=True) is None and trie.counts([4, 5], running=True) == (0, 1)
     trie.observe(Feedback([9, 9], ctx([7, 8, 9, 9], 2, rid=6)))  # observe without begin
     trie.end(ctx([7, 8, 9, 9], 2, rid=6))
     trie.end(ctx([4, 5, 6], rid=5))

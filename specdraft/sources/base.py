@@ -279,6 +279,12 @@ class SourceBase(Generic[State]):
         with self._states_lock:
             return self._states.pop(request_id, None)
 
+    def running_states(self) -> list[State]:
+        """The states of the requests begun and not yet ended, in the order they began (a copy):
+        for inspection and invariant checks."""
+        with self._states_lock:
+            return list(self._states.values())
+
     def begin(self, context: Context) -> None:
         with collector_paused():  # a state indexes the whole prompt: many objects, none garbage
             made = self.new_state(context)

@@ -55,12 +55,25 @@ State and memory
     bounds are approximate; that only changes the drafts, never the output (the verifier
     decides). The same two bounds can be set in per-request mode too.
 
-    *A failed request* (the decoder calls ``abort`` instead of ``end``) leaves the shared model as
-    it was: while it runs, each request journals the contexts it changes or evicts (a copy of
-    each before its first change, ``None`` for a new one), and ``abort`` puts them back and
-    rebuilds the LRU order (:meth:`NGramModel.undo`; exact when no other request updated the model
-    meanwhile). A journal costs at most what a per-request model of the same request would (one
-    entry per context touched), and is dropped at ``end``. Per-request mode needs none.
+    *Running requests* (shared mode): the shared model changes only at ``end``, which counts the
+    request's stream into it; so a failed request (``abort``) leaves it exactly as it was, by
+    construction. Until then a request counts its stream in one view shared by every running
+    request (:class:`~specdraft.sources.ngram_running.RunningCounts`, an overlay of the shared
+    model: a context one of them updates is first copied from the shared model, then counted), and
+    drafts read the view first, then the shared model: every running request sees the shared counts,
+    its own and the other running requests' at once, as if all counted in one table. ``end`` and
+    ``abort`` take the request's counts back from the view exactly (it keeps how many each context's
+    followers were counted by running requests), so a failed request's counts stop being seen the
+    moment it aborts. The view holds at most the ``(N - 1) * L`` contexts per running request of
+    ``L`` tokens a per-request model would, and is empty when no request runs. Counting at ``end``
+    gives the shared model exactly what counting step by step did when requests run one at a time
+    (same counts, tie-break stamps, clock and LRU order: one clock tick per position either way).
+
+    *Layout*: a context's statistics are one dict of ints (``token -> count << 40 | last seen``,
+    with the current prediction under two negative keys, :data:`_BEST` and :data:`_BEST_KEY`), and
+    the table maps context tuples to them. Dicts of ints, and tuples of ints once a collection has
+    seen them, are not tracked by Python's cyclic garbage collector, so a model of any size is a
+    single tracked object: a full collection does not scan its contexts.
 
 Cost
     A step's query is at most ``K * (N - 1)`` dict lookups of short tuples (plus, with ``top_b >
@@ -77,7 +90,6 @@ in several threads (per-request states are keyed by ``Context.request_id``).
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 import numbers
@@ -102,50 +114,44 @@ _SHIFT = 40
 _ONE = 1 << _SHIFT
 _CLOCK_MASK = _ONE - 1
 
-#: What :meth:`NGramModel.add` records, when asked, to take an update back: each context's content
-#: before its first change (``None``: the context did not exist), evicted contexts included.
-Journal = dict  # dict[tuple[int, ...], _Followers | None]
+#: A context's statistics (``Followers``, a dict of ints) keep its current prediction -- the most
+#: frequent next token, ties: the most recently seen -- under two keys no token id takes: the token
+#: under ``_BEST`` and its packed statistics under ``_BEST_KEY`` (-1 and -1 while it has none).
+_BEST = -1
+_BEST_KEY = -2
+_RESERVED = 2  # entries of a statistics dict that are not followers
+Followers = dict  # dict[int, int]: token -> count << _SHIFT | last_seen, plus _BEST and _BEST_KEY
 
 
-class _Followers:
-    """Next-token statistics of one context: ``stats[token] = count << _SHIFT | last_seen`` and
-    the current prediction (max count, ties: most recently seen), maintained in O(1) per update."""
+def followers_of(stats: Followers) -> dict[int, int]:
+    """The followers alone (``token -> packed statistics``), the prediction keys left out."""
+    return {t: key for t, key in stats.items() if t >= 0}
 
-    __slots__ = ("stats", "best", "best_key")
 
-    def __init__(self) -> None:
-        self.stats: dict[int, int] = {}
-        self.best = -1
-        self.best_key = -1
+def ranked(stats: Followers, b: int) -> list[int]:
+    """The ``b`` best next tokens: highest count first, ties most recent first."""
+    if b == 1 or len(stats) == _RESERVED + 1:  # (most contexts have one follower)
+        return [stats[_BEST]]
+    return heapq.nlargest(b, [t for t in stats if t >= 0], key=stats.__getitem__)
 
-    def ranked(self, b: int) -> list[int]:
-        """The ``b`` best next tokens: highest count first, ties most recent first."""
-        if b == 1:
-            return [self.best]
-        return heapq.nlargest(b, self.stats, key=self.stats.__getitem__)
 
-    def copy(self) -> "_Followers":
-        twin = _Followers()
-        twin.stats = dict(self.stats)
-        twin.best, twin.best_key = self.best, self.best_key
-        return twin
+def last_update(stats: Followers) -> int:
+    """The clock of the context's last update: every update stamps the follower it counts with the
+    current clock, and a follower eviction (only when a new one arrives) never drops it."""
+    return max(key & _CLOCK_MASK for t, key in stats.items() if t >= 0)
 
-    def last_update(self) -> int:
-        """The clock of the context's last update: every update stamps the follower it counts with
-        the current clock, and a follower eviction (only when a new one arrives) never drops it."""
-        return max(key & _CLOCK_MASK for key in self.stats.values())
 
-    def evict_one(self) -> None:
-        """Forget the weakest follower (lowest count, ties: least recently seen)."""
-        stats = self.stats
-        victim = min(stats, key=stats.__getitem__)
-        del stats[victim]
-        if victim == self.best:
-            if stats:
-                self.best = max(stats, key=stats.__getitem__)
-                self.best_key = stats[self.best]
-            else:
-                self.best, self.best_key = -1, -1
+def evict_one(stats: Followers) -> None:
+    """Forget the weakest follower (lowest count, ties: least recently seen)."""
+    followers = [t for t in stats if t >= 0]
+    victim = min(followers, key=stats.__getitem__)
+    del stats[victim]
+    if victim == stats[_BEST]:
+        if len(followers) > 1:
+            best = max((t for t in stats if t >= 0), key=stats.__getitem__)
+            stats[_BEST], stats[_BEST_KEY] = best, stats[best]
+        else:
+            stats[_BEST], stats[_BEST_KEY] = -1, -1
 
 
 class NGramModel:
@@ -153,50 +159,93 @@ class NGramModel:
 
     One table keyed by the context tuple holds every level (a context's length says its level:
     ``n = len(context) + 1``). ``add`` counts a token stream incrementally; ``predict`` and
-    ``draft`` query it with back-off. Not thread-safe by itself (:class:`MultiLevelNGram` locks).
+    ``draft`` query it with back-off. With a ``base`` model the model is an *overlay* of it: a
+    context is copied from the base at its first update here (copy on write), and queries read the
+    overlay first, then the base; the base is never written. An overlay neither evicts contexts nor
+    caps followers (it holds what the running requests count, which their lengths bound). Not
+    thread-safe by itself (:class:`MultiLevelNGram` locks).
     """
 
-    __slots__ = ("max_ngram", "max_contexts", "max_followers", "_table", "_clock")
+    __slots__ = ("max_ngram", "max_contexts", "max_followers", "_table", "_clock", "_base")
 
-    def __init__(self, max_ngram: int = 5, max_contexts: int | None = None, max_followers: int | None = None) -> None:
+    def __init__(self, max_ngram: int = 5, max_contexts: int | None = None, max_followers: int | None = None,
+                 base: "NGramModel | None" = None) -> None:
         if max_ngram < 2:
             raise ValueError(f"max_ngram must be >= 2 (a context of at least one token), got {max_ngram}")
         if max_contexts is not None and max_contexts < 1:
             raise ValueError(f"max_contexts must be >= 1 or None, got {max_contexts}")
         if max_followers is not None and max_followers < 1:
             raise ValueError(f"max_followers must be >= 1 or None, got {max_followers}")
+        if base is not None and (base.max_ngram != max_ngram or max_contexts is not None):
+            raise ValueError("an overlay has its base's max_ngram and no max_contexts of its own")
         self.max_ngram = max_ngram
         self.max_contexts = max_contexts
         self.max_followers = max_followers
+        self._base = base
         # An OrderedDict only when it must evict (LRU); a plain dict is faster.
-        self._table: dict[tuple[int, ...], _Followers] = OrderedDict() if max_contexts is not None else {}
-        self._clock = 0  # one tick per counted position: the "most recent" of the tie-break
+        self._table: dict[tuple[int, ...], Followers] = OrderedDict() if max_contexts is not None else {}
+        # one tick per counted position: the "most recent" of the tie-break (an overlay goes on from
+        # its base's clock, so what it counts is newer than anything it copies)
+        self._clock = 0 if base is None else base.clock
+
+    def overlay(self) -> "NGramModel":
+        """A new, empty overlay of this model (see the class docstring)."""
+        return NGramModel(self.max_ngram, None, None, base=self)
+
+    def sync_clock(self) -> None:
+        """An overlay: go on from the base's clock if the base got ahead, so that what is counted
+        next is newer than anything the base holds."""
+        if self._base is not None and self._base._clock > self._clock:
+            self._clock = self._base._clock
+
+    def recount(self, ctx: tuple[int, ...], counted: dict[int, int] | None) -> None:
+        """An overlay: set its statistics of ``ctx`` to its base's plus ``counted`` (``token ->
+        count``), each follower keeping the later of its last-seen stamps here and in the base; with
+        ``counted`` ``None``, drop ``ctx`` (reads fall back to the base). For
+        :class:`~specdraft.sources.ngram_running.RunningCounts`, which takes counts back."""
+        table = self._table
+        if counted is None:
+            table.pop(ctx, None)
+            return
+        old = table.get(ctx) or {}
+        base = self._base._table.get(ctx) if self._base is not None else None
+        stats = dict(base) if base is not None else {_BEST: -1, _BEST_KEY: -1}
+        for token, count in counted.items():
+            packed = stats.get(token, 0)
+            seen = max(packed & _CLOCK_MASK, old.get(token, 0) & _CLOCK_MASK)
+            stats[token] = ((packed >> _SHIFT) + count) << _SHIFT | seen
+        best = max((t for t in stats if t >= 0), key=stats.__getitem__)
+        stats[_BEST], stats[_BEST_KEY] = best, stats[best]
+        table[ctx] = stats
+
+    def _lookup(self):
+        """``get(context)`` over this model and its base (the overlay first)."""
+        get = self._table.get
+        if self._base is None:
+            return get
+        base_get = self._base._table.get
+        return lambda ctx: get(ctx) or base_get(ctx)  # (a statistics dict is never empty)
 
     # -- updates ------------------------------------------------------------------------------
 
-    def add(self, tokens: Sequence[int], start: int = 0, journal: Journal | None = None) -> None:
+    def add(self, tokens: Sequence[int], start: int = 0) -> None:
         """Count ``tokens[i]`` after each of its ``1 .. N-1`` preceding contexts, for ``i >= start``.
 
         ``tokens[:start]`` must already have been counted (or be history only); they serve as the
-        left context of the first new positions. Cost: ``N - 1`` dict updates per new token.
-
-        With a ``journal`` (a dict, kept by the caller across calls), every context this call
-        changes or evicts that the journal does not hold yet is recorded there first: a copy of its
-        followers, or ``None`` if it did not exist. :meth:`undo` takes the changes back. (One more
-        dict lookup per update, plus a copy at a context's first change; without a journal
-        nothing is recorded.)
+        left context of the first new positions. Cost: ``N - 1`` dict updates per new token (an
+        overlay: plus a copy of each context at its first update).
         """
         top = self.max_ngram - 1
         lo = max(start - top, 0)
         window = tuple(int(t) for t in tokens[lo:])
         table = self._table
         get = table.get
+        base_get = self._base._table.get if self._base is not None else None
         lru = self.max_contexts is not None
         max_contexts = self.max_contexts or 0
-        cap = self.max_followers
+        cap = (self.max_followers or 0) + _RESERVED if self.max_followers is not None else None
         one, shift = _ONE, _SHIFT
         clock = self._clock
-        journaled = journal is not None
         for i in range(max(start - lo, 1), len(window)):
             clock += 1
             nxt = window[i]
@@ -204,99 +253,24 @@ class NGramModel:
                 ctx = window[i - m : i]
                 f = get(ctx)
                 if f is None:
-                    if journaled and ctx not in journal:
-                        journal[ctx] = None
                     if lru and len(table) >= max_contexts:
-                        gone, followers = table.popitem(last=False)  # type: ignore[call-arg]
-                        if journaled and gone not in journal:  # untouched so far: its content before
-                            journal[gone] = followers
-                    f = table[ctx] = _Followers()
-                else:
-                    if journaled and ctx not in journal:
-                        journal[ctx] = f.copy()
-                    if lru:
-                        table.move_to_end(ctx)  # type: ignore[attr-defined]
-                stats = f.stats
-                key = stats.get(nxt)
+                        table.popitem(last=False)  # type: ignore[call-arg]
+                    copied = base_get(ctx) if base_get is not None else None
+                    f = table[ctx] = {_BEST: -1, _BEST_KEY: -1} if copied is None else dict(copied)
+                elif lru:
+                    table.move_to_end(ctx)  # type: ignore[attr-defined]
+                key = f.get(nxt)
                 if key is None:
-                    if cap is not None and len(stats) >= cap:
-                        f.evict_one()
+                    if cap is not None and len(f) >= cap:
+                        evict_one(f)
                     key = one | clock
                 else:
                     key = ((key >> shift) + 1) << shift | clock
-                stats[nxt] = key
-                if key > f.best_key:  # more frequent, or as frequent and (being this one) newer
-                    f.best = nxt
-                    f.best_key = key
+                f[nxt] = key
+                if key > f[_BEST_KEY]:  # more frequent, or as frequent and (being this one) newer
+                    f[_BEST] = nxt
+                    f[_BEST_KEY] = key
         self._clock = clock
-
-    def undo(self, journal: Journal, clock: int | None = None) -> None:
-        """Take back the updates recorded in ``journal`` (see :meth:`add`): every context it names
-        gets its recorded content back (or goes, if it did not exist), and the LRU order is rebuilt.
-
-        With ``clock`` (the model's clock when the journal started) and no other update since the
-        journal started, the model is then exactly as it was: same counts, same tie-break stamps,
-        same clock and same LRU order. That rests on an invariant of the table: its order is the
-        order of (the context's last update clock, its length). Every update stamps the follower it
-        counts with the current clock, so a context's last update is its followers' newest stamp
-        (a follower eviction happens only when a new follower arrives, and never drops it); one
-        clock tick is one position, whose contexts are updated in increasing length. Contexts the
-        journal does not name kept their relative order, so the restored ones are merged in at
-        their place.
-
-        Without ``clock`` (other updates came in meanwhile) the named contexts still get their
-        recorded content back -- later updates to those same contexts, from other streams, are
-        lost with it -- the clock stays (never going back below a stamp in the table), the table is
-        trimmed to ``max_contexts`` (least recently updated first) and the order rebuilt by the same
-        invariant: a consistent model, though not the one it would have been without the undone
-        updates.
-
-        Cost: one pass over the table plus ``O(j log n)`` for ``j`` journaled contexts among ``n``
-        (0.1-0.2 s for a request of 500 tokens after a 1000-token prompt on a full default table
-        of 65 536 contexts, on a busy CPU core); only ever paid when a request fails.
-        """
-        table = self._table
-        if clock is not None:
-            self._clock = clock
-        if self.max_contexts is None:  # a plain dict (no eviction): insertion order; put back in place
-            for ctx, followers in journal.items():
-                if followers is None:
-                    table.pop(ctx, None)
-                else:
-                    table[ctx] = followers
-            return
-        # The contexts the journal does not name are still in order: merge the restored ones in, by
-        # (last update, length) packed in one int, finding each one's place by galloping from the
-        # last (O(j log(n / j)) keys computed for j restored contexts among n) -- and no tuple made
-        # per context, so no garbage-collector passes over a big table either.
-        mask_and = _CLOCK_MASK.__and__
-        shift = self.max_ngram.bit_length()
-
-        def key_of(ctx: tuple[int, ...]) -> int:
-            return max(map(mask_and, table[ctx].stats.values())) << shift | len(ctx)
-
-        restored = sorted((max(map(mask_and, f.stats.values())) << shift | len(ctx), ctx, f)
-                          for ctx, f in journal.items() if f is not None)  # keys are distinct
-        kept = [ctx for ctx in table if ctx not in journal]
-        n = len(kept)
-        merged: OrderedDict[tuple[int, ...], _Followers] = OrderedDict()
-        lo = 0
-        for key, ctx, followers in restored:
-            below, probe, step = lo, lo, 1  # kept[:below] all sort before this one
-            while probe < n and key_of(kept[probe]) < key:  # gallop: lo, lo + 1, lo + 3, lo + 7, ...
-                below = probe + 1
-                probe = below + step
-                step <<= 1
-            at = bisect.bisect_left(kept, key, below, min(probe, n), key=key_of)
-            for c in kept[lo:at]:
-                merged[c] = table[c]
-            merged[ctx] = followers
-            lo = at
-        for c in kept[lo:]:
-            merged[c] = table[c]
-        while len(merged) > self.max_contexts:  # only when other updates came in meanwhile
-            merged.popitem(last=False)  # least recently updated first
-        self._table = merged
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -304,24 +278,24 @@ class NGramModel:
         """``(token, n)``: the prediction after ``tail`` and the level ``n`` that gave it, trying
         the last ``N-1`` tokens of ``tail`` first, then fewer; ``None`` if no level has seen them."""
         tail = tuple(tail)
-        table = self._table
+        get = self._lookup()
         for m in range(min(len(tail), self.max_ngram - 1), 0, -1):
-            f = table.get(tail[len(tail) - m :])
+            f = get(tail[len(tail) - m :])
             if f is not None:
-                return f.best, m + 1
+                return f[_BEST], m + 1
         return None
 
     def candidates(self, tail: Sequence[int], b: int) -> list[int]:
         """Up to ``b`` distinct next tokens after ``tail``, best first: the longest matching
         context's followers by count (ties: most recent), topped up from shorter contexts."""
         tail = tuple(tail)
-        table = self._table
+        get = self._lookup()
         out: list[int] = []
         for m in range(min(len(tail), self.max_ngram - 1), 0, -1):
-            f = table.get(tail[len(tail) - m :])
+            f = get(tail[len(tail) - m :])
             if f is None:
                 continue
-            for t in f.ranked(b):  # b suffice: at most len(out) of them are duplicates
+            for t in ranked(f, b):  # b suffice: at most len(out) of them are duplicates
                 if t not in out:
                     out.append(t)
                     if len(out) == b:
@@ -333,16 +307,16 @@ class NGramModel:
         stops early when no level matches."""
         top = self.max_ngram - 1
         ctx = tuple(tail)[-top:]
-        table = self._table
+        get = self._lookup()
         out: list[int] = []
         for _ in range(length):
             for m in range(len(ctx), 0, -1):
-                f = table.get(ctx[len(ctx) - m :])
+                f = get(ctx[len(ctx) - m :])
                 if f is not None:
                     break
             else:
                 return out
-            t = f.best
+            t = f[_BEST]
             out.append(t)
             ctx = (ctx + (t,))[-top:]
         return out
@@ -350,11 +324,18 @@ class NGramModel:
     # -- inspection ---------------------------------------------------------------------------
 
     def counts(self, n: int) -> dict[tuple[int, ...], dict[int, int]]:
-        """The level-``n`` table: context of ``n - 1`` tokens -> {next token: count} (a copy)."""
+        """The level-``n`` table: context of ``n - 1`` tokens -> {next token: count} (a copy); for an
+        overlay, what it drafts from (its base's contexts, its own where it has them)."""
         if not 2 <= n <= self.max_ngram:
             raise ValueError(f"n must be in [2, {self.max_ngram}], got {n}")
-        return {ctx: {t: key >> _SHIFT for t, key in f.stats.items()}
-                for ctx, f in self._table.items() if len(ctx) == n - 1}
+        out = self._base.counts(n) if self._base is not None else {}
+        out.update({ctx: {t: key >> _SHIFT for t, key in f.items() if t >= 0}
+                    for ctx, f in self._table.items() if len(ctx) == n - 1})
+        return out
+
+    def statistics(self) -> Iterator[tuple[tuple[int, ...], Followers]]:
+        """``(context, its statistics dict)`` in table order (LRU order when bounded); read only."""
+        return iter(self._table.items())
 
     def contexts(self) -> Iterator[tuple[int, ...]]:
         return iter(self._table)
@@ -371,23 +352,24 @@ class NGramModel:
     @property
     def num_counters(self) -> int:
         """(context, next token) pairs held: the model's size in counters."""
-        return sum(len(f.stats) for f in self._table.values())
+        return sum(len(f) - _RESERVED for f in self._table.values())
 
     def __repr__(self) -> str:
         return f"NGramModel(max_ngram={self.max_ngram}, contexts={self.num_contexts})"
 
 
 class _Request:
-    __slots__ = ("model", "seen", "journal", "clock", "writes", "own_writes")
+    """A running request: the model it counts in (its own, or in shared mode the running requests'
+    view), how many of its tokens were counted, and where its counting started; in shared mode also
+    its tokens, so that its counts can be taken back."""
 
-    def __init__(self, model: NGramModel, seen: int, writes: int | None = None) -> None:
+    __slots__ = ("model", "seen", "start", "tokens")
+
+    def __init__(self, model: NGramModel, seen: int, tokens: list[int] | None = None) -> None:
         self.model = model
         self.seen = seen  # tokens of this request's stream already counted
-        # shared mode: what this request changed in the shared model, to take it back at abort
-        self.journal: Journal | None = None if writes is None else {}
-        self.clock = model.clock  # the shared model's clock when the journal started
-        self.writes = writes  # the source's write count then
-        self.own_writes = 0  # updates this request made since
+        self.start = seen  # its first counted position (its stream joins the shared model from here)
+        self.tokens = tokens
 
 
 class MultiLevelNGram:
@@ -443,7 +425,11 @@ class MultiLevelNGram:
         self._lock = threading.Lock()
         self._requests: OrderedDict[int, _Request] = OrderedDict()
         self._shared_model = self._new_model() if shared else None
-        self._writes = 0  # updates of the shared model (and aborts): tells an abort it was alone
+        self._running = None
+        if self._shared_model is not None:
+            from .ngram_running import RunningCounts
+
+            self._running = RunningCounts(self._shared_model)
         # rank vectors of the branching positions, best first (see the module docstring)
         depth = min(branch_depth, num_tokens) if top_b > 1 else 0
         self._rank_vectors = sorted(itertools.product(range(top_b), repeat=depth),
@@ -456,7 +442,7 @@ class MultiLevelNGram:
 
     def begin(self, context: Context) -> None:
         with self._lock, collector_paused():
-            self._requests.pop(context.request_id, None)
+            self._drop(self._requests.pop(context.request_id, None))
             self._state(context, begin=True)
 
     def observe(self, feedback: Feedback) -> None:
@@ -464,32 +450,23 @@ class MultiLevelNGram:
             self._state(feedback.context)
 
     def end(self, context: Context) -> None:
-        with self._lock:
-            self._requests.pop(context.request_id, None)
-
-    def abort(self, context: Context) -> None:
-        """The request failed: take back what it taught the shared model, then drop its state (see
-        :class:`~specdraft.sources.base.DraftSource`). Per-request mode: the same as :meth:`end`.
-
-        Shared mode: the request's journal (see :meth:`NGramModel.add`) holds every context it
-        changed or evicted, as it was before. If no other request updated the shared model (or
-        aborted) while it ran, the model comes back exactly: counts, tie-break stamps, clock and LRU
-        order. Otherwise the contexts it touched get their old content back (other requests' later
-        updates to those contexts go with it), the clock stays and the order is rebuilt: a
-        consistent model, not an exact one. Only what was taught since the request's state was
-        made is taken back (a state dropped past ``max_requests`` is made again, with an empty
-        journal). An unknown request id is ignored.
-        """
+        """The request is over: drop its state; in shared mode, first count what it counted (its
+        stream, from where its counting started) into the shared model, and take its counts back
+        from the running requests' view."""
         with self._lock:
             state = self._requests.pop(context.request_id, None)
-            if state is None or state.journal is None:
-                return
-            model = self._shared_model
-            assert model is not None and state.writes is not None
-            if state.journal:  # (empty: it counted nothing, so there is nothing to take back)
-                alone = self._writes - state.writes == state.own_writes
-                model.undo(state.journal, state.clock if alone else None)
-                self._writes += 1
+            shared = self._shared_model
+            if state is not None and state.tokens is not None and shared is not None and state.seen > state.start:
+                shared.add(state.tokens[: state.seen], state.start)
+            self._drop(state)
+
+    def abort(self, context: Context) -> None:
+        """The request failed: take its counts back from the running requests' view and drop its
+        state (see :class:`~specdraft.sources.base.DraftSource`). The shared model never held
+        anything of it, so it is exactly as it was before the request began, whatever other requests
+        did meanwhile. An unknown request id is ignored."""
+        with self._lock:
+            self._drop(self._requests.pop(context.request_id, None))
 
     def propose(self, context: Context, budget: int) -> Draft:
         if budget <= 0 or not len(context.tokens):
@@ -505,7 +482,9 @@ class MultiLevelNGram:
     # -- inspection ----------------------------------------------------------------------------
 
     def model_for(self, request_id: int) -> NGramModel | None:
-        """The model a request drafts from (the shared one in shared mode), or ``None``."""
+        """The model a request drafts from (in shared mode the running requests' view, an overlay of
+        the shared model), or, for a request not running, the shared model (``None`` in per-request
+        mode)."""
         with self._lock:
             state = self._requests.get(request_id)
             if state is not None:
@@ -530,34 +509,40 @@ class MultiLevelNGram:
         A state created outside ``begin`` (its request was evicted past ``max_requests``, or the
         caller skipped ``begin``) is rebuilt from the whole context in per-request mode -- exact,
         since the counts are a function of the stream -- but in shared mode starts counting only
-        from here: the shared model may already hold those tokens and cannot tell.
+        from here: the shared model may already hold those tokens and cannot tell. (A shared-mode
+        state dropped past ``max_requests`` takes what it counted with it.)
         """
         tokens = context.tokens
         state = self._requests.get(context.request_id)
+        running = self._running
         if state is None:
-            shared = self._shared_model
-            if shared is None:
+            if running is None:
                 state = _Request(self._new_model(), 0)
             else:
-                state = _Request(shared, 0 if begin else len(tokens), self._writes)
+                state = _Request(running.view, 0 if begin else len(tokens), [])
             self._requests[context.request_id] = state
             while len(self._requests) > self.max_requests:
-                self._requests.popitem(last=False)
+                self._drop(self._requests.popitem(last=False)[1])
         elif len(tokens) < state.seen:  # the stream was rewound: never happens with Decoder
-            if self._shared_model is None:
+            if running is None:
                 state.model = self._new_model()
-                state.seen = 0
             else:
-                state.seen = len(tokens)  # a shared model cannot un-count; just follow along
+                self._drop(state)
+                state.tokens = []
+            state.seen = state.start = 0
         if len(tokens) > state.seen:
-            if state.journal is None:
+            if running is None:
                 state.model.add(tokens, state.seen)
             else:
-                state.model.add(tokens, state.seen, state.journal)
-                self._writes += 1
-                state.own_writes += 1
+                state.tokens.extend(int(t) for t in tokens[len(state.tokens) :])  # type: ignore[union-attr]
+                running.add(state.tokens, state.seen)  # type: ignore[arg-type]
             state.seen = len(tokens)
         return state
+
+    def _drop(self, state: _Request | None) -> None:
+        """Take a dropped shared-mode state's counts back from the running requests' view."""
+        if state is not None and state.tokens is not None and self._running is not None and state.seen > state.start:
+            self._running.take_back(state.tokens, state.start, state.seen)
 
     def _tree(self, model: NGramModel, tail: tuple[int, ...], budget: int) -> list[list[int]]:
         """Top-b alternatives at the first ``branch_depth`` positions, each continued greedily."""

@@ -11,6 +11,7 @@ branches of the tree, so several candidate copies are checked in the same forwar
 from __future__ import annotations
 
 import numbers
+from array import array
 from typing import Iterable, Sequence
 
 from .base import Context, Draft, SourceBase
@@ -18,12 +19,17 @@ from .base import Context, Draft, SourceBase
 
 class _TailIndex:
     """Where every n-gram (``min_ngram <= n <= max_ngram``) of one request's sequence starts, grown
-    as tokens commit: a lookup costs O(matches), not a scan of the whole context."""
+    as tokens commit: a lookup costs O(matches), not a scan of the whole context.
+
+    An n-gram seen once maps to its start (an int), one seen more often to an ``array('q')`` of its
+    starts: neither is tracked by Python's cyclic garbage collector (a list per n-gram would be,
+    tens of thousands of them for a long prompt, scanned by every full collection while the
+    request runs), and most n-grams of a long context occur once."""
 
     __slots__ = ("starts", "indexed")
 
     def __init__(self) -> None:
-        self.starts: dict[tuple[int, ...], list[int]] = {}
+        self.starts: dict[tuple[int, ...], int | array] = {}
         self.indexed = 0  # windows ending before this index are in ``starts``
 
     def extend(self, tokens: Sequence[int], end: int, min_ngram: int, max_ngram: int) -> None:
@@ -41,7 +47,9 @@ class _TailIndex:
                 key = tuple(fresh[first - offset : stop - offset])
                 found = starts.get(key)
                 if found is None:
-                    starts[key] = [first]
+                    starts[key] = first
+                elif found.__class__ is int:
+                    starts[key] = array("q", (found, first))
                 else:
                     found.append(first)
         self.indexed = end
@@ -95,9 +103,10 @@ class PromptLookup(SourceBase[_TailIndex]):
         index.extend(tokens, length - 1, self.min_ngram, self.max_ngram)
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             starts = index.starts.get(tuple(int(t) for t in tokens[length - n :]))
-            if not starts:
+            if starts is None:
                 continue
-            return Draft(branches=self._continuations(tokens, reversed(starts), n, budget))
+            found = (starts,) if starts.__class__ is int else reversed(starts)
+            return Draft(branches=self._continuations(tokens, found, n, budget))
         return Draft()
 
     def _continuations(self, tokens: Sequence[int], starts: Iterable[int], n: int, budget: int) -> list[list[int]]:

@@ -7,24 +7,25 @@ knows. Because it outlives requests, what one answer taught it speeds up the nex
 Where each part of the paper lives here:
 
 =====================================  ======================================================
-paper                                  this module
+paper                                  this package
 =====================================  ======================================================
-4.2   hierarchical multi-branch draft  :meth:`FrequencyTrie.retrieve` returns the leaf paths of
-                                       a prefix-closed subtree (the decoder merges the shared
+4.2   hierarchical multi-branch draft  :func:`~specdraft.sources.trie_select.select` takes a
+                                       prefix-closed subtree, :meth:`FrequencyTrie.retrieve`
+                                       returns its leaf paths (the decoder merges the shared
                                        prefixes back into one tree); ``mode="parallel"`` gives
                                        the paper's *parallel* draft for its ablation
 4.3.1 branch inserting                 :meth:`~FrequencyTrie.begin` (prompt, amplified),
                                        :meth:`~FrequencyTrie.observe` and
                                        :meth:`~FrequencyTrie.end` (output), :meth:`~FrequencyTrie.insert`
-4.3.1 branch eliminating               :meth:`~FrequencyTrie.end` removes exactly the request's
-                                       prompt contribution (:meth:`~FrequencyTrie.abort`, for a
-                                       failed request, takes back all it taught, outputs too)
-4.3.1 node pruning                     ``_prune_tree``: least frequent nodes of one first-token
-                                       tree first, past ``capacity``; ``_prune_global``: least
-                                       frequent nodes of the whole trie, past ``max_nodes``
-4.3.2 multi-stage retrieval            ``_retrieve``: longest suffix first, shorter until the
-                                       match offers ``min_nodes`` nodes, then the ``budget``
-                                       most frequent nodes
+4.3.1 branch eliminating               a request's prompt is counted in the running part only
+                                       (see below), so :meth:`~FrequencyTrie.end` takes it
+                                       back exactly
+4.3.1 node pruning                     :class:`~specdraft.sources.trie_store.NodeStore`: least
+                                       frequent nodes of one first-token tree first, past
+                                       ``capacity``; of the whole trie, past ``max_nodes``
+4.3.2 multi-stage retrieval            :func:`~specdraft.sources.trie_select.retrieve`: longest
+                                       suffix first, shorter until the match offers
+                                       ``min_nodes`` nodes, then the ``budget`` most frequent
 4.4   Algorithm 1                      lines 5-10 = ``begin``; 12-19 = ``propose``;
                                        24 = ``observe``; 27 = ``end``
 5.2.3 Table 5 (ablations)              ``insert_prompt``, ``insert_output``, ``eliminate``,
@@ -47,70 +48,73 @@ of one first-token tree (all the nodes whose key starts with that token, the fir
 included; the reference counts the nodes below it, one fewer). A global cap of 16 x decoding
 length would let one raw prompt (150 tokens x 12 ≈ 1800 nodes) wipe out everything learned
 before (the replay that showed it is in the documentation's "How the defaults were chosen").
-Two departures from the reference: pruning drops the least frequent
-nodes as the paper's text says (the reference instead halves output counts and drops the nodes
-at count <= 1, in batches), and, since a per-tree bound alone lets memory grow with the number
-of distinct tokens (up to vocabulary x capacity), ``max_nodes`` bounds the whole trie as well,
-dropping the globally least frequent nodes first; its default, 131072 nodes, is about
-54 MB (51 MiB) at the measured ~410 bytes per node.
+Two departures from the reference: pruning drops the least frequent nodes as the paper's text
+says (the reference instead halves output counts and drops the nodes at count <= 1, in batches),
+and, since a per-tree bound alone lets memory grow with the number of distinct tokens (up to
+vocabulary x capacity), ``max_nodes`` bounds the whole trie as well, dropping the globally least
+frequent nodes first.
 
-Data layout. Every node (every distinct prefix of an inserted window) is a :class:`TrieNode`
-linked to its parent and holding a dict of its children, with two counts: ``out``, the number of output
-windows through it (persistent), and ``prompt``, the number of prompt windows of *active* requests
-through it (removed when the request ends). Its frequency is ``out + prompt_weight * prompt``.
-Because a window through a node passes through all its ancestors, a parent's counts are never
-below the sum of its children's: frequencies shrink going down, so "the most frequent nodes" is
-always a prefix-closed set, and so is "the least frequent nodes" once ties go deepest-first.
-A retrieval touches only the nodes it returns and their siblings, never the whole trie. The
-:attr:`FrequencyTrie.trie` property shows the same nodes as a :class:`pygtrie.Trie` (token tuple
--> node), built on demand for reading: keeping a pygtrie up to date on every insertion cost
-most of the time of indexing a prompt (about 90 us per prompt token at ``branch_length=12``,
-1.5 s for a 16k-token prompt), for a structure retrieval never reads.
+Shared and running parts: what a request learns, and when. Every node's counts are the sum of a
+*shared* part, what finished requests and :meth:`~FrequencyTrie.insert` taught, and a *running*
+part, what the requests still running taught so far: their prompt windows at ``begin`` (amplified by
+``prompt_weight``) and their output windows as they complete (see
+:mod:`~specdraft.sources.trie_store`). Every request drafts from the sums, so it sees its own prompt
+and output at once, and what the other running requests are learning too (read only), as if all
+wrote to one trie. The shared part changes only when a request ends: ``end`` takes the request's
+running counts back (its prompt's amplified counts with them: the paper's branch eliminating) and
+counts its output windows in the shared part. A failed request (``abort``) only has its running
+counts taken back; nothing it did ever reached the shared part, whose counts, stamps, clock and
+prunes are kept apart from the running ones, so the shared trie is exactly as it was, by
+construction, whatever other requests did meanwhile, and the other requests stop seeing what it
+taught the moment it aborts. (What it may leave behind, until they end, is in what the other
+running requests draft from: a tie-break stamp on nodes they counted too, and, since the running
+part of all requests shares one bound, the nodes of theirs a prune of the running part took while
+it ran.)
 
 Windows. A window is ``branch_length + 1`` tokens: the token a branch follows plus the branch,
 as in the authors' implementation (``token_ids[i + 1 : i + branch_length + 1]`` filed under
 ``token_ids[i]``), so matching one context token still yields branches of ``branch_length``.
-Output windows are inserted incrementally as in the paper's "incrementally put branches of O"
-(Algorithm 1, line 24) and the authors' ``stream_put``: each window once, when its last token is
-committed; windows that would run past the end of the output are inserted, shortened, when the
-request ends. A window counts as output if it contains at least one generated token, so the last
+Output windows are counted in the running part as in the paper's "incrementally put branches of O"
+(Algorithm 1, line 24): each window once, when its last token is committed. At ``end`` every
+output window goes into the shared trie, those that would run past the end of the output
+shortened. A window counts as output if it contains at least one generated token, so the last
 ``branch_length`` prompt tokens (a chat template's "assistant" header, say) stay linked to what
 was generated after them.
 
-Thread safety. One re-entrant lock (``threading.RLock``) guards all state; every method that
-reads or changes the trie holds it from start to end, so one trie may serve any number of
-requests, ``Decoder`` instances and threads at once. The hot-path sections are short
-(``propose`` touches at most ``budget`` nodes and their siblings; ``observe`` inserts the one to
-few windows a step completes), so decoders in different threads barely wait for each other.
-``begin`` holds the lock while it inserts the whole prompt (tens of milliseconds for 512 tokens
-at ``branch_length=12``), and a prune holds it while it ranks the nodes it prunes from. Pruning
-is amortised: a tree is pruned when it passes ``capacity`` and then goes down to ``prune_to *
-capacity``; the whole trie when it passes ``max_nodes``, down to ``prune_to * max_nodes``. A
-tree's prune ranks only that tree's nodes (reached through the child index), O(T log T) for a
-tree of T nodes, about 1 ms for a full 1024-node tree; a global prune ranks every node,
-O(N log N), but runs only once per ~13000 new nodes at the default ``max_nodes``, and not at all
-while the trie stays below it.
+Data layout. The whole trie, both parts, is one
+:class:`~specdraft.sources.trie_store.NodeStore`: nodes are indexes into flat lists of ints and
+dicts of ints, none of which Python's cyclic garbage collector tracks, so a full trie of
+``max_nodes`` nodes adds nothing to a full collection, and pruned or dropped nodes make no garbage
+for it to find. :attr:`FrequencyTrie.trie` shows the shared nodes as a :class:`pygtrie.Trie` (token
+tuple -> :class:`TrieNode`, a copy of the node's shared counts), built on demand for reading.
 
-Cost: well under 1% of a small model's CPU step per decoding step, all included; about 410 bytes
-per node were measured with the pygtrie kept alongside (the node, its child dict, and the pygtrie
-node with its child map); without it a node takes less. The measurements
-(``benchmarks/trie_overhead.py``) are in the documentation's "How the defaults were chosen".
+Thread safety. One re-entrant lock (``threading.RLock``) guards the store and the table of running
+requests; every method holds it from start to end. The hot-path sections are short (``propose``
+reads at most ``budget`` nodes and their siblings; ``observe`` counts the one to few windows a step
+completes); ``begin`` holds it while it counts the prompt's windows, ``end`` and ``abort`` while
+they take a request's counts back (a few tens of milliseconds for a prompt of some thousand tokens).
+Pruning is amortised: a tree is pruned when it passes ``capacity`` and then goes down to ``prune_to
+* capacity``; the whole trie when it passes ``max_nodes``, down to ``prune_to * max_nodes``.
+
+Cost: well under 1% of a small model's CPU step per decoding step, all included. The
+measurements (``benchmarks/trie_overhead.py``, ``benchmarks/gc_pauses.py``) are in the
+documentation's "How the defaults were chosen" and in ``docs/reliability.md``.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 import numbers
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import pygtrie
 
-from .bulk import collector_paused
 from .base import Context, Draft, Feedback
+from .trie_select import branches as _branches
+from .trie_select import retrieve as _retrieve
+from .trie_store import NodeStore
 
 __all__ = ["FrequencyTrie", "TrieNode"]
 
@@ -118,62 +122,39 @@ HIERARCHICAL = "hierarchical"
 PARALLEL = "parallel"
 DEFAULT_MAX_NODES = 131_072
 
-
+@dataclass(frozen=True)
 class TrieNode:
-    """One node of the trie: its counts and links.
+    """A copy of one node of the shared trie, as :attr:`FrequencyTrie.trie` shows it: ``out`` counts
+    output windows through the node, ``prompt`` prompt windows (only ever non-zero with
+    ``eliminate=False``), ``stamp`` the clock of the last window that touched it."""
 
-    ``out`` counts output windows through the node, ``prompt`` the prompt windows of requests
-    still running. ``stamp`` is the insertion clock of the last window that touched the node (the
-    tie-break of pruning: among equally frequent nodes the stalest goes first). ``children`` maps
-    token -> child node (the child index retrieval walks).
-    """
-
-    __slots__ = ("token", "parent", "depth", "children", "out", "prompt", "stamp", "alive")
-
-    def __init__(self, token: int, parent: "TrieNode | None", depth: int) -> None:
-        self.token = token
-        self.parent = parent
-        self.depth = depth
-        self.children: dict[int, TrieNode] = {}
-        self.out = 0
-        self.prompt = 0
-        self.stamp = 0
-        self.alive = True
-
-    def __repr__(self) -> str:
-        return f"TrieNode(token={self.token}, depth={self.depth}, out={self.out}, prompt={self.prompt})"
+    token: int
+    depth: int
+    out: int
+    prompt: int
+    stamp: int
 
 
-@dataclass
 class _Request:
-    """Per-request bookkeeping, keyed by ``Context.request_id``; it lives only while the request does.
+    """One running request: what it counted in the running part, so that it can be taken back.
 
-    ``contributed`` maps every node this request's prompt counted (by identity) to the stamp it had
-    before the request first touched it: :meth:`FrequencyTrie._eliminate` takes the counts back,
-    :meth:`FrequencyTrie.abort` the stamps too (``prompt_clocks`` are the clocks of the prompt's
-    windows, first and last: a node whose stamp is in that range was last touched by one of them).
+    ``tokens`` are the prompt and the output counted so far; the prompt's windows were counted with
+    consecutive running clocks from ``prompt_tick`` (0: none counted), the output windows, which
+    start at ``first`` and go on one token at a time, with the clocks in ``ticks``."""
 
-    ``journal`` is the undo log :meth:`FrequencyTrie.abort` replays backwards, in the order things
-    happened: one ``(deepest node, clock, old stamps)`` tuple per output window inserted (the stamps
-    the window's pre-existing nodes had before it, top-down; the nodes it made come after them and
-    had none), and, while the request is ``exclusive``, the top node of every subtree a prune
-    removed during one of the request's calls (the node objects themselves: a removed subtree is
-    never touched again, so its counts, stamps and child links are as they were when it went).
-    ``base`` is the trie's clock, edit counter and prune counters before the request, ``mark`` the
-    clock and edit counter after its latest call: if they differ at its next call, something else
-    changed the trie (or another request ended) in between and ``exclusive`` goes (for good, with
-    the prune records, which only an exact undo uses).
-    """
+    __slots__ = ("tokens", "prompt_length", "prompt_tick", "first", "ticks")
 
-    prompt: tuple[int, ...]
-    prompt_length: int
-    next_start: int  # start of the first output window not inserted yet
-    base: tuple[int, ...] = ()
-    mark: tuple[int, int] = (0, 0)
-    exclusive: bool = True
-    prompt_clocks: tuple[int, int] = (1, 0)  # an empty range: no prompt window yet
-    contributed: dict = field(default_factory=dict)  # node (by identity) -> its stamp before the request
-    journal: list = field(default_factory=list)
+    def __init__(self, tokens: list[int], prompt_length: int, first: int) -> None:
+        self.tokens = tokens
+        self.prompt_length = prompt_length
+        self.prompt_tick = 0
+        self.first = first  # start of the first output window
+        self.ticks: list[int] = []  # the running clock of each output window counted, in order
+
+    @property
+    def next_start(self) -> int:
+        """The start of the first output window not counted yet."""
+        return self.first + len(self.ticks)
 
 
 class FrequencyTrie:
@@ -192,15 +173,15 @@ class FrequencyTrie:
         Node pruning threshold of one first-token tree (Sec. 4.3.1, N_max; per tree as in the
         authors' implementation, see the module docstring). ``None`` = 16 x ``decoding_length``,
         the best value of Table 6. After every public call no tree (the nodes whose key starts with
-        a given token, that token's node included) holds more than ``capacity`` nodes; a tree that
+        a given token, that token's node included) holds more than ``capacity`` nodes in the shared
+        trie, nor more than ``capacity`` nodes that only the running requests taught; a tree that
         passes it loses its least frequent nodes down to ``prune_to * capacity``, and the other
         trees are not touched.
     ``max_nodes``
         Bound on the whole trie (not in the paper, whose trie grows with the number of distinct
-        first tokens): after every public call the trie holds at most ``max_nodes`` nodes, the
-        running requests' prompt branches included; past it the globally least frequent nodes go,
-        down to ``prune_to * max_nodes``. The default 131072 is about 54 MB (~410 bytes per node,
-        measured by ``benchmarks/trie_overhead.py``).
+        first tokens): after every public call the shared trie holds at most ``max_nodes`` nodes,
+        and the nodes only the running requests taught are at most as many; past it the globally
+        least frequent nodes go, down to ``prune_to * max_nodes``.
     ``prompt_weight``
         The "significant factor" prompt frequencies are amplified by (Sec. 4.3.2) so prompt
         branches win over output branches; 10 000 as in the reference implementation (its
@@ -220,7 +201,8 @@ class FrequencyTrie:
         ``prune_to * max_nodes`` in the trie), so pruning runs once per many insertions instead of
         at every one.
     ``insert_prompt``, ``insert_output``, ``eliminate``
-        Turn off one updating procedure each, for the Table 5 ablations.
+        Turn off one updating procedure each, for the Table 5 ablations (without ``eliminate``, a
+        finished request's prompt windows join the shared trie, as prompt counts, and stay).
     """
 
     def __init__(self, decoding_length: int = 64, branch_length: int = 12, capacity: int | None = None,
@@ -262,167 +244,87 @@ class FrequencyTrie:
         self.name = name
         self._lock = threading.RLock()
         self._view: pygtrie.Trie | None = None  # the pygtrie view of :attr:`trie`, made on demand
-        self._version = 0  # structural changes (nodes made or removed): when the view is stale
-        self._root = TrieNode(-1, None, 0)  # the empty key; never stored, never counted
-        self._size = 0
-        self._tree_size: dict[int, int] = {}  # first token -> nodes of its tree (its own node included)
-        self._grown: set[int] = set()  # first tokens whose tree got new nodes since the last check
-        self._clock = 0  # windows inserted so far: a window's clock stamps the nodes it touches
-        self._edits = 0  # changes other than insertions (removals, requests ending, ...): with the
-        # clock, it tells a request whether anything else happened to the trie between two of its calls
+        self._view_version = -1
+        self._store = NodeStore(capacity, max_nodes, prompt_weight, prune_to)
         self._requests: dict[int, _Request] = {}
-        self.prunes = 0  #: how many times pruning ran (per tree or global)
-        self.tree_prunes = 0  #: of which per-tree prunes (a tree past ``capacity``)
-        self.global_prunes = 0  #: of which global prunes (the trie past ``max_nodes``)
-        self.pruned_nodes = 0  #: nodes removed by pruning, in total
 
     # -- the DraftSource protocol -----------------------------------------------------------
 
     def begin(self, context: Context) -> None:
         """Branch inserting, prompt part (Sec. 4.3.1; Algorithm 1, lines 5-10): every window of the
-        prompt, counted as prompt (amplified, and removed again by :meth:`end`)."""
-        prompt = tuple(int(t) for t in context.tokens[: context.prompt_length])
-        with self._lock, collector_paused():
+        prompt, counted as prompt (amplified) in the running part. A request id begun again without
+        ``end`` has its earlier counts taken back first, as ``abort`` would."""
+        prompt = [int(t) for t in context.tokens[: context.prompt_length]]
+        request = _Request(prompt, len(prompt), self._first_output_window(len(prompt)))
+        with self._lock:
             old = self._requests.pop(context.request_id, None)
-            if old is not None:  # a reused id: the old request ends here, its prompt taken back first
-                self._edits += 1
-                if self.eliminate:
-                    self._eliminate(old)
-            req = self._new_request(prompt, len(prompt))
-            self._requests[context.request_id] = req
-            if self.insert_prompt:
-                width = self.branch_length + 1
-                first = self._clock + 1
-                for start in range(len(prompt) - 1):
-                    self._insert(prompt, start, min(start + width, len(prompt)), req.contributed)
-                req.prompt_clocks = (first, self._clock)
-                self._prune_if_needed(req.journal)
-            req.mark = (self._clock, self._edits)
+            if old is not None:
+                self._take_back(old)
+            if self.insert_prompt and len(prompt) > 1:
+                request.prompt_tick = self._store.add_all(prompt, 0, self.branch_length + 1, True, shared=False)
+                self._store.prune_if_needed()
+            self._requests[context.request_id] = request
 
     def propose(self, context: Context, budget: int) -> Draft:
         """Trie retrieving (Sec. 4.3.2; Algorithm 1, lines 12-19): see :meth:`retrieve`."""
         return Draft(branches=self.retrieve(context.tokens, budget))
 
     def observe(self, feedback: Feedback) -> None:
-        """Branch inserting, output part (Algorithm 1, line 24): insert the windows the committed
-        tokens complete, each once."""
+        """Branch inserting, output part (Algorithm 1, line 24): count the windows the committed
+        tokens complete in the running part, each once."""
         context = feedback.context
         with self._lock:
-            req = self._requests.get(context.request_id)
-            if req is None:  # observe without begin: track the output anyway, insert no prompt
-                req = self._new_request((), context.prompt_length)
-                self._requests[context.request_id] = req
-            elif req.exclusive and req.mark != (self._clock, self._edits):
-                self._not_exclusive(req)
+            request = self._requests.get(context.request_id)
+            if request is None:  # observe without begin: track the output anyway, count no prompt
+                n = context.prompt_length
+                request = _Request([int(t) for t in context.tokens[:n]], n, self._first_output_window(n))
+                self._requests[context.request_id] = request
+            tokens = request.tokens
+            tokens.extend(map(int, context.tokens[len(tokens) :]))
             if not self.insert_output:
                 return
-            tokens = context.tokens
             width = self.branch_length + 1
-            start = req.next_start
-            journal = req.journal
+            store, ticks = self._store, request.ticks
+            start = request.next_start
             while start + width <= len(tokens):
-                self._insert(tokens, start, start + width, None, journal)
+                ticks.append(store.add_running(tokens, start, start + width))
                 start += 1
-            req.next_start = start
-            self._prune_if_needed(journal if req.exclusive else None)
-            req.mark = (self._clock, self._edits)
+            store.prune_if_needed()
 
     def end(self, context: Context) -> None:
-        """The request is over: insert its unfinished output windows (shortened at the end of the
-        output), then branch eliminating (Sec. 4.3.1; Algorithm 1, line 27): subtract exactly what
-        this request's prompt added. Output branches stay. Unknown request ids are ignored."""
+        """The request is over: take its running counts back (its prompt's with them: branch
+        eliminating, Sec. 4.3.1; Algorithm 1, line 27) and count every output window in the shared
+        part (those running past the end of the output shortened). Unknown request ids are ignored."""
         with self._lock:
-            req = self._requests.pop(context.request_id, None)
-            if req is None:
+            request = self._requests.pop(context.request_id, None)
+            if request is None:
                 return
-            self._edits += 1  # even if nothing below changes the trie: see abort
-            tokens = context.tokens
-            if self.insert_output and len(tokens) > req.prompt_length:
-                for start in range(req.next_start, len(tokens) - 1):
-                    self._insert(tokens, start, len(tokens), None)
-            if self.eliminate and req.contributed:
-                self._eliminate(req)
-            req.contributed.clear()
-            self._prune_if_needed()
+            self._take_back(request)
+            tokens = [int(t) for t in context.tokens]
+            width = self.branch_length + 1
+            store = self._store
+            if self.insert_output and len(tokens) > request.prompt_length:
+                store.add_all(tokens, request.first, width)
+            if not self.eliminate and self.insert_prompt:  # the ablation: the prompt stays
+                store.add_all(tokens[: request.prompt_length], 0, width, as_prompt=True)
+            store.prune_if_needed()
 
     def abort(self, context: Context) -> None:
-        """The request failed (see :class:`~specdraft.sources.base.DraftSource`): take back
-        everything it taught the trie, then drop it. Unknown request ids are ignored.
-
-        The request's undo journal (see ``_Request``) is replayed backwards: an output window is
-        taken back by subtracting its ``out`` count along its path, top-down, removing a node whose
-        frequency drops to zero with its subtree, as :meth:`_eliminate` does for prompt counts, and
-        by giving each node the stamp it had before the window; a subtree a prune removed is put
-        back, the same node objects with their counts, stamps and children. Then the prompt
-        contribution goes as in :meth:`end` (whatever ``eliminate`` says: a failed request leaves
-        nothing), its nodes get their stamps from before the request back, and the clock, the
-        prune counters (``prunes``, ``tree_prunes``, ``global_prunes``, ``pruned_nodes``) go back
-        to their values before it. No end-of-output windows are inserted.
-
-        Exact when nothing else changed the trie, and no other request ended, between this request's
-        ``begin`` and its abort (reads, and other calls that changed nothing, do not count; nor does
-        another request begun and aborted exactly in between two of this one's calls, which left the
-        trie as it found it). An ending counts even when it changes nothing that can be seen: the
-        ended request's prompt counts may sit in a subtree this request pruned, and putting it back
-        would bring them back with nobody left to take them away. Then each undo step meets the trie
-        exactly as the step it undoes left it, so the replay walks the states back one by one to the
-        one before ``begin``: same keys, counts, stamps, clock, tree sizes and counters (nodes the
-        request made come back to zero and go; nodes it pruned come back as they were, under the
-        same parents: a prune removes whole subtrees, so the parent of a subtree's top stayed, and
-        whatever removed it later is undone first). Only the order of a node's children can differ
-        (a subtree put back comes last among its siblings), and no result depends on it: the
-        frontier of a retrieval (``_select``) never holds two nodes with the same frequency and
-        stamp (the same stamp means the same last window, hence one path, and an ancestor and its
-        descendant are never in the frontier together), and pruning orders nodes by frequency, depth
-        and stamp, which never tie either. So drafts, prunes and everything after are as if the
-        request had never run. Putting the same node objects back (rather than new ones) also keeps
-        other running requests' ``contributed`` valid.
-
-        When something else did change the trie meanwhile (other requests running at the same
-        time), the abort is best effort and the trie stays consistent (``check_invariants``
-        passes): every output window is taken back from the nodes of its path still in the trie (a
-        node in the trie since the window was counted holds the window's count; one a prune took,
-        or a node made again since, does not, and is skipped with what lies below it), the stamps
-        go back where no later window touched the node, the prompt goes as in :meth:`end`; what
-        was pruned stays pruned (it may hold prompt counts of requests that ended since, which
-        nothing would ever take back), and the clock and counters stay; this ending too counts as
-        a change for the other running requests.
-
-        Cost: the journal holds one small tuple per output window (the deepest node, the clock, the
-        old stamps of the path's pre-existing nodes) and, while the request has the trie to itself,
-        the subtrees its calls pruned (kept from the garbage collector until it ends); it is
-        dropped with the request. The abort itself is linear in what the request inserted and
-        pruned.
-        """
+        """The request failed (see :class:`~specdraft.sources.base.DraftSource`): take its running
+        counts back. The shared part never held anything of it, so the shared trie is exactly as it
+        was before the request began, whatever other requests did meanwhile. Unknown request ids
+        are ignored."""
         with self._lock:
-            req = self._requests.pop(context.request_id, None)
-            if req is None:
-                return
-            if req.exclusive and req.mark != (self._clock, self._edits):
-                self._not_exclusive(req)
-            for entry in reversed(req.journal):
-                if type(entry) is tuple:
-                    self._undo_window(entry)
-                else:
-                    self._revive(entry)
-            req.journal.clear()
-            if req.contributed:
-                self._eliminate(req)
-                lo, hi = req.prompt_clocks
-                for node, stamp in req.contributed.items():
-                    if node.alive and lo <= node.stamp <= hi:
-                        node.stamp = stamp
-                req.contributed.clear()
-            if req.exclusive:
-                (self._clock, self._edits, self.prunes, self.tree_prunes, self.global_prunes,
-                 self.pruned_nodes) = req.base
-            else:
-                self._edits += 1
+            request = self._requests.pop(context.request_id, None)
+            if request is not None:
+                self._take_back(request)
 
     # -- public helpers ------------------------------------------------------------------------
 
     def retrieve(self, tokens: Sequence[int], budget: int) -> list[list[int]]:
-        """Draft branches for the context ``tokens`` using at most ``budget`` draft tokens.
+        """Draft branches for the context ``tokens`` using at most ``budget`` draft tokens, from the
+        shared trie and what the running requests taught so far, read as one (what ``propose``
+        drafts from; with no request running, the shared trie alone).
 
         Multi-stage retrieval (Sec. 4.3.2): match the longest suffix of ``tokens`` (at most
         ``branch_length`` tokens) that is a key of the trie and whose subtree offers at least
@@ -435,89 +337,79 @@ class FrequencyTrie:
         k = min(int(budget), self.decoding_length)
         if k <= 0 or len(tokens) == 0:
             return []
+        tail = [int(t) for t in tokens[-self.branch_length :]]
         with self._lock:
-            selected = self._retrieve(tokens, k)
-            if not selected:
-                return []
-            return self._branches(selected, k)
+            selected = _retrieve(self._store, tail, k, self.branch_length, self.min_nodes)
+        return _branches(selected, k, self.mode == PARALLEL) if selected else []
 
     def insert(self, tokens: Sequence[int]) -> None:
-        """Insert every window of ``tokens`` as an output branch (persistent), e.g. to warm the
-        trie with past answers, as the paper does with its dev set (Sec. 5.1)."""
-        tokens = tuple(int(t) for t in tokens)
-        width = self.branch_length + 1
+        """Insert every window of ``tokens`` as an output branch in the shared trie (persistent),
+        e.g. to warm the trie with past answers, as the paper does with its dev set (Sec. 5.1)."""
+        tokens = [int(t) for t in tokens]
         with self._lock:
-            for start in range(len(tokens) - 1):
-                self._insert(tokens, start, min(start + width, len(tokens)), None)
-            self._prune_if_needed()
+            self._store.add_all(tokens, 0, self.branch_length + 1)
+            self._store.prune_if_needed()
 
     def prune(self, target: int | None = None, *, first_token: int | None = None) -> int:
-        """Node pruning now (normally automatic); returns how many nodes went.
+        """Node pruning of the shared trie now (normally automatic); returns how many nodes went.
 
         ``prune(n)``: the globally least frequent nodes until ``n`` remain in the trie.
         ``prune(n, first_token=t)``: the least frequent nodes of ``t``'s tree until ``n`` remain in
         it (default ``prune_to * capacity``). ``prune()``: every tree above ``prune_to *
-        capacity`` down to it, then the trie down to ``prune_to * max_nodes`` if above.
+        capacity`` down to it, then the trie down to ``prune_to * max_nodes`` if above. What the
+        running requests taught stays.
         """
         with self._lock:
-            if first_token is not None:
-                t = int(first_token)
-                if t not in self._tree_size:
-                    return 0
-                return self._prune_tree(t, self._tree_watermark() if target is None else max(0, int(target)))
-            if target is not None:
-                return self._prune_global(max(0, int(target)))
-            low = self._tree_watermark()
-            removed = 0
-            for t in [t for t, n in self._tree_size.items() if n > low]:
-                removed += self._prune_tree(t, low)
-            return removed + self._prune_global(self._global_watermark())
+            removed = self._prune_shared(target, first_token)
+            self._store.bound_running()  # (a node the running requests count in stays, running only)
+            return removed
 
-    def tree_size(self, first_token: int) -> int:
-        """Nodes in the tree of ``first_token`` (the nodes whose key starts with it); 0 if none."""
-        with self._lock:
-            return self._tree_size.get(int(first_token), 0)
-
-    def tree_sizes(self) -> dict[int, int]:
-        """``first token -> node count`` of every tree (a copy)."""
-        with self._lock:
-            return dict(self._tree_size)
+    def _prune_shared(self, target: int | None, first_token: int | None) -> int:
+        store = self._store
+        if first_token is not None:
+            t = int(first_token)
+            return store.prune_tree(t, store.tree_watermark() if target is None else max(0, int(target)))
+        if target is not None:
+            return store.prune_global(max(0, int(target)))
+        low = store.tree_watermark()
+        removed = 0
+        for t in [t for t, n in store.tree_size.items() if n > low]:
+            removed += store.prune_tree(t, low)
+        return removed + store.prune_global(store.global_watermark())
 
     def clear(self) -> None:
         """Forget everything (counts and running requests)."""
         with self._lock:
-            for _, node in self._iter_nodes():
-                node.alive = False
-            self._root = TrieNode(-1, None, 0)
-            self._version += 1
-            self._size = 0
-            self._tree_size.clear()
-            self._grown.clear()
+            self._store.clear()
             self._requests.clear()
-            self._edits += 1
+
+    # -- inspection ----------------------------------------------------------------------------
+
+    def tree_size(self, first_token: int) -> int:
+        """Nodes in the shared tree of ``first_token`` (the nodes whose key starts with it); 0 if none."""
+        with self._lock:
+            return self._store.tree_size.get(int(first_token), 0)
+
+    def tree_sizes(self) -> dict[int, int]:
+        """``first token -> node count`` of every shared tree (a copy)."""
+        with self._lock:
+            return dict(self._store.tree_size)
 
     @property
     def trie(self) -> pygtrie.Trie:
-        """Every node as a :class:`pygtrie.Trie` (token tuple -> :class:`TrieNode`), for reading only.
-        Built from the nodes when first asked for after a change (O(trie size)); hold :attr:`lock`
-        while reading it if other threads may be writing."""
+        """Every shared node as a :class:`pygtrie.Trie` (token tuple -> :class:`TrieNode`, its shared
+        counts), for reading only. Built from the nodes when first asked for after a change (O(trie
+        size))."""
         with self._lock:
-            if self._view is None or self._view_version != self._version:
+            store = self._store
+            version = (store.version, store.clock)
+            if self._view is None or self._view_version != version:
                 view = pygtrie.Trie()
-                for key, node in self._iter_nodes():
-                    view[key] = node
-                self._view, self._view_version = view, self._version
+                for key, n in store.items(shared_only=True):
+                    view[key] = TrieNode(store.token[n], store.depth[n], store.shared_out[n], store.shared_prompt[n],
+                                         store.shared_stamp[n])
+                self._view, self._view_version = view, version
             return self._view
-
-    def _iter_nodes(self):
-        """``(key, node)`` for every node, parents before children (callers hold the lock)."""
-        stack = [((), self._root)]
-        while stack:
-            key, node = stack.pop()
-            for token, child in node.children.items():
-                child_key = key + (token,)
-                yield child_key, child
-                stack.append((child_key, child))
 
     @property
     def lock(self) -> threading.RLock:
@@ -525,12 +417,12 @@ class FrequencyTrie:
         return self._lock
 
     def __len__(self) -> int:
-        """The number of nodes (distinct non-empty prefixes of inserted windows)."""
-        return self._size
+        """The number of shared nodes (distinct non-empty prefixes of inserted windows)."""
+        return self._store.size
 
     @property
     def node_count(self) -> int:
-        return self._size
+        return self._store.size
 
     @property
     def active_requests(self) -> int:
@@ -538,383 +430,96 @@ class FrequencyTrie:
         with self._lock:
             return len(self._requests)
 
-    def counts(self, key: Sequence[int]) -> tuple[int, int] | None:
-        """``(out, prompt)`` counts of the node for ``key``, or ``None`` if there is none."""
-        with self._lock:
-            node = self._root
-            for token in key:
-                node = node.children.get(int(token))
-                if node is None:
-                    return None
-            return None if node is self._root else (node.out, node.prompt)
+    @property
+    def clock(self) -> int:
+        """The shared clock: output windows counted in the shared trie so far."""
+        return self._store.clock
 
-    def snapshot(self) -> dict[tuple[int, ...], tuple[int, int]]:
-        """Every node as ``key -> (out, prompt)`` (for tests and inspection; O(trie size))."""
+    @property
+    def prunes(self) -> int:
+        """How many times pruning ran on the shared trie (per tree or global)."""
+        return self._store.prunes
+
+    @property
+    def tree_prunes(self) -> int:
+        """Of :attr:`prunes`, the per-tree prunes (a tree past ``capacity``)."""
+        return self._store.tree_prunes
+
+    @property
+    def global_prunes(self) -> int:
+        """Of :attr:`prunes`, the global prunes (the trie past ``max_nodes``)."""
+        return self._store.global_prunes
+
+    @property
+    def pruned_nodes(self) -> int:
+        """Shared nodes removed by pruning, in total."""
+        return self._store.pruned_nodes
+
+    @property
+    def running_prunes(self) -> int:
+        """How many times the nodes only running requests taught were pruned."""
+        return self._store.running_prunes
+
+    def counts(self, key: Sequence[int], running: bool = False) -> tuple[int, int] | None:
+        """``(out, prompt)`` counts of ``key`` in the shared trie, or with ``running`` in what the
+        running requests draft from (the running counts added); ``None`` if it has none there."""
+        key = [int(t) for t in key]
+        if not key:
+            return None
         with self._lock:
-            return {key: (node.out, node.prompt) for key, node in self._iter_nodes()}
+            store = self._store
+            node = store.find(key, 0, len(key))
+            if node < 0 or not (running or store.is_shared(node)):
+                return None
+            if running:
+                return store.out[node], store.prompt[node]
+            return store.shared_out[node], store.shared_prompt[node]
+
+    def snapshot(self, running: bool = False) -> dict[tuple[int, ...], tuple[int, int]]:
+        """Every key as ``key -> (out, prompt)``: the shared trie's, or with ``running`` what the
+        running requests draft from (the running counts added). For tests and inspection; O(trie
+        size)."""
+        with self._lock:
+            store = self._store
+            if running:
+                return {key: (store.out[n], store.prompt[n]) for key, n in store.items()}
+            return {key: (store.shared_out[n], store.shared_prompt[n]) for key, n in store.items(shared_only=True)}
 
     def check_invariants(self) -> None:
-        """Assert the structural invariants (O(trie size); for tests): the pygtrie view and the
-        child index hold the same nodes, the key set is prefix-closed, counts are >= 0 and every node
-        has a positive frequency, a parent's counts are at least the sum of its children's, the
-        per-tree node counts are right and within ``capacity``, and the total is within
-        ``max_nodes``."""
+        """Assert the structural invariants (O(size); for tests): links agree, the key sets are
+        prefix-closed, both parts are >= 0 and every node holds a count, a parent's counts are at
+        least the sum of its children's, the per-tree node counts are right and within
+        ``capacity``, and the totals within ``max_nodes``; the pygtrie view holds the shared keys;
+        with no request running, no running count is left."""
         with self._lock:
-            keys = {}
-            for key, node in self.trie.iteritems():
-                key = tuple(key)
-                assert node.alive, f"dead node stored under {key}"
-                assert node.depth == len(key) and node.token == key[-1], f"node {node} stored under {key}"
-                keys[key] = node
-            assert len(keys) == self._size, f"node count {self._size} but {len(keys)} keys"
-            seen = 0
-            stack = [((), self._root)]
-            while stack:
-                key, node = stack.pop()
-                child_out = child_prompt = 0
-                for token, child in node.children.items():
-                    child_key = key + (token,)
-                    assert keys.get(child_key) is child, f"child index and pygtrie disagree at {child_key}"
-                    assert child.parent is node and child.token == token
-                    assert child.out >= 0 and child.prompt >= 0, f"negative count at {child_key}: {child}"
-                    assert child.out + child.prompt > 0, f"zero-frequency node kept at {child_key}"
-                    child_out += child.out
-                    child_prompt += child.prompt
-                    stack.append((child_key, child))
-                    seen += 1
-                if node is not self._root:
-                    assert node.out >= child_out and node.prompt >= child_prompt, \
-                        f"counts grow going down at {key}: {node} vs children {child_out}, {child_prompt}"
-            assert seen == self._size, f"child index holds {seen} nodes, node count is {self._size}"
-            per_tree: dict[int, int] = {}
-            for key in keys:
-                assert len(key) == 1 or key[:-1] in keys, f"not prefix-closed: {key} has no parent"
-                per_tree[key[0]] = per_tree.get(key[0], 0) + 1
-            assert per_tree == self._tree_size, "per-tree node counts are off"
-            for t, n in per_tree.items():
-                assert n <= self.capacity, f"tree {t} holds {n} nodes, capacity is {self.capacity}"
-            assert self._size <= self.max_nodes, f"{self._size} nodes exceed max_nodes {self.max_nodes}"
+            keys = self._store.check()
+            assert set(tuple(k) for k in self.trie.keys()) == set(keys), "the pygtrie view is stale"
+            if not self._requests:
+                store = self._store
+                left = [key for key, n in store.items()
+                        if (store.out[n], store.prompt[n]) != (store.shared_out[n], store.shared_prompt[n])]
+                assert store.running_size == 0 and not left, f"running counts outlived their request at {left[:3]}"
 
     def __repr__(self) -> str:
-        return (f"FrequencyTrie(nodes={self._size}, trees={len(self._tree_size)}, capacity={self.capacity}, "
-                f"max_nodes={self.max_nodes}, decoding_length={self.decoding_length}, "
+        return (f"FrequencyTrie(nodes={self._store.size}, trees={len(self._store.tree_size)}, "
+                f"capacity={self.capacity}, max_nodes={self.max_nodes}, decoding_length={self.decoding_length}, "
                 f"branch_length={self.branch_length}, mode={self.mode!r}, active_requests={len(self._requests)})")
 
-    # -- internals (callers hold the lock) -----------------------------------------------------
+    # -- internals (callers hold the lock) ------------------------------------------------------
 
-    def _new_request(self, prompt: tuple[int, ...], prompt_length: int) -> _Request:
-        req = _Request(prompt, prompt_length, max(0, prompt_length - self.branch_length))
-        req.base = (self._clock, self._edits, self.prunes, self.tree_prunes, self.global_prunes, self.pruned_nodes)
-        req.mark = (self._clock, self._edits)
-        return req
+    def _first_output_window(self, prompt_length: int) -> int:
+        """The first window holding a generated token starts ``branch_length`` tokens before them."""
+        return max(0, prompt_length - self.branch_length)
 
-    @staticmethod
-    def _not_exclusive(req: _Request) -> None:
-        """Something else changed the trie since the request's last call: its abort can no longer
-        be exact, so the prune records (used only by an exact undo) go, and no more are kept."""
-        req.exclusive = False
-        req.journal = [entry for entry in req.journal if type(entry) is tuple]
-
-    def _insert(self, tokens: Sequence[int], start: int, stop: int, contributed: dict | None,
-                journal: list | None = None) -> None:
-        """Count one window ``tokens[start:stop]``: as prompt (into ``contributed``, each node with
-        its stamp from before the request's first touch) or as output; with ``journal``, log it for
-        :meth:`abort` as ``(deepest node, clock, old stamps of the nodes that existed)``."""
-        self._clock += 1
-        clock = self._clock
-        olds = [] if journal is not None else None
-        node = self._root
-        i = start
-        while i < stop:
-            child = node.children.get(tokens[i])
-            if child is None:
-                break
-            if contributed is None:
-                child.out += 1
-            else:
-                child.prompt += 1
-                if child not in contributed:
-                    contributed[child] = child.stamp
-            if olds is not None:
-                olds.append(child.stamp)
-            child.stamp = clock
-            node = child
-            i += 1
-        if i < stop:  # below a missing node everything is missing: make the rest, counted once
-            for child in self._create(node, tokens, start, i, stop):
-                if contributed is None:
-                    child.out = 1
-                else:
-                    child.prompt = 1
-                    contributed[child] = 0
-                child.stamp = clock
-            node = child
-        if journal is not None:
-            journal.append((node, clock, olds))
-
-    def _create(self, parent: TrieNode, tokens: Sequence[int], start: int, first: int, stop: int) -> list[TrieNode]:
-        """Make the nodes for ``tokens[first:stop]`` below ``parent`` (the node of
-        ``tokens[start:first]``) in the child index; returns them, top-down, with zero counts."""
-        made = []
-        node = parent
-        for j in range(first, stop):
-            child = TrieNode(tokens[j], node, node.depth + 1)
-            node.children[tokens[j]] = child
-            made.append(child)
-            node = child
-        self._size += len(made)
-        self._version += 1
-        tree = tokens[start]
-        self._tree_size[tree] = self._tree_size.get(tree, 0) + len(made)
-        self._grown.add(tree)
-        return made
-
-    def _eliminate(self, req: _Request) -> None:
-        """Walk the request's prompt windows again and take back one count per window per node.
-
-        A node this request never counted (it was pruned and then made anew by someone else) stops
-        the walk: its subtree was made after the prune too, so it holds nothing of ours. A node
-        whose frequency drops to zero goes with its subtree (all zero as well, counts shrink
-        going down).
-        """
-        prompt, mine = req.prompt, req.contributed
-        width = self.branch_length + 1
-        root = self._root
-        for start in range(len(prompt) - 1):
-            node = root
-            for i in range(start, min(start + width, len(prompt))):
-                child = node.children.get(prompt[i])
-                if child is None or child not in mine:
-                    break
-                child.prompt -= 1
-                if child.prompt == 0 and child.out == 0:
-                    self._remove(child)
-                    break
-                node = child
-
-    def _remove(self, node: TrieNode) -> int:
-        """Remove ``node`` and its subtree from both structures; returns the number of nodes."""
-        key = self._key(node)
-        del node.parent.children[node.token]
-        self._version += 1
-        removed = 0
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            n.alive = False
-            removed += 1
-            stack.extend(n.children.values())
-        self._size -= removed
-        left = self._tree_size[key[0]] - removed
-        if left:
-            self._tree_size[key[0]] = left
-        else:  # the first-token node itself went: the whole tree
-            del self._tree_size[key[0]]
-        self._edits += 1
-        return removed
-
-    def _undo_window(self, entry: tuple[TrieNode, int, list[int]]) -> None:
-        """Take back one journaled output window (for :meth:`abort`): one ``out`` count from each
-        node of its path, top-down, and the stamps it set where no later window touched the node.
-
-        The path is the deepest node's chain of parents (parent links never change). A node still
-        in the trie (``alive``) is the one the window counted, so it holds the window's count;
-        a removed node took the count with it, and everything below it went too, so the walk
-        stops there. A node whose frequency drops to zero goes with its subtree (all zero as well:
-        counts shrink going down), as in :meth:`_eliminate`.
-        """
-        node, clock, olds = entry
-        path = []
-        while node.parent is not None:
-            path.append(node)
-            node = node.parent
-        path.reverse()
-        existed = len(olds)
-        for depth, node in enumerate(path):
-            if not node.alive:
-                break
-            node.out -= 1
-            if depth < existed and node.stamp == clock:
-                node.stamp = olds[depth]
-            if node.out == 0 and node.prompt == 0:
-                self._remove(node)
-                break
-        self._edits += 1
-
-    def _revive(self, top: TrieNode) -> None:
-        """Put back a subtree a prune removed (for an exact :meth:`abort`): the same node objects,
-        with the counts, stamps and children they had, under the same parent (alive again by then),
-        in the child index (last among its siblings: no result depends on the order, see
-        :meth:`abort`)."""
-        top.parent.children[top.token] = top
-        key = self._key(top)
-        revived = 0
-        stack = [(key, top)]
-        while stack:
-            key_n, node = stack.pop()
-            node.alive = True
-            revived += 1
-            stack.extend((key_n + (token,), child) for token, child in node.children.items())
-        self._size += revived
-        self._version += 1
-        self._tree_size[key[0]] = self._tree_size.get(key[0], 0) + revived
-        self._edits += 1
-
-    @staticmethod
-    def _key(node: TrieNode) -> tuple[int, ...]:
-        key = []
-        while node.parent is not None:
-            key.append(node.token)
-            node = node.parent
-        return tuple(reversed(key))
-
-    def _tree_watermark(self) -> int:
-        return min(self.capacity, int(self.capacity * self.prune_to))
-
-    def _global_watermark(self) -> int:
-        return min(self.max_nodes, int(self.max_nodes * self.prune_to))
-
-    def _prune_if_needed(self, journal: list | None = None) -> None:
-        """After every call that may add nodes: prune each grown tree past ``capacity``, then the
-        whole trie if past ``max_nodes``. Only the trees that grew are looked at. The top of every
-        subtree removed is appended to ``journal`` if given (for :meth:`abort`)."""
-        if self._grown:
-            capacity, sizes = self.capacity, self._tree_size
-            over = [t for t in self._grown if sizes.get(t, 0) > capacity]
-            self._grown.clear()
-            if over:
-                low = self._tree_watermark()
-                for t in over:
-                    self._prune_tree(t, low, journal)
-        if self._size > self.max_nodes:
-            self._prune_global(self._global_watermark(), journal)
-
-    def _prune_tree(self, first_token: int, target: int, journal: list | None = None) -> int:
-        """Node pruning (Sec. 4.3.1) in one first-token tree: drop its least frequent nodes until
-        ``target`` remain in it. Touches only that tree: O(T log T) for a tree of T nodes."""
-        top = self._root.children.get(first_token)
-        if top is None or self._tree_size[first_token] <= target:
-            return 0
-        nodes = []
-        stack = [top]
-        while stack:
-            n = stack.pop()
-            nodes.append(n)
-            stack.extend(n.children.values())
-        removed = self._drop(nodes, len(nodes) - target, journal)
-        self.tree_prunes += 1
-        return removed
-
-    def _prune_global(self, target: int, journal: list | None = None) -> int:
-        """Node pruning over the whole trie (the ``max_nodes`` bound): drop the globally least
-        frequent nodes until ``target`` remain. O(N log N) for N nodes."""
-        if self._size <= target:
-            return 0
-        nodes = []
-        stack = list(self._root.children.values())
-        while stack:
-            n = stack.pop()
-            nodes.append(n)
-            stack.extend(n.children.values())
-        removed = self._drop(nodes, self._size - target, journal)
-        self.global_prunes += 1
-        return removed
-
-    def _drop(self, nodes: list[TrieNode], excess: int, journal: list | None = None) -> int:
-        """Remove the ``excess`` least frequent of ``nodes`` (a set closed under descendants).
-
-        Order: frequency ascending, then deepest first, then stalest first. A node's descendants
-        are never more frequent and always deeper, so they come before it: the dropped set is
-        closed under descendants and the trie stays prefix-closed.
-        """
-        if excess <= 0:
-            return 0
-        w = self.prompt_weight
-        key = lambda n: (n.out + w * n.prompt, -n.depth, n.stamp)  # noqa: E731
-        if excess >= len(nodes):
-            victims = nodes
-        elif 4 * excess < len(nodes):
-            victims = heapq.nsmallest(excess, nodes, key=key)
-        else:
-            nodes.sort(key=key)
-            victims = nodes[:excess]
-        doomed = set(victims)
-        removed = 0
-        for node in victims:
-            if node.parent not in doomed:  # the top of a doomed subtree (the root is never doomed)
-                removed += self._remove(node)
-                if journal is not None:
-                    journal.append(node)
-        assert removed == len(victims), "pruned set was not closed under descendants"
-        self.prunes += 1
-        self.pruned_nodes += removed
-        return removed
-
-    def _retrieve(self, tokens: Sequence[int], k: int) -> list[tuple[TrieNode, int]]:
-        """Multi-stage retrieval; returns the selection of :meth:`_select` (empty if no match)."""
-        n = len(tokens)
-        need = min(self.min_nodes, k)
-        best: list[tuple[TrieNode, int]] = []
-        root = self._root
-        for m in range(min(self.branch_length, n), 0, -1):
-            node = root
-            for i in range(n - m, n):
-                node = node.children.get(tokens[i])
-                if node is None:
-                    break
-            if node is None or not node.children:
-                continue
-            selected = self._select(node, k)
-            if len(selected) >= need:
-                return selected
-            if len(selected) > len(best):
-                best = selected
-        return best
-
-    def _select(self, start: TrieNode, k: int) -> list[tuple[TrieNode, int]]:
-        """The ``k`` most frequent nodes below ``start`` (best first; ties: most recent first),
-        as ``(node, index of its parent in the list or -1)``: a prefix-closed subtree, because a
-        child is never more frequent than its parent and enters the frontier only after it."""
-        w = self.prompt_weight
-        tie = itertools.count()
-        heap = [(-(c.out + w * c.prompt), -c.stamp, next(tie), c, -1) for c in start.children.values()]
-        heapq.heapify(heap)
-        selected: list[tuple[TrieNode, int]] = []
-        while heap and len(selected) < k:
-            _, _, _, node, parent = heapq.heappop(heap)
-            index = len(selected)
-            selected.append((node, parent))
-            for c in node.children.values():
-                heapq.heappush(heap, (-(c.out + w * c.prompt), -c.stamp, next(tie), c, index))
-        return selected
-
-    def _branches(self, selected: list[tuple[TrieNode, int]], k: int) -> list[list[int]]:
-        """Root-to-leaf token paths of the selection, most frequent leaf first (deeper first on
-        ties, then selection order). Parallel mode keeps whole paths while their total length
-        fits ``k`` (the last one cut to fit), shared prefixes counted once per branch."""
-        has_child = [False] * len(selected)
-        for _, parent in selected:
-            if parent >= 0:
-                has_child[parent] = True
-        w = self.prompt_weight
-        leaves = [i for i in range(len(selected)) if not has_child[i]]
-        leaves.sort(key=lambda i: (-(selected[i][0].out + w * selected[i][0].prompt), -selected[i][0].depth, i))
-        branches: list[list[int]] = []
-        for leaf in leaves:
-            path = []
-            i = leaf
-            while i >= 0:
-                node, i = selected[i]
-                path.append(node.token)
-            path.reverse()
-            branches.append(path)
-        if self.mode == PARALLEL:
-            kept, left = [], k
-            for path in branches:
-                if left <= 0:
-                    break
-                kept.append(path[:left])
-                left -= len(kept[-1])
-            branches = kept
-        return branches
-
+    def _take_back(self, request: _Request) -> None:
+        """Take every running count of ``request`` back: its prompt windows and its output windows."""
+        store, width = self._store, self.branch_length + 1
+        tokens = request.tokens
+        if request.prompt_tick:
+            n = request.prompt_length
+            for start in range(n - 1):
+                store.take_back(tokens, start, min(start + width, n), True, request.prompt_tick + start)
+        for i, tick in enumerate(request.ticks):
+            start = request.first + i
+            store.take_back(tokens, start, start + width, False, tick)
+        store.sort_free()  # (outside any step: the next steps' new nodes take runs of what went)
