@@ -117,8 +117,10 @@ _CLOCK_MASK = _ONE - 1
 #: A context's statistics (``Followers``, a dict of ints) keep its current prediction -- the most
 #: frequent next token, ties: the most recently seen -- under two keys no token id takes: the token
 #: under ``_BEST`` and its packed statistics under ``_BEST_KEY`` (-1 and -1 while it has none).
-_BEST = -1
-_BEST_KEY = -2
+#: Not -1: CPython hashes -1 as -2, and two keys of one hash make every lookup of them probe twice
+#: (counting a prompt took about 70% longer with -1 and -2).
+_BEST = -2
+_BEST_KEY = -3
 _RESERVED = 2  # entries of a statistics dict that are not followers
 Followers = dict  # dict[int, int]: token -> count << _SHIFT | last_seen, plus _BEST and _BEST_KEY
 
