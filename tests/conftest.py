@@ -313,6 +313,24 @@ class PassiveSource:
         pass
 
 
+class Oracles(PassiveSource):
+    """Knows several requests' answers: drafts the true continuation (past EOS and past the limit)
+    of whichever one the context is a prefix of, as a shared source would for a batch: long
+    accepted runs, so stops fall inside a step."""
+
+    name = "oracles"
+
+    def __init__(self, sequences: Sequence[Sequence[int]]) -> None:
+        self.sequences = [list(s) for s in sequences]
+
+    def propose(self, context: Context, budget: int) -> Draft:
+        tokens = list(context.tokens)
+        for seq in self.sequences:
+            if seq[: len(tokens)] == tokens and len(seq) > len(tokens):
+                return Draft(branches=[seq[len(tokens) : len(tokens) + budget]])
+        return Draft()
+
+
 class OracleSource(PassiveSource):
     """Proposes the exact continuation of ``sequence`` (prompt + reference output) while the
     context is a prefix of it, using the whole budget, so long runs are accepted; its draft runs
