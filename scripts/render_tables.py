@@ -467,7 +467,7 @@ FIRST_SCREEN = [
     Setting("CPU", "bfloat16", "chat", "first-screen-qwen0.5b-bf16-humaneval5-mtbench5-b84e101"),
     Setting("GPU", "bfloat16", "code", "gpu-h100-2026-11-26-0179ff1/bench-humaneval-mtbench10"),
     Setting("GPU", "bfloat16", "chat", "gpu-h100-2026-11-26-0179ff1/bench-humaneval-mtbench10"),
-    Setting("CPU", "bfloat16", "code", None, batch=8),
+    Setting("CPU", "bfloat16", "code", "concurrency-qwen0.5b-bf16-humaneval8-96def57", batch=8),
     Setting("GPU", "bfloat16", "code", None, batch=8),
 ]
 
