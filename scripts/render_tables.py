@@ -461,8 +461,8 @@ class Setting:
 #: ``plain`` and ``hf-prompt-lookup`` for the split line and the prompt-lookup column (the commands:
 #: docs/results.md#measuring-the-first-screen); batched rows a ``--concurrency`` output with level 8.
 FIRST_SCREEN = [
-    Setting("CPU", "float32", "code", None),
-    Setting("CPU", "float32", "chat", None),
+    Setting("CPU", "float32", "code", "first-screen-qwen0.5b-fp32-humaneval5-mtbench5-96def57"),
+    Setting("CPU", "float32", "chat", "first-screen-qwen0.5b-fp32-humaneval5-mtbench5-96def57"),
     Setting("CPU", "bfloat16", "code", "first-screen-qwen0.5b-bf16-humaneval5-mtbench5-b84e101"),
     Setting("CPU", "bfloat16", "chat", "first-screen-qwen0.5b-bf16-humaneval5-mtbench5-b84e101"),
     Setting("GPU", "bfloat16", "code", "gpu-h100-2026-11-26-0179ff1/bench-humaneval-mtbench10"),
