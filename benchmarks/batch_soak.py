@@ -42,7 +42,6 @@ import json
 import math
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -55,6 +54,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+
+from soak import rss_mib  # benchmarks/soak.py: the same /proc reading
 
 from specdraft import BatchRequest, Decoder
 from specdraft.sources import Context, Draft, Feedback
@@ -220,22 +221,6 @@ def cut_at_stop(tokenizer: Any, tokens: list[int], stops: Sequence[str]) -> list
         if any(s in text for s in stops):
             return tokens[:k]
     return tokens
-
-
-def rss_mib() -> tuple[float, float]:
-    """(current RSS, peak RSS) of this process in MiB (``/proc/self/status``; the peak alone elsewhere)."""
-    try:
-        values = {}
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith(("VmRSS:", "VmHWM:")):
-                    key, amount, _unit = line.split()
-                    values[key[:-1]] = int(amount) / 1024
-        return values["VmRSS"], values["VmHWM"]
-    except (OSError, KeyError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        peak_mib = peak / 2**20 if sys.platform == "darwin" else peak / 1024
-        return peak_mib, peak_mib
 
 
 def trimmed_rss_mib() -> float:

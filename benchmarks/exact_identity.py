@@ -84,6 +84,75 @@ def prompts(count: int, seed: int) -> list[list[int]]:
     return out
 
 
+
+def compare_on_checkpoint(model, batch: list[list[int]], kernels: str, new_tokens: int) -> dict:
+    """Per prompt, back to back: transformers' greedy ``generate`` (stock kernels, sdpa), then
+    speculation and plain decoding with exact mode off and on. Interleaving per prompt keeps a
+    machine's slow minutes from landing on one mode only; CPU time (one thread) is what is timed."""
+    import torch
+
+    from specdraft import Decoder
+
+    decoders = {mode: (Decoder(model, cpu_kernels=kernels, exact=mode == "exact"),
+                       Decoder(model, cpu_kernels=kernels, max_tree_nodes=0, exact=mode == "exact"))
+                for mode in ("inexact", "exact")}
+    print(f"exact ({decoders['exact'][0].kernels.describe()}): {decoders['exact'][0].engine.padding}", file=sys.stderr)
+    rows = []
+    for index, prompt in enumerate(batch):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            started = time.process_time()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
+            row = {"prompt": index, "generate_cpu_s": round(time.process_time() - started, 3)}
+        reference = out[0, len(prompt):].tolist()
+        for mode, (spec, plain) in decoders.items():
+            started = time.process_time()
+            a = spec.generate(prompt, max_new_tokens=new_tokens)
+            spec_cpu = time.process_time() - started
+            started = time.process_time()
+            b = plain.generate(prompt, max_new_tokens=new_tokens)
+            plain_cpu = time.process_time() - started
+            row[mode] = {"speculation_cpu_s": round(spec_cpu, 3), "plain_cpu_s": round(plain_cpu, 3),
+                         "same_as_plain": a.token_ids == b.token_ids,
+                         "same_as_generate": a.token_ids == reference[:len(a.token_ids)] and len(a.token_ids) > 0,
+                         "plain_same_as_generate": b.token_ids == reference[:len(b.token_ids)] and len(b.token_ids) > 0,
+                         "tokens": len(a.token_ids), "steps": a.stats.steps}
+        rows.append(row)
+        print(f"prompt {index}: generate {row['generate_cpu_s']:.1f}s; " + "; ".join(
+            f"{mode} {row[mode]['speculation_cpu_s']:.1f}s/{row[mode]['plain_cpu_s']:.1f}s "
+            f"plain={row[mode]['same_as_plain']} generate={row[mode]['same_as_generate']}" for mode in decoders),
+            file=sys.stderr, flush=True)
+    for spec, plain in decoders.values():
+        spec.close()
+        plain.close()
+    return {"prompts": rows, "summary": summarize_checkpoint(rows)}
+
+
+def summarize_checkpoint(rows: list[dict]) -> dict:
+    """Counts and speed-ups: totals of CPU time, and the median of per-prompt ratios."""
+    import statistics
+
+    summary = {"prompts": len(rows), "generate_cpu_s": round(sum(r["generate_cpu_s"] for r in rows), 2)}
+    for mode in ("inexact", "exact"):
+        cells = [r[mode] for r in rows]
+        spec = sum(c["speculation_cpu_s"] for c in cells)
+        plain = sum(c["plain_cpu_s"] for c in cells)
+        summary[mode] = {
+            "same_as_plain": sum(c["same_as_plain"] for c in cells),
+            "same_as_generate": sum(c["same_as_generate"] for c in cells),
+            "plain_same_as_generate": sum(c["plain_same_as_generate"] for c in cells),
+            "tokens_per_step": round(sum(c["tokens"] for c in cells) / sum(c["steps"] for c in cells), 3),
+            "speculation_cpu_s": round(spec, 2), "plain_cpu_s": round(plain, 2),
+            "speedup_over_generate_cpu": round(summary["generate_cpu_s"] / spec, 3),
+            "speedup_over_plain_cpu": round(plain / spec, 3),
+            "median_speedup_over_generate": round(statistics.median(
+                r["generate_cpu_s"] / r[mode]["speculation_cpu_s"] for r in rows), 3),
+        }
+    summary["exact_vs_inexact_speed"] = round(
+        summary["exact"]["speedup_over_generate_cpu"] / summary["inexact"]["speedup_over_generate_cpu"], 3)
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -104,16 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         batch = prompts(args.prompts, args.seed)
         kernels = args.cpu_kernels or "stock"
     results = {}
-    if args.model:  # the reference speed: transformers' own greedy decoding, stock kernels, sdpa
-        generate_cpu = 0.0
-        with torch.inference_mode():
-            for prompt in batch:
-                ids = torch.tensor([prompt])
-                started = time.process_time()
-                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
-                               do_sample=False)
-                generate_cpu += time.process_time() - started
-        results["generate_cpu_s"] = round(generate_cpu, 2)
+    if args.model:
+        results = compare_on_checkpoint(model, batch, kernels, args.new_tokens)
+        print(json.dumps(results, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        return 0
     for mode in ("inexact", "exact"):
         spec = Decoder(model, cpu_kernels=kernels, exact=mode == "exact")
         plain = Decoder(model, cpu_kernels=kernels, max_tree_nodes=0, exact=mode == "exact")

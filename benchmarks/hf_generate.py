@@ -41,6 +41,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the checkout's package, installed or not
+
+from specdraft.bench.concurrency import trim_at_eos  # noqa: E402
 
 
 def _commit() -> str:
@@ -70,16 +73,6 @@ def _load() -> list[float] | None:
         return [round(v, 2) for v in os.getloadavg()]
     except OSError:
         return None
-
-
-def _trim(tokens: Sequence[int], eos: set[int]) -> list[int]:
-    """New tokens up to and including the first EOS (what a batch pads after it is dropped)."""
-    out = []
-    for t in tokens:
-        out.append(int(t))
-        if int(t) in eos:
-            break
-    return out
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
@@ -169,7 +162,7 @@ def one_at_a_time(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[in
             clock.reset()
             out, seconds, cpu = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False,
                                                               custom_generate=loop))
-            runs["custom_generate"] = (_trim(out[0, len(ids):].tolist(), eos), seconds, cpu)
+            runs["custom_generate"] = (trim_at_eos(out[0, len(ids):].tolist(), eos), seconds, cpu)
             steps["custom_generate"] = list(loop.last_stats[0].accept_lengths)
             layer["wall"], layer["cpu"] = seconds - clock.wall, cpu - clock.cpu
 
@@ -178,7 +171,7 @@ def one_at_a_time(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[in
             run()
         if baseline:
             out, seconds, cpu = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False))
-            runs["generate"] = (_trim(out[0, len(ids):].tolist(), eos), seconds, cpu)
+            runs["generate"] = (trim_at_eos(out[0, len(ids):].tolist(), eos), seconds, cpu)
         row = {"prompt": index, **{f"{k}_s": v[1] for k, v in runs.items()},
                **{f"{k}_cpu_s": v[2] for k, v in runs.items()},
                **{f"{k}_tokens": len(v[0]) for k, v in runs.items()},
@@ -236,7 +229,7 @@ def batched(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[int]], n
             out, seconds, cpu = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False,
                                                               pad_token_id=pad, custom_generate=loop))
             layer["wall"], layer["cpu"] = seconds - clock.wall, cpu - clock.cpu
-            runs["custom_generate"] = ([_trim(r, eos) for r in out[:, width:].tolist()], seconds, cpu)
+            runs["custom_generate"] = ([trim_at_eos(r, eos) for r in out[:, width:].tolist()], seconds, cpu)
             steps["custom_generate"] = [list(s.accept_lengths) if s is not None else [] for s in loop.last_stats]
 
         order = [run_batch, run_loop] if repeat % 2 == 0 else [run_loop, run_batch]
@@ -245,7 +238,7 @@ def batched(model: Any, decoder: Any, loop: Any, prompts: Sequence[list[int]], n
         if baseline:
             out, seconds, cpu = _timed(lambda: model.generate(**inputs, max_new_tokens=new, do_sample=False,
                                                               pad_token_id=pad))
-            runs["generate"] = ([_trim(r, eos) for r in out[:, width:].tolist()], seconds, cpu)
+            runs["generate"] = ([trim_at_eos(r, eos) for r in out[:, width:].tolist()], seconds, cpu)
         tokens = {k: sum(len(t) for t in v[0]) for k, v in runs.items()}
         row = {"repeat": repeat, **{f"{k}_s": v[1] for k, v in runs.items()},
                **{f"{k}_cpu_s": v[2] for k, v in runs.items()},
@@ -293,7 +286,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<name>-<commit>)")
     args = parser.parse_args(argv)
 
-    sys.path.insert(0, str(ROOT))
     import transformers
 
     import specdraft

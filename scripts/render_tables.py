@@ -440,7 +440,7 @@ def concurrency_table(run: str, dataset: str, page: str) -> str:
 #: The commit whose code the first screen describes. A row whose run measured another commit says
 #: so in its label; a setting with no run reads "not measured at" this commit. Set it to the
 #: commit you measured when you add the runs below.
-FIRST_SCREEN_CODE = "8569c26"
+FIRST_SCREEN_CODE = "b84e101"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,13 +461,13 @@ class Setting:
 #: ``plain`` and ``hf-prompt-lookup`` for the split line and the prompt-lookup column (the commands:
 #: docs/results.md#measuring-the-first-screen); batched rows a ``--concurrency`` output with level 8.
 FIRST_SCREEN = [
-    Setting("CPU", "float32", "code", None),
-    Setting("CPU", "float32", "chat", None),
-    Setting("CPU", "bfloat16", "code", None),
-    Setting("CPU", "bfloat16", "chat", None),
+    Setting("CPU", "float32", "code", "first-screen-qwen0.5b-fp32-humaneval5-mtbench5-96def57"),
+    Setting("CPU", "float32", "chat", "first-screen-qwen0.5b-fp32-humaneval5-mtbench5-96def57"),
+    Setting("CPU", "bfloat16", "code", "first-screen-qwen0.5b-bf16-humaneval5-mtbench5-b84e101"),
+    Setting("CPU", "bfloat16", "chat", "first-screen-qwen0.5b-bf16-humaneval5-mtbench5-b84e101"),
     Setting("GPU", "bfloat16", "code", "gpu-h100-2026-11-26-0179ff1/bench-humaneval-mtbench10"),
     Setting("GPU", "bfloat16", "chat", "gpu-h100-2026-11-26-0179ff1/bench-humaneval-mtbench10"),
-    Setting("CPU", "bfloat16", "code", None, batch=8),
+    Setting("CPU", "bfloat16", "code", "concurrency-qwen0.5b-bf16-humaneval8-96def57", batch=8),
     Setting("GPU", "bfloat16", "code", None, batch=8),
 ]
 

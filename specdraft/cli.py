@@ -127,7 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Lossless draft-model-free speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_generate_command(sub)
+    _add_demo_command(sub)
+    _add_bench_command(sub)
+    return parser
 
+
+def _add_generate_command(sub: Any) -> None:
+    """``specdraft generate``: one prompt, the text on stdout."""
     gen = sub.add_parser(
         "generate", help="generate text for one prompt",
         description="Generate text for one prompt with speculative decoding. The text goes to stdout, "
@@ -166,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
     gen.set_defaults(func=cmd_generate)
 
+
+def _add_demo_command(sub: Any) -> None:
+    """``specdraft demo``: the README's main job."""
     demo = sub.add_parser(
         "demo", help="the README's main job: one generation on the default model, timed against plain decoding",
         description="Generate a copy-heavy answer (rename a function the prompt shows) on the default model and "
@@ -183,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
     demo.set_defaults(func=cmd_demo)
 
+
+def _add_bench_command(sub: Any) -> None:
+    """``specdraft bench``: every method on a prompt set."""
     bench = sub.add_parser(
         "bench", help="benchmark plain decoding, transformers' prompt lookup and our sources on a prompt set",
         description="Run every method on the same prompts in one process, interleaved, and report tokens/s, "
@@ -221,7 +234,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-plot", action="store_true", help="skip speedup.png (no matplotlib needed)")
     bench.add_argument("-q", "--quiet", action="store_true", help="no progress bar or messages on stderr")
     bench.set_defaults(func=cmd_bench)
-    return parser
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -340,22 +352,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stats = _stats_dict(out.stats)
 
     if args.compare:
-        plain_tps = len(plain_ids) / plain_seconds if plain_seconds > 0 else 0.0
-        ours_tps = len(out.token_ids) / ours_seconds if ours_seconds > 0 else 0.0
-        comparison = {
-            "plain_new_tokens": len(plain_ids),
-            "plain_wall_time": plain_seconds,
-            "plain_tokens_per_s": plain_tps,
-            "specdraft_wall_time": ours_seconds,
-            "specdraft_tokens_per_s": ours_tps,
-            "speedup": ours_tps / plain_tps if plain_tps > 0 else None,
-        }
-        if args.sample:
-            comparison["identical"] = None  # sampled outputs are equal in distribution, not per run
-        else:
-            diff = first_difference(out.token_ids, plain_ids)
-            comparison["identical"] = diff is None
-            comparison["first_difference"] = diff
+        comparison = _comparison(out.token_ids, ours_seconds, plain_ids, plain_seconds, args.sample)
 
     if args.json:
         record = {"model": args.model, "dtype": args.dtype, "sources": source_names,
@@ -372,20 +369,48 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"{PROG}: kernels: {decoder.kernels.describe()}", file=sys.stderr)
     if comparison is not None:
-        speedup = comparison["speedup"]
-        line = (f"{PROG}: plain generate {comparison['plain_new_tokens']} tokens in {plain_seconds:.2f} s "
-                f"({comparison['plain_tokens_per_s']:.1f} tokens/s); speedup "
-                + (f"{speedup:.2f}x" if speedup is not None else "n/a"))
-        if comparison["identical"] is None:
-            line += "; sampled, so outputs differ per run (equal only in distribution)"
-        elif comparison["identical"]:
-            line += "; greedy output token-identical: yes"
-        else:
-            line += f"; greedy output token-identical: NO (first difference at token {comparison['first_difference']})"
-            if args.dtype in ("bfloat16", "float16"):
-                line += f" - expected at near-ties in {args.dtype}; use float32 for exact identity"
-        print(line, file=sys.stderr)
+        print(_comparison_line(comparison, args.dtype), file=sys.stderr)
     return 0
+
+
+def _comparison(token_ids: Sequence[int], ours_seconds: float, plain_ids: list[int], plain_seconds: float,
+                sampled: bool) -> dict[str, Any]:
+    """``--compare``'s record: both speeds, their ratio, and greedy identity (``None`` when sampled:
+    sampled outputs are equal in distribution, not per run)."""
+    plain_tps = len(plain_ids) / plain_seconds if plain_seconds > 0 else 0.0
+    ours_tps = len(token_ids) / ours_seconds if ours_seconds > 0 else 0.0
+    comparison: dict[str, Any] = {
+        "plain_new_tokens": len(plain_ids),
+        "plain_wall_time": plain_seconds,
+        "plain_tokens_per_s": plain_tps,
+        "specdraft_wall_time": ours_seconds,
+        "specdraft_tokens_per_s": ours_tps,
+        "speedup": ours_tps / plain_tps if plain_tps > 0 else None,
+    }
+    if sampled:
+        comparison["identical"] = None
+    else:
+        diff = first_difference(token_ids, plain_ids)
+        comparison["identical"] = diff is None
+        comparison["first_difference"] = diff
+    return comparison
+
+
+def _comparison_line(comparison: dict[str, Any], dtype: str) -> str:
+    """``--compare``'s line on stderr."""
+    speedup = comparison["speedup"]
+    line = (f"{PROG}: plain generate {comparison['plain_new_tokens']} tokens in {comparison['plain_wall_time']:.2f} s "
+            f"({comparison['plain_tokens_per_s']:.1f} tokens/s); speedup "
+            + (f"{speedup:.2f}x" if speedup is not None else "n/a"))
+    if comparison["identical"] is None:
+        line += "; sampled, so outputs differ per run (equal only in distribution)"
+    elif comparison["identical"]:
+        line += "; greedy output token-identical: yes"
+    else:
+        line += f"; greedy output token-identical: NO (first difference at token {comparison['first_difference']})"
+        if dtype in ("bfloat16", "float16"):
+            line += f" - expected at near-ties in {dtype}; use float32 for exact identity"
+    return line
 
 
 DEMO_PROMPT = """Here is a Python function:

@@ -17,7 +17,7 @@ import torch
 from .batching import BatchRequest, BatchStream, text_pieces
 from .budget import Budget
 from .engine import BatchResult, Drafter, Engine, RequestSpec
-from .engine.widths import RowWidths, exact_default
+from .engine.widths import RowWidths, exact_buckets, exact_default
 from .model.static import Buckets
 from .kernels.attention_cost import attention_seconds
 from .kernels.exact_rows import load_or_probe
@@ -205,9 +205,16 @@ class Decoder:
         """The widths forwards run at: in exact mode, those the layers that run now compute every
         row alike at; on a GPU, a few buckets whose forwards are captured as CUDA graphs
         (:mod:`specdraft.model.static`); elsewhere, as they come."""
+        on_gpu = self.runner.device.type == "cuda"
         if self.exact:
-            self.engine.padding = RowWidths(load_or_probe(self.model, self._packed))
-        elif self.runner.device.type == "cuda":
+            rule = load_or_probe(self.model, self._packed)
+            self.engine.padding = RowWidths(rule)
+            if on_gpu:  # the buckets at which the rule holds: fixed widths serve both
+                buckets = Buckets(exact_buckets(rule), mixes_prompts=rule.wider)
+                if self.runner.static is None or self.runner.static.widths != buckets.widths:
+                    self.runner.use_static(buckets.widths)
+                self.engine.padding = buckets
+        elif on_gpu:
             if self.runner.static is None:
                 self.runner.use_static()
             self.engine.padding = Buckets()

@@ -112,8 +112,7 @@ class TokenTree:
         # it, proposers, source bits).
         rate_of = _memoized(prior_rate if rate is None else rate)
         log, push, pop = math.log, heapq.heappush, heapq.heappop
-        tokens, parents, depths, sources, proposed, children = (tree.tokens, tree.parents, tree.depth, tree.sources,
-                                                                tree.proposers, tree._children)
+        tokens, select = tree.tokens, tree._select
         heap: list[tuple[float, int, int, int, list, tuple, int]] = []
         # expand the node just selected (the root first): push its children, unless the tree is full
         index, depth, neg, passing = 0, 0, 0.0, _entries(branches_per_source)
@@ -126,15 +125,8 @@ class TokenTree:
                     child_neg, child_key = neg - log(q), (k << 32) | (depth + 1)
                     if not heap or child_neg < heap[0][0] or (child_neg == heap[0][0] and child_key < heap[0][1]):
                         # it beats the whole frontier: select it now (what a push and a pop would do)
-                        token, parent, index = int(branch[depth]), index, len(tokens)
+                        index = select(int(branch[depth]), index, depth + 1, 1 << source, ((source, 0),))
                         depth, neg = depth + 1, child_neg
-                        tokens.append(token)
-                        parents.append(parent)
-                        depths.append(depth)
-                        sources.append(1 << source)
-                        proposed.append(((source, 0),))
-                        children.append({})
-                        children[parent][token] = index
                         if len(tokens) > max_nodes:
                             break
                         continue
@@ -145,18 +137,23 @@ class TokenTree:
                 break
             # select the most valuable node of the frontier
             neg, key, token, parent, passing, proposers, bits = pop(heap)
-            index = len(tokens)
             depth = key & 0xFFFFFFFF
-            tokens.append(token)
-            parents.append(parent)
-            depths.append(depth)
-            sources.append(bits)
-            proposed.append(proposers)
-            children.append({})
-            children[parent][token] = index
+            index = select(token, parent, depth, bits, proposers)
             if len(tokens) > max_nodes:
                 break
         return tree
+
+    def _select(self, token: int, parent: int, depth: int, bits: int, proposers: tuple) -> int:
+        """Append a node :meth:`from_drafts` selected; returns its index."""
+        index = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depth.append(depth)
+        self.sources.append(bits)
+        self.proposers.append(proposers)
+        self._children.append({})
+        self._children[parent][token] = index
+        return index
 
     def prefix(self, max_nodes: int) -> "TokenTree":
         """The first ``max_nodes`` draft nodes of this tree (all of it if it has fewer), as a new

@@ -159,6 +159,35 @@ def generation_config_override(model, **fields: Any) -> Iterator[None]:
                 setattr(cfg, k, v)
 
 
+def wide_llama(dtype: torch.dtype, attn: str = "sdpa"):
+    """Issue 43's random 896-wide Llama (two layers, MLP 4864, 14 heads on 2 key/value heads,
+    vocabulary 512) in ``dtype``: wide enough that a forward of several rows computes a row's
+    logits in other last bits than a one-row forward (the effect exact mode removes). Built anew
+    per call (seeded), so that callers may cache, move or convert their own copy."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=512, hidden_size=896, intermediate_size=4864, num_hidden_layers=2,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(43)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def repetitive_prompt(seed: int, vocab: int = 512) -> list[int]:
+    """A prompt that repeats itself with small edits: drafts are long and often right."""
+    rng = np.random.default_rng(seed)
+    unit = rng.integers(3, vocab, size=int(rng.integers(6, 14))).tolist()
+    prompt = []
+    for _ in range(int(rng.integers(3, 6))):
+        edited = list(unit)
+        edited[int(rng.integers(len(edited)))] = int(rng.integers(3, vocab))
+        prompt += edited
+    return prompt
+
+
 @torch.inference_mode()
 def reference_greedy(model, prompt: Sequence[int], n: int, **generate_kwargs: Any) -> list[int]:
     """The new tokens of plain ``model.generate(do_sample=False)`` (the ground truth)."""
@@ -311,6 +340,24 @@ class PassiveSource:
 
     def observe(self, feedback: Feedback) -> None:
         pass
+
+
+class Oracles(PassiveSource):
+    """Knows several requests' answers: drafts the true continuation (past EOS and past the limit)
+    of whichever one the context is a prefix of, as a shared source would for a batch: long
+    accepted runs, so stops fall inside a step."""
+
+    name = "oracles"
+
+    def __init__(self, sequences: Sequence[Sequence[int]]) -> None:
+        self.sequences = [list(s) for s in sequences]
+
+    def propose(self, context: Context, budget: int) -> Draft:
+        tokens = list(context.tokens)
+        for seq in self.sequences:
+            if seq[: len(tokens)] == tokens and len(seq) > len(tokens):
+                return Draft(branches=[seq[len(tokens) : len(tokens) + budget]])
+        return Draft()
 
 
 class OracleSource(PassiveSource):

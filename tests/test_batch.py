@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from typing import Sequence
 
 import numpy as np
 import pytest
@@ -28,30 +27,13 @@ from specdraft.budget import Ask, Budget
 from specdraft.sources import FrequencyTrie, JacobiLookahead, MultiLevelNGram, SuffixTree, TokenRecycling
 from specdraft.sources.base import Context, Draft, Feedback
 
-from conftest import (FAST, PassiveSource, RandomGuess, SideBlockToy, generation_config_override, reference_greedy,
+from conftest import (FAST, Oracles, RandomGuess, SideBlockToy, generation_config_override, reference_greedy,
                       tiny_model)
 from test_greedy_identity import prompts
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 CASES = [("llama", "sdpa"), ("qwen2_swa", "sdpa"), ("gemma3", "sdpa"), ("gpt2", "eager"), ("mistral", "eager")]
-
-
-class Oracles(PassiveSource):
-    """Knows several requests' answers: drafts the true continuation of whichever one the context
-    is a prefix of (a batch's requests share it, as a shared source would be)."""
-
-    name = "oracles"
-
-    def __init__(self, sequences: Sequence[Sequence[int]]) -> None:
-        self.sequences = [list(s) for s in sequences]
-
-    def propose(self, context: Context, budget: int) -> Draft:
-        tokens = list(context.tokens)
-        for seq in self.sequences:
-            if seq[: len(tokens)] == tokens and len(seq) > len(tokens):
-                return Draft(branches=[seq[len(tokens) : len(tokens) + budget]])
-        return Draft()
 
 
 def _sources(kind: str, oracle_sequences):

@@ -5,6 +5,7 @@ source registry, the plain-decoding timer, and (once the decoder exists) a full 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,16 @@ def test_generate_json_compare_on_tiny_model(capsys, tiny_dir: Path) -> None:
     assert set(record["per_source"]) == set(DEFAULT_SOURCES)
     assert record["compare"]["identical"] is True
     assert record["token_ids"] and isinstance(record["text"], str)
+
+
+def test_generate_compare_line_on_tiny_model(capsys, tiny_dir: Path) -> None:
+    """Without --json, --compare's verdict is one line on stderr, after the text on stdout."""
+    code, out, err = run(capsys, "generate", "--model", str(tiny_dir), "--prompt", "a b c d a b c d a b",
+                         "--max-new-tokens", "12", "--dtype", "float64", "--compare", "-q")
+    assert code == 0, err
+    assert out.strip()
+    assert re.search(r"plain generate \d+ tokens in [\d.]+ s \([\d.]+ tokens/s\); speedup [\d.]+x; "
+                     r"greedy output token-identical: yes", err), err
 
 
 def test_generate_with_packed_cpu_kernels(capsys, tiny_dir: Path) -> None:

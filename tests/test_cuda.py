@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import repetitive_prompt, tiny_model, wide_llama
 from specdraft import Decoder
 from specdraft.sources.registry import DEFAULT_SOURCES, SOURCES, make_sources
 
@@ -76,6 +76,36 @@ def test_decode_forwards_replay_cuda_graphs() -> None:
     prompts = [PROMPT, PROMPT[:8], PROMPT[3:]]
     result = dec.generate_batch(prompts, max_new_tokens=NEW, concurrency=3)
     assert [o.token_ids for o in result] == [generate_greedy(model, p, NEW) for p in prompts]
+
+
+@functools.lru_cache(maxsize=None)
+def wide_cuda_model(dtype: torch.dtype) -> torch.nn.Module:
+    """Issue 43's 896-wide random Llama on the GPU, run to its token limit."""
+    model = wide_llama(dtype).to("cuda")
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_exact_mode_on_cuda_equals_exact_plain_decoding(dtype: torch.dtype) -> None:
+    """Exact mode on the GPU: every decode forward at a bucket width where the probed rule holds,
+    on the exact attention; speculation gives exact plain decoding's tokens, alone, batched (a
+    request's output does not depend on the others) and sampled with a seed."""
+    model = wide_cuda_model(dtype)
+    plain = Decoder(model, None, sources=[], max_tree_nodes=0, exact=True)
+    dec = Decoder(model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=24, exact=True)
+    assert dec.runner.static is not None and dec.engine.padding.widths == dec.runner.static.widths
+    prompts = [repetitive_prompt(s) for s in range(6)]
+    expected = [plain.generate(p, max_new_tokens=48).token_ids for p in prompts]
+    outs = [dec.generate(p, max_new_tokens=48) for p in prompts]
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.stats.steps for o in outs) < 48 * len(prompts)  # trees were really checked
+    result = dec.generate_batch(prompts, max_new_tokens=48, concurrency=4)
+    assert [o.token_ids for o in result] == expected
+    options = dict(do_sample=True, temperature=0.8, top_k=40, top_p=0.95, seed=11)
+    for p in prompts[:3]:
+        assert dec.generate(p, max_new_tokens=48, **options).token_ids == \
+            plain.generate(p, max_new_tokens=48, **options).token_ids
 
 
 def test_repetition_penalty_on_cuda_equals_generate() -> None:

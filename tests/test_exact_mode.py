@@ -12,9 +12,7 @@ or sampled, equals exact plain decoding token for token, whatever the sources pr
 from __future__ import annotations
 
 import functools
-import warnings
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -23,37 +21,16 @@ from hypothesis import strategies as st
 from specdraft import BatchRequest, Decoder
 from specdraft.sources.registry import SOURCES, make_sources
 
-from conftest import FAST
+from conftest import FAST, repetitive_prompt, wide_llama
 
 NEW = 32
-VOCAB = 512
 
 
 @functools.lru_cache(maxsize=None)
 def wide_model(dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=896, intermediate_size=4864, num_hidden_layers=2,
-                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(43)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    model = wide_llama(dtype)
     model.generation_config.eos_token_id = None  # run every prompt to its token limit
-    return model.eval().requires_grad_(False)
-
-
-def repetitive_prompt(seed: int) -> list[int]:
-    """A prompt that repeats itself with small edits: drafts are long and often right."""
-    rng = np.random.default_rng(seed)
-    unit = rng.integers(3, VOCAB, size=int(rng.integers(6, 14))).tolist()
-    prompt = []
-    for _ in range(int(rng.integers(3, 6))):
-        edited = list(unit)
-        edited[int(rng.integers(len(edited)))] = int(rng.integers(3, VOCAB))
-        prompt += edited
-    return prompt
+    return model
 
 
 @functools.lru_cache(maxsize=None)

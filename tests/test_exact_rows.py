@@ -10,7 +10,6 @@ than a wider one), with Qwen2.5-0.5B's head layout (14 query heads sharing 2 key
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Sequence
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from conftest import wide_llama
 from specdraft.model.compat import cache_keyword
 from specdraft.model.exact_attention import (CHUNK, EXACT_NAME, ExactAttentionError, exact_attention,
                                        register_exact_backend)
@@ -32,16 +32,7 @@ WIDEST = 64
 @functools.lru_cache(maxsize=None)
 def wide_model(dtype: torch.dtype):
     """The random 896-wide Llama of issue 43, in ``dtype``, on the exact attention."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(vocab_size=512, hidden_size=896, intermediate_size=4864, num_hidden_layers=2,
-                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(43)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=register_exact_backend(), dtype=dtype)
-    return model.eval().requires_grad_(False)
+    return wide_llama(dtype, register_exact_backend())
 
 
 def _random_tree(n: int, seed: int) -> list[int]:

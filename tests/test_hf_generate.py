@@ -40,9 +40,8 @@ from transformers.generation.logits_process import (LogitsProcessor, RepetitionP
 
 import specdraft.hf
 from specdraft import PromptLookup, UnsupportedOptionError
-from specdraft.sources.base import Context, Draft
 
-from conftest import FAST, PassiveSource, RandomGuess, _config, generation_config_override
+from conftest import FAST, Oracles, RandomGuess, _config, generation_config_override
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,23 +129,6 @@ def plain(model, **kwargs) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return model.generate(**kwargs)
-
-
-class Oracles(PassiveSource):
-    """Drafts the true continuation (past EOS and past the limit) of whichever known sequence the
-    context is a prefix of: long accepted runs, so stops fall inside a step."""
-
-    name = "oracles"
-
-    def __init__(self, sequences: Sequence[Sequence[int]]) -> None:
-        self.sequences = [list(s) for s in sequences]
-
-    def propose(self, context: Context, budget: int) -> Draft:
-        tokens = list(context.tokens)
-        for seq in self.sequences:
-            if seq[: len(tokens)] == tokens and len(seq) > len(tokens):
-                return Draft(branches=[seq[len(tokens): len(tokens) + budget]])
-        return Draft()
 
 
 # -- greedy: token for token ---------------------------------------------------------------

@@ -20,6 +20,7 @@ import torch
 
 from conftest import reference_greedy, tiny_model
 from specdraft import Decoder
+from specdraft.kernels.exact_rows import load_or_probe
 from specdraft.simulated_device import DeviceMixError, SimulatedDevice
 from specdraft.sources.registry import DEFAULT_SOURCES, SOURCES, make_sources
 
@@ -136,3 +137,27 @@ def test_a_cpu_generator_fails_on_the_device(monkeypatch) -> None:
         dec = Decoder(model, None, max_tree_nodes=12, adaptive_budget=False)
         with pytest.raises(DeviceMixError, match="generator"):
             dec.generate(PROMPT, max_new_tokens=NEW, **SAMPLING)
+
+
+def test_exact_mode_on_the_device_pads_to_buckets_reads_once_per_step_and_matches_the_cpu() -> None:
+    """Exact mode on a GPU runs every decode forward at a bucket width where the probed rule holds
+    (the static buffers of the GPU step): the same tokens as exact mode on the CPU, single and
+    batched, one read and at most one upload per step."""
+    cpu_model = copy.deepcopy(tiny_model("llama", "sdpa")).to(torch.bfloat16)
+    expected = Decoder(copy.deepcopy(cpu_model), None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=12,
+                       adaptive_budget=False, exact=True)
+    prompts = [PROMPT, PROMPT[:9], PROMPT[4:]]
+    wanted = [expected.generate(p, max_new_tokens=NEW).token_ids for p in prompts]
+    sim = SimulatedDevice()
+    sim.adopt(cpu_model)
+    with sim, sim.patched_generator():
+        dec = Decoder(cpu_model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=12,
+                      adaptive_budget=False, exact=True)
+        assert dec.runner.static is not None and dec.engine.padding.widths == dec.runner.static.widths
+        assert set(dec.engine.padding.widths) <= set(load_or_probe(cpu_model).widths)
+        sim.reset_counts()
+        out = dec.generate(PROMPT, max_new_tokens=NEW)
+        assert out.token_ids == wanted[0]
+        assert sim.counts.syncs == out.stats.steps and sim.counts.uploads <= out.stats.steps, sim.counts.log
+        batched = dec.generate_batch(prompts, max_new_tokens=NEW, concurrency=3)
+    assert [o.token_ids for o in batched] == wanted

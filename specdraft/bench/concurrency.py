@@ -47,7 +47,7 @@ def _groups(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def _trim(tokens: Sequence[int], eos: set[int]) -> list[int]:
+def trim_at_eos(tokens: Sequence[int], eos: set[int]) -> list[int]:
     """Tokens up to and including the first EOS (a batched ``generate`` pads rows after it)."""
     out = []
     for t in tokens:
@@ -93,7 +93,7 @@ def run_hf_batched(model: Any, prompts: Sequence[list[int]], n: int, max_new_tok
                                  pad_token_id=pad_id)
         seconds = time.perf_counter() - group_start
         for row in out[:, width:].tolist():
-            outputs.append(_trim(row, eos))
+            outputs.append(trim_at_eos(row, eos))
             latencies.append(seconds)
     return outputs, latencies, time.perf_counter() - started
 
@@ -142,7 +142,7 @@ def run_concurrency(model: Any, tokenizer: Any, prompts: Sequence[list[int]], le
     plain.generate_batch(list(prompts[:2]), max_new_tokens=4, concurrency=2)
     ours.generate_batch(list(prompts[:2]), max_new_tokens=4, concurrency=2)
     rows: list[dict[str, Any]] = []
-    new = lambda outs: sum(len(_trim(o, eos)) for o in outs)  # noqa: E731
+    new = lambda outs: sum(len(trim_at_eos(o, eos)) for o in outs)  # noqa: E731
     for li, n in enumerate(levels):
         names = list(METHODS[li % len(METHODS):] + METHODS[: li % len(METHODS)])
         if n == 1:
@@ -161,7 +161,7 @@ def run_concurrency(model: Any, tokenizer: Any, prompts: Sequence[list[int]], le
                 outs, lat, secs, extra = run_ours_batched(ours, prompts, n, max_new_tokens)
             else:
                 outs, lat, secs = run_ours_alone(alone, prompts, max_new_tokens)
-            results[name] = {"outputs": [_trim(o, eos) for o in outs], "latencies": lat, "seconds": secs,
+            results[name] = {"outputs": [trim_at_eos(o, eos) for o in outs], "latencies": lat, "seconds": secs,
                              "tokens": new(outs), **extra}
         reference = results["generate"]["outputs"]
         base_rate = results["generate"]["tokens"] / results["generate"]["seconds"]

@@ -84,15 +84,6 @@ def summarize(run: DatasetRun) -> dict[str, Any]:
         steps = sum(p.result.steps or 0 for p in prompt_runs) if steps_known else None
         ratios = [r for r in (speed_ratio(b, p) for b, p in zip(baseline, prompt_runs)) if r is not None]
         identical = sum(1 for prompt in run.prompts if (method.name, json.dumps(prompt.id)) not in mismatched)
-        per_source: dict[str, dict[str, Any]] = {}
-        for p in prompt_runs:
-            for source, counts in p.result.per_source.items():
-                acc = per_source.setdefault(source, {"proposed": 0, "accepted": 0})
-                acc["proposed"] += counts.get("proposed", 0)
-                acc["accepted"] += counts.get("accepted", 0)
-        for acc in per_source.values():
-            acc["share"] = acc["accepted"] / new_tokens if new_tokens else 0.0
-            acc["acceptance_rate"] = acc["accepted"] / acc["proposed"] if acc["proposed"] else 0.0
         methods[method.name] = {
             "description": getattr(method, "description", method.name),
             "prompts": len(prompt_runs),
@@ -108,18 +99,12 @@ def summarize(run: DatasetRun) -> dict[str, Any]:
             "identical": identical,
             "compared": len(run.prompts),
             "reference": method.name == BASELINE,
-            "per_source": per_source,
+            "per_source": _per_source(prompt_runs, new_tokens),
             "repeats_disagree": [prompt.id for prompt, p in zip(run.prompts, prompt_runs) if not p.consistent],
         }
         plain = plain_reference(method.name)
         if method.name != BASELINE and plain in run.runs:
-            vs_plain = [r for r in (speed_ratio(b, p) for b, p in zip(run.runs[plain], prompt_runs)) if r is not None]
-            methods[method.name]["plain_reference"] = plain
-            methods[method.name]["speedup_vs_plain_geomean"] = _geomean(vs_plain)
-            methods[method.name]["speedup_vs_plain_median"] = statistics.median(vs_plain) if vs_plain else None
-            # our plain decoding is the reference exact mode promises equality with, in every dtype
-            methods[method.name]["identical_to_plain"] = sum(
-                a.result.token_ids == b.result.token_ids for a, b in zip(run.runs[plain], prompt_runs))
+            methods[method.name].update(_against_plain(plain, run.runs[plain], prompt_runs))
     per_prompt = []
     for i, prompt in enumerate(run.prompts):
         ref = baseline[i]
@@ -143,6 +128,31 @@ def summarize(run: DatasetRun) -> dict[str, Any]:
         "skipped": run.skipped,
         "per_prompt": per_prompt,
     }
+
+
+def _per_source(prompt_runs: Sequence[Any], new_tokens: int) -> dict[str, dict[str, Any]]:
+    """Each source's proposed and accepted tokens over the prompts, its share of the new tokens
+    and its acceptance rate."""
+    per_source: dict[str, dict[str, Any]] = {}
+    for p in prompt_runs:
+        for source, counts in p.result.per_source.items():
+            acc = per_source.setdefault(source, {"proposed": 0, "accepted": 0})
+            acc["proposed"] += counts.get("proposed", 0)
+            acc["accepted"] += counts.get("accepted", 0)
+    for acc in per_source.values():
+        acc["share"] = acc["accepted"] / new_tokens if new_tokens else 0.0
+        acc["acceptance_rate"] = acc["accepted"] / acc["proposed"] if acc["proposed"] else 0.0
+    return per_source
+
+
+def _against_plain(plain: str, plain_runs: Sequence[Any], prompt_runs: Sequence[Any]) -> dict[str, Any]:
+    """A method against our plain decoding on the same kernels: speed, and equal outputs (the
+    reference exact mode promises equality with, in every dtype)."""
+    vs_plain = [r for r in (speed_ratio(b, p) for b, p in zip(plain_runs, prompt_runs)) if r is not None]
+    return {"plain_reference": plain,
+            "speedup_vs_plain_geomean": _geomean(vs_plain),
+            "speedup_vs_plain_median": statistics.median(vs_plain) if vs_plain else None,
+            "identical_to_plain": sum(a.result.token_ids == b.result.token_ids for a, b in zip(plain_runs, prompt_runs))}
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from ..kernels.exact_rows import RowRule
+from ..model.static import WIDTHS
 
 
 class Widths(Protocol):
@@ -51,3 +52,11 @@ def exact_default(model: Any, attention: str) -> bool:
     dtype = getattr(model, "dtype", torch.float32)
     device = getattr(model, "device", torch.device("cpu"))
     return attention == "auto" and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
+def exact_buckets(rule: RowRule) -> tuple[int, ...]:
+    """The bucket widths (:data:`~specdraft.model.static.WIDTHS`) at which an exact-mode rule holds,
+    and its widest width: on a GPU a forward of 64 rows costs about what one of 1 costs, so padding
+    a plain step to the narrowest of these is cheap, and every decode forward stays one captured
+    graph (the buckets of the GPU step serve exact mode too)."""
+    return tuple(sorted({w for w in WIDTHS if w in rule.widths} | {rule.max_rows}))

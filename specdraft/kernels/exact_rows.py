@@ -27,6 +27,13 @@ The rule
     (:attr:`RowRule.wider`), and a prompt's keys and values do not depend on how it was cut into
     chunks. Widths between the checked ones are assumed to agree as well.
 
+On a GPU
+    The probe runs the layers where they are. A GPU library may give a row other bits at every
+    width below the widest; on a CPU that leaves no padding worth its price and the probe raises
+    :class:`ExactRowsError`, but on a GPU a forward of 64 rows costs about what one of 1 does, so
+    the rule is then the one fixed width, and the decoder runs every decode forward at the buckets
+    of its captured graphs where the rule holds (:func:`specdraft.engine.widths.exact_buckets`).
+
 The probe times nothing: it runs each distinct layer shape at every width on random rows, about
 ``ROWS_PER_WIDTH`` rows per width, and compares bits. A bfloat16 output hides most reorderings
 (the float32 sums differ in their last bits, the rounded result only now and then), so it looks at
@@ -90,7 +97,8 @@ def width_classes(layer: Callable[[torch.Tensor], torch.Tensor], in_features: in
         raise ValueError(f"widths must be positive row counts, got {list(widths)[:8]}")
     generator = torch.Generator().manual_seed(seed)
     base = max(widths)  # every width computes the input rows [base, base + rows_per_width)
-    inputs = torch.randn(2 * base + rows_per_width + 1, in_features, generator=generator).to(dtype)
+    inputs = torch.randn(2 * base + rows_per_width + 1, in_features, generator=generator)
+    inputs = inputs.to(device=_device_of(layer), dtype=dtype)  # drawn on the CPU: the same rows on every device
     outputs: dict[int, tuple[int, torch.Tensor]] = {}
     with torch.inference_mode():
         for width in widths:
@@ -107,6 +115,22 @@ def width_classes(layer: Callable[[torch.Tensor], torch.Tensor], in_features: in
         else:
             classes.append([width])
     return classes
+
+
+def _device_of(layer: Callable[[torch.Tensor], torch.Tensor]) -> torch.device:
+    """Where ``layer`` computes: its first parameter's or buffer's device (the CPU for a bare function)."""
+    if isinstance(layer, nn.Module):
+        for tensor in (*layer.parameters(), *layer.buffers()):
+            return tensor.device
+    return torch.device("cpu")
+
+
+def _device_name(layers: Sequence[nn.Module]) -> str:
+    """The accelerator the layers run on (its name, which decides its kernels), or ``"cpu"``."""
+    device = _device_of(layers[0]) if layers else torch.device("cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
 
 
 def _same_rows(a: tuple[int, torch.Tensor], b: tuple[int, torch.Tensor]) -> bool:
@@ -250,7 +274,7 @@ def _probe(entries: tuple, dtype: torch.dtype, max_rows: int, rows_per_width: in
         agree_all = agreeing_widths(classes, anchor=max_rows)
         agree = tuple(w for w in agree_all if w <= max_rows)
         wider = wider and set(wide) <= set(agree_all)
-        if agree == (max_rows,) and max_rows > 1:
+        if agree == (max_rows,) and max_rows > 1 and _device_of(layer).type == "cpu":
             raise ExactRowsError(f"the {shape[0]}->{shape[1]} linear layer ({type(layer).__name__}, {dtype}) gives a "
                                  f"{max_rows}-row forward other bits than any narrower width (classes: {classes}); "
                                  "no padding width makes it row-count invariant")
@@ -275,7 +299,7 @@ def rule_cache_key(model: nn.Module, layers: Sequence[nn.Module]) -> dict[str, A
     from .kernel_costs import cache_key
 
     kernels = sorted({f"{layer.in_features}x{layer.out_features}:{_kernel_id(layer)}" for layer in layers})
-    return {**cache_key(model), "version": CACHE_VERSION, "kernels": kernels, "max_rows": MAX_WIDTH,
+    return {**cache_key(model), "device": _device_name(layers), "version": CACHE_VERSION, "kernels": kernels, "max_rows": MAX_WIDTH,
             "rows_per_width": ROWS_PER_WIDTH, "wide": list(WIDE_CHECKS)}
 
 

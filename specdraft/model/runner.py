@@ -276,7 +276,7 @@ class ModelRunner:
     def check_batches(self) -> None:
         """Raise :class:`UnsupportedModelError` if the model cannot run several requests' rows in one
         forward (its attention masks by position in the cache on its own)."""
-        if self._legacy_causal:
+        if not self.batches_supported:
             raise UnsupportedModelError(
                 f"{type(self.model).__name__}'s eager attention applies its own causal mask from the buffer "
                 f"{self._legacy_causal[0]!r} by cache position, which a batch of requests does not follow; load the "
