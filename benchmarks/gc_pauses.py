@@ -33,6 +33,7 @@ and its objects are part of every full collection.
     python benchmarks/gc_pauses.py                          # 40 requests of 8k tokens
     python benchmarks/gc_pauses.py --settle --json out.json
     python benchmarks/gc_pauses.py --requests 12 --per-source
+    python benchmarks/gc_pauses.py --package ../older-checkout --text-from HEAD   # another commit's sources
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -53,12 +55,21 @@ ROOT = Path(__file__).resolve().parent.parent
 CLOCK = time.perf_counter
 
 
-def repository_tokens() -> list[int]:
+def repository_tokens(text_from: str | None = None) -> list[int]:
     """This repository's Python and Markdown files as one token stream (words, single punctuation
-    marks, newlines and space runs, numbered in order of first appearance)."""
-    files = sorted(p for pattern in ("specdraft/**/*.py", "tests/*.py", "docs/**/*.md", "benchmarks/*.py")
-                   for p in ROOT.glob(pattern))
-    text = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+    marks, newlines and space runs, numbered in order of first appearance). ``text_from``: a git
+    revision whose files to read instead of the working tree, so that runs of two commits see the
+    same stream."""
+    patterns = ("specdraft/**/*.py", "tests/*.py", "docs/**/*.md", "benchmarks/*.py")
+    with tempfile.TemporaryDirectory() as where:
+        root = ROOT
+        if text_from is not None:
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", text_from, "specdraft", "tests", "docs",
+                                      "benchmarks"], check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", where], input=archive, check=True)
+            root = Path(where)
+        files = sorted(p for pattern in patterns for p in root.glob(pattern))
+        text = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
     ids: dict[str, int] = {}
     return [ids.setdefault(w, len(ids) + 3) for w in re.findall(r"\w+|[^\w\s]|\n| +", text)]
 
@@ -172,14 +183,14 @@ def source_objects(source: Any) -> int:
     return count
 
 
-def commit() -> str:
-    """The checked-out commit (``SPECDRAFT_COMMIT`` names it for a copy outside git)."""
+def commit(root: Path = ROOT) -> str:
+    """The commit checked out at ``root`` (``SPECDRAFT_COMMIT`` names it for a copy outside git)."""
     import os
 
     if os.environ.get("SPECDRAFT_COMMIT"):
         return os.environ["SPECDRAFT_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -196,8 +207,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--bare", action="store_true", help="do not import the engine (transformers)")
     ap.add_argument("--per-source", action="store_true", help="count the tracked objects each source holds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--text-from", default=None,
+                    help="a git revision whose files make the token stream (default: the working tree)")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
+    ap.add_argument("--package", type=Path, default=ROOT,
+                    help="a checkout whose specdraft to run (default: this one), to compare two commits")
     args = ap.parse_args(argv)
+    sys.path.insert(0, str(args.package.resolve()))
 
     import torch
 
@@ -211,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from specdraft.sources.bulk import settle_long_lived as settle
     specs = registry.parse_source_names(args.sources) if args.sources else list(registry.DEFAULT_SOURCES)
     sources = registry.make_sources(specs)
-    requests = make_requests(repository_tokens(), args.requests, args.prompt_tokens, args.output_tokens, args.seed)
+    requests = make_requests(repository_tokens(args.text_from), args.requests, args.prompt_tokens, args.output_tokens, args.seed)
     gc.collect()
     if settle is not None:
         settle()  # once set up, before the first request, as a server would
@@ -238,8 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ms = lambda xs: [1000 * x for x in xs]  # noqa: E731
     in_step = [took for (g, _, took), ok in zip(collections.events, inside) if ok]
     report = {
-        "commit": commit(), "date": time.strftime("%Y-%m-%d"), "python": sys.version.split()[0],
-        "sources": specs, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
+        "commit": commit(args.package), "date": time.strftime("%Y-%m-%d"), "python": sys.version.split()[0],
+        "sources": specs, "text_from": args.text_from, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens, "budget": args.budget, "settle": args.settle, "bare": args.bare,
         "steps": len(steps), "mean_accepted": sum(result["lengths"]) / len(result["lengths"]),
         "wall_s": wall, "objects_before_run": baseline_objects, "tracked_objects_after": tracked,

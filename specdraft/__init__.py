@@ -15,6 +15,7 @@ from .sources import FrequencyTrie
 from .sources import JacobiLookahead
 from .sources import TokenRecycling
 from .sources import SuffixTree
+from .sources.bulk import settle_long_lived
 from .stats import GenerationStats, SourceStats
 from .tree import TokenTree
 
@@ -27,5 +28,6 @@ __all__ = [
     "JacobiLookahead",
     "TokenRecycling",
     "SuffixTree",
+    "settle_long_lived",
 ]
 __version__ = "0.1.0"
