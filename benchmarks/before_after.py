@@ -3,8 +3,9 @@
 Why in one process: on a machine that other work shares, two runs an hour apart see different
 loads, and a 3% difference drowns in that. Here the package of an earlier commit is copied under
 another name (``specdraft_base``, its absolute imports renamed) and both versions decode the same
-prompts over the same model weights, alternating which goes first, with plain ``model.generate``
-timed beside them; each version's speed is its ratio to ``generate`` on the same prompt, so a
+prompts over copies of the same model weights (the base version's own copy, so that neither can
+leave the other, or ``generate``, on its attention backend), alternating which goes first, with
+plain ``model.generate`` timed beside them; each version's speed is its ratio to ``generate`` on the same prompt, so a
 load that slows everything alike cancels.
 
     python benchmarks/before_after.py --base 8ce14d2 --dataset humaneval --limit 10 --dtype bfloat16
@@ -20,6 +21,7 @@ float32; in bfloat16 they may part at near-ties).
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import json
 import re
@@ -74,7 +76,8 @@ def single(model, tokenizer, prompts, decoders: dict[str, Any], new_tokens: int)
         mask = torch.ones_like(ids)
         plain_s, plain = timed(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                                                       do_sample=False)[0, ids.shape[1]:].tolist())
-        row: dict[str, Any] = {"prompt": record.id, "generate_s": plain_s, "new_tokens": len(plain)}
+        row: dict[str, Any] = {"prompt": record.id, "generate_s": plain_s, "new_tokens": len(plain),
+                               "generate_attention": model.config._attn_implementation}
         for name in names[i % len(names):] + names[: i % len(names)]:
             seconds, out = timed(lambda: decoders[name].generate(list(record.token_ids), max_new_tokens=new_tokens))
             row[f"{name}_s"] = seconds
@@ -149,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     base = import_base(args.base)
     model, tokenizer = load_model(args.model or DEFAULT_MODEL, dtype=args.dtype)
     prompts = load_prompts(args.dataset, args.limit, tokenizer)
-    makers = {"base": lambda: base.Decoder(model, tokenizer), "new": lambda: Decoder(model, tokenizer),
+    # the base version gets a model of its own: an older decoder may leave the model it was given on
+    # its attention, and generate and the new version must run theirs
+    base_model = copy.deepcopy(model) if "base" in args.variants.split(",") else None
+    makers = {"base": lambda: base.Decoder(base_model, tokenizer), "new": lambda: Decoder(model, tokenizer),
               "new-inexact": lambda: Decoder(model, tokenizer, exact=False),
               "new-exact": lambda: Decoder(model, tokenizer, exact=True),
               "new-plain": lambda: Decoder(model, tokenizer, sources=[], max_tree_nodes=0)}

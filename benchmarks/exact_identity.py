@@ -32,6 +32,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -49,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", help="a checkpoint (alias, directory, .gguf, hub id) instead of the random model")
     parser.add_argument("--dataset", default="humaneval", help="with --model: the prompts (humaneval, mtbench, ...)")
     parser.add_argument("--cpu-kernels", default=None, help="stock for the random model, auto for --model")
+    parser.add_argument("--modes", default="inexact,exact", help="with --model: which modes to run")
     parser.add_argument("--json", help="write the counts here")
     return parser.parse_args(argv)
 
@@ -85,7 +87,8 @@ def prompts(count: int, seed: int) -> list[list[int]]:
 
 
 
-def compare_on_checkpoint(model, batch: list[list[int]], kernels: str, new_tokens: int) -> dict:
+def compare_on_checkpoint(model, batch: list[list[int]], kernels: str, new_tokens: int,
+                          modes: Sequence[str] = ("inexact", "exact")) -> dict:
     """Per prompt, back to back: transformers' greedy ``generate`` (stock kernels, sdpa), then
     speculation and plain decoding with exact mode off and on. Interleaving per prompt keeps a
     machine's slow minutes from landing on one mode only; CPU time (one thread) is what is timed."""
@@ -95,15 +98,18 @@ def compare_on_checkpoint(model, batch: list[list[int]], kernels: str, new_token
 
     decoders = {mode: (Decoder(model, cpu_kernels=kernels, exact=mode == "exact"),
                        Decoder(model, cpu_kernels=kernels, max_tree_nodes=0, exact=mode == "exact"))
-                for mode in ("inexact", "exact")}
-    print(f"exact ({decoders['exact'][0].kernels.describe()}): {decoders['exact'][0].engine.padding}", file=sys.stderr)
+                for mode in modes}
+    if "exact" in decoders:
+        print(f"exact ({decoders['exact'][0].kernels.describe()}): {decoders['exact'][0].engine.padding}",
+              file=sys.stderr)
     rows = []
     for index, prompt in enumerate(batch):
         ids = torch.tensor([prompt])
         with torch.inference_mode():
             started = time.process_time()
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
-            row = {"prompt": index, "generate_cpu_s": round(time.process_time() - started, 3)}
+            row = {"prompt": index, "generate_cpu_s": round(time.process_time() - started, 3),
+                   "generate_attention": model.config._attn_implementation}
         reference = out[0, len(prompt):].tolist()
         for mode, (spec, plain) in decoders.items():
             started = time.process_time()
@@ -125,15 +131,15 @@ def compare_on_checkpoint(model, batch: list[list[int]], kernels: str, new_token
     for spec, plain in decoders.values():
         spec.close()
         plain.close()
-    return {"prompts": rows, "summary": summarize_checkpoint(rows)}
+    return {"prompts": rows, "summary": summarize_checkpoint(rows, modes)}
 
 
-def summarize_checkpoint(rows: list[dict]) -> dict:
+def summarize_checkpoint(rows: list[dict], modes: Sequence[str] = ("inexact", "exact")) -> dict:
     """Counts and speed-ups: totals of CPU time, and the median of per-prompt ratios."""
     import statistics
 
     summary = {"prompts": len(rows), "generate_cpu_s": round(sum(r["generate_cpu_s"] for r in rows), 2)}
-    for mode in ("inexact", "exact"):
+    for mode in modes:
         cells = [r[mode] for r in rows]
         spec = sum(c["speculation_cpu_s"] for c in cells)
         plain = sum(c["plain_cpu_s"] for c in cells)
@@ -148,6 +154,8 @@ def summarize_checkpoint(rows: list[dict]) -> dict:
             "median_speedup_over_generate": round(statistics.median(
                 r["generate_cpu_s"] / r[mode]["speculation_cpu_s"] for r in rows), 3),
         }
+    if set(modes) < {"inexact", "exact"}:
+        return summary
     summary["exact_vs_inexact_speed"] = round(
         summary["exact"]["speedup_over_generate_cpu"] / summary["inexact"]["speedup_over_generate_cpu"], 3)
     return summary
@@ -174,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         kernels = args.cpu_kernels or "stock"
     results = {}
     if args.model:
-        results = compare_on_checkpoint(model, batch, kernels, args.new_tokens)
+        results = compare_on_checkpoint(model, batch, kernels, args.new_tokens, args.modes.split(","))
         print(json.dumps(results, indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1) + "\n")

@@ -65,8 +65,9 @@ class Decoder:
     to plain one-token decoding when drafts do not pay (see :mod:`specdraft.budget`); pass
     ``adaptive_budget=False`` to always use the cap, e.g. to benchmark fixed budgets.
     ``attention`` picks the backend (see :func:`specdraft.model.attention.select_attention`):
-    ``"auto"``, ``"sdpa"``, ``"eager"`` or ``"flash"``; choosing one switches the model's attention
-    implementation through transformers' public ``set_attn_implementation``.
+    ``"auto"``, ``"sdpa"``, ``"eager"`` or ``"flash"``; the decoder switches the model's attention
+    implementation to it through transformers' public ``set_attn_implementation`` for each call
+    and back after it, so ``model.generate`` and other decoders over the same model keep theirs.
     ``cpu_kernels="packed"`` runs the model's linear layers on weights packed once for oneDNN
     (float32 or bfloat16 on a CPU), which makes a forward of many tree tokens nearly as cheap as
     a one-token one; ``"fbgemm"`` runs them on FBGEMM's float16-weight kernel where float16 holds
@@ -117,6 +118,7 @@ class Decoder:
         self.model = model
         self.tokenizer = tokenizer
         self.max_tree_nodes = max_tree_nodes
+        previous = getattr(model.config, "_attn_implementation", None)
         self.attention = select_attention(model, "exact" if self.exact else attention)
         runner = ModelRunner(model)
         #: the CPU kernels per forward width and their measured costs (see :mod:`specdraft.kernels.kernel_costs`)
@@ -132,6 +134,8 @@ class Decoder:
         self.engine = Engine(runner, drafter, budget, kernels=self._kernels_context, text=self._text,
                              attention=self.attention)
         self._widths()
+        if previous is not None and previous != self.attention:  # the engine switches it per call
+            model.set_attn_implementation(previous)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, sources: Sequence[DraftSource] | None = None,

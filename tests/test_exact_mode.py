@@ -103,3 +103,21 @@ def test_exact_sampling_with_a_seed_gives_the_tokens_of_exact_plain_sampling(dty
     expected = [plain.generate(repetitive_prompt(s), max_new_tokens=NEW, **options).token_ids for s in (0, 1, 2)]
     got = dec.generate_batch([repetitive_prompt(s) for s in (0, 1, 2)], max_new_tokens=NEW, concurrency=3, **options)
     assert [o.token_ids for o in got] == expected
+
+
+def test_the_model_keeps_its_own_attention_outside_a_call() -> None:
+    """The exact attention is the decoder's for its calls only: afterwards ``model.generate`` and a
+    decoder without exact mode over the same model run the model's own ``sdpa`` (their outputs
+    are what they are on a model no exact decoder ever touched)."""
+    model = wide_model(torch.bfloat16)
+    untouched = Decoder(wide_llama(torch.bfloat16), sources=[], max_tree_nodes=0, exact=False, cpu_kernels="stock")
+    expected = untouched.generate(repetitive_prompt(1), max_new_tokens=12).token_ids
+    exact = speculative(torch.bfloat16, ["prompt"], exact=True)
+    assert model.config._attn_implementation == "sdpa"
+    exact.generate(repetitive_prompt(1), max_new_tokens=12)
+    assert model.config._attn_implementation == "sdpa"
+    list(exact.stream(repetitive_prompt(2), max_new_tokens=6))
+    exact.generate_batch([repetitive_prompt(1), repetitive_prompt(2)], max_new_tokens=6, concurrency=2)
+    assert model.config._attn_implementation == "sdpa"
+    inexact = Decoder(model, sources=[], max_tree_nodes=0, exact=False, cpu_kernels="stock")
+    assert inexact.generate(repetitive_prompt(1), max_new_tokens=12).token_ids == expected

@@ -83,18 +83,24 @@ class Engine:
 
     @contextmanager
     def held(self, concurrency: int) -> Iterator[None]:
-        """Hold the engine for one call. Several requests at once attend per request
-        (:mod:`specdraft.model.packed_attention`); one request alone needs nothing of it."""
+        """Hold the engine for one call, with the model on the engine's attention for the call
+        only: the model goes back to the implementation it had, so that ``model.generate`` and
+        other decoders over the same model run what they expect. Several requests at once
+        attend per request (:mod:`specdraft.model.packed_attention`); one request alone needs
+        nothing of it."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("this Decoder is busy with another request or batch (a stream not yet exhausted or "
                                "closed, or another thread); finish or close it first, or use one Decoder per thread")
+        model = getattr(self.runner, "model", None)  # (a replay's stand-in runner has none)
+        previous = getattr(getattr(model, "config", None), "_attn_implementation", None)
         try:
-            model = getattr(self.runner, "model", None)  # (a replay's stand-in runner has none)
-            if self.attention is not None and model is not None \
-                    and getattr(model.config, "_attn_implementation", None) != self.attention:
+            if self.attention is not None and model is not None and previous != self.attention:
                 model.set_attn_implementation(self.attention)
             with packed_attention_for(model) if concurrency > 1 and model is not None else nullcontext():
                 yield
         finally:
+            if model is not None and previous is not None \
+                    and getattr(model.config, "_attn_implementation", None) != previous:
+                model.set_attn_implementation(previous)
             self._busy.release()
 
