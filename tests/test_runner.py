@@ -377,11 +377,15 @@ def test_flex_attention_is_refused_by_the_runner_and_switched_by_the_decoder() -
     with pytest.raises(UnsupportedModelError, match="flex_attention") as info:
         ModelRunner(model)
     assert "sdpa" in str(info.value) and "eager" in str(info.value)
-    # Decoder(attention="auto") moves such a model to sdpa (public set_attn_implementation) and is exact
+    # Decoder(attention="auto") runs such a model on sdpa for its calls (public set_attn_implementation)
+    # and is exact; outside them the model keeps its own implementation
     dec = Decoder(model, sources=[PromptLookup()])
-    assert dec.attention == "sdpa" and model.config._attn_implementation == "sdpa"
+    assert dec.attention == "sdpa" and model.config._attn_implementation == "flex_attention"
     prompt = [4, 5, 6, 4, 5]
-    assert dec.generate(prompt, max_new_tokens=10).token_ids == reference_greedy(model, prompt, 10)
+    out = dec.generate(prompt, max_new_tokens=10).token_ids
+    assert model.config._attn_implementation == "flex_attention"
+    model.set_attn_implementation("sdpa")
+    assert out == reference_greedy(model, prompt, 10)
 
 
 @pytest.mark.parametrize("impl", ["flash_attention_2", "flash_attention_3", "paged_attention", "something_else"])
