@@ -440,7 +440,7 @@ def concurrency_table(run: str, dataset: str, page: str) -> str:
 #: The commit whose code the first screen describes. A row whose run measured another commit says
 #: so in its label; a setting with no run reads "not measured at" this commit. Set it to the
 #: commit you measured when you add the runs below.
-FIRST_SCREEN_CODE = "b84e101"
+FIRST_SCREEN_CODE = "552a27e"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -463,11 +463,11 @@ class Setting:
 FIRST_SCREEN = [
     Setting("CPU", "float32", "code", "first-screen-qwen0.5b-fp32-humaneval5-mtbench5-96def57"),
     Setting("CPU", "float32", "chat", "first-screen-qwen0.5b-fp32-humaneval5-mtbench5-96def57"),
-    Setting("CPU", "bfloat16", "code", "first-screen-qwen0.5b-bf16-humaneval5-mtbench5-b84e101"),
-    Setting("CPU", "bfloat16", "chat", "first-screen-qwen0.5b-bf16-humaneval5-mtbench5-b84e101"),
+    Setting("CPU", "bfloat16", "code", "first-screen-qwen0.5b-bf16-humaneval5-mtbench5-552a27e"),
+    Setting("CPU", "bfloat16", "chat", "first-screen-qwen0.5b-bf16-humaneval5-mtbench5-552a27e"),
     Setting("GPU", "bfloat16", "code", "gpu-h100-2026-11-26-0179ff1/bench-humaneval-mtbench10"),
     Setting("GPU", "bfloat16", "chat", "gpu-h100-2026-11-26-0179ff1/bench-humaneval-mtbench10"),
-    Setting("CPU", "bfloat16", "code", "concurrency-qwen0.5b-bf16-humaneval8-96def57", batch=8),
+    Setting("CPU", "bfloat16", "code", "concurrency-qwen0.5b-bf16-humaneval8-552a27e", batch=8),
     Setting("GPU", "bfloat16", "code", None, batch=8),
 ]
 
