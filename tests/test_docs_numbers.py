@@ -88,9 +88,11 @@ def _run_values(run: Path) -> set[str]:
         values.update(row["vs_generate"] for row in json.loads(path.read_text())["rows"])
     for path in run.glob("*.json"):  # benchmarks/exact_identity.py --model: a summary per mode
         summary = json.loads(path.read_text()).get("summary") if path.name != "summary.json" else None
-        for mode in (summary or {}).values() if isinstance(summary, dict) else ():
+        for key, mode in (summary or {}).items() if isinstance(summary, dict) else ():
             if isinstance(mode, dict):
                 values.update(v for k, v in mode.items() if k.startswith(("speedup", "median_speedup")))
+            elif "speed" in key and isinstance(mode, float):  # e.g. exact_vs_inexact_speed
+                values.add(mode)
     for path in run.glob("curve.json"):
         for row in json.loads(path.read_text())["rows"]:
             values.update(row[k] for k in ("vs_own_k1", "vs_stock_same_k") if k in row)
