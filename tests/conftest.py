@@ -159,6 +159,19 @@ def generation_config_override(model, **fields: Any) -> Iterator[None]:
                 setattr(cfg, k, v)
 
 
+def ancestor_block(parents: Sequence[int]) -> np.ndarray:
+    """``block[i, j]``: node ``i`` attends to node ``j`` (its ancestors and itself), found by walking
+    parent pointers one by one: the brute-force twin of ``TokenTree.ancestor_mask``."""
+    n = len(parents)
+    block = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            block[i, j] = True
+            j = parents[j]
+    return block
+
+
 def wide_llama(dtype: torch.dtype, attn: str = "sdpa"):
     """Issue 43's random 896-wide Llama (two layers, MLP 4864, 14 heads on 2 key/value heads,
     vocabulary 512) in ``dtype``: wide enough that a forward of several rows computes a row's

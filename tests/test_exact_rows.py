@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from conftest import wide_llama
+from conftest import ancestor_block, wide_llama
 from specdraft.model.compat import cache_keyword
 from specdraft.model.exact_attention import (CHUNK, EXACT_NAME, ExactAttentionError, exact_attention,
                                        register_exact_backend)
@@ -46,18 +46,6 @@ def _depths(parents: Sequence[int]) -> list[int]:
     for p in parents:
         depth.append(0 if p < 0 else depth[p] + 1)
     return depth
-
-
-def _block(parents: Sequence[int]) -> np.ndarray:
-    """``block[i, j]``: node ``i`` attends to node ``j`` (its ancestors and itself)."""
-    n = len(parents)
-    block = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            block[i, j] = True
-            j = parents[j]
-    return block
 
 
 @torch.inference_mode()
@@ -141,7 +129,7 @@ def test_every_tree_width_gives_the_plain_step_rows(dtype: torch.dtype) -> None:
     cache = _prefilled(model, prompt)
     bad = []
     for k in range(1, WIDEST + 1):
-        logits = _step(model, cache, tokens[:k], depth[:k], _block(parents[:k]), rule)
+        logits = _step(model, cache, tokens[:k], depth[:k], ancestor_block(parents[:k]), rule)
         _truncate(cache, PROMPT)
         bad += [(k, i) for i in range(k) if not torch.equal(logits[i], reference[i])]
     assert not bad, f"(width, row) pairs whose logits differ from the plain step's: {bad[:10]} ({len(bad)} in all)"
@@ -177,7 +165,7 @@ def test_rows_do_not_depend_on_other_requests_in_a_packed_forward() -> None:
     for r, (prompt, parents, toks) in enumerate(zip(prompts, trees, tokens)):
         n = len(parents)
         allowed[at : at + n, starts[r] : starts[r] + len(prompt)] = True
-        allowed[at : at + n, length + at : length + at + n] = _block(parents)
+        allowed[at : at + n, length + at : length + at + n] = ancestor_block(parents)
         ids += toks
         positions += [len(prompt) + d for d in _depths(parents)]
         at += n
@@ -247,7 +235,7 @@ def test_attention_row_depends_only_on_its_visible_keys(heads: int, kv_heads: in
             k = torch.randn(1, kv_heads, cache_len + n, dim, generator=gen).to(dtype)
             v = torch.randn(1, kv_heads, cache_len + n, dim, generator=gen).to(dtype)
             q = torch.randn(1, n, heads, dim, generator=gen).to(dtype).transpose(1, 2)
-            block = _block(_random_tree(n, seed=dim))
+            block = ancestor_block(_random_tree(n, seed=dim))
             allowed = np.concatenate([np.ones((n, cache_len), dtype=bool), block], axis=1)
             alone = []
             for r in range(n):
@@ -380,13 +368,13 @@ def test_rule_is_kept_per_machine_and_model(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_pad_block_layout() -> None:
-    tokens, offsets, block = pad_block([5, 6, 7], np.array([0, 1, 1]), _block([-1, 0, 0]), 5)
+    tokens, offsets, block = pad_block([5, 6, 7], np.array([0, 1, 1]), ancestor_block([-1, 0, 0]), 5)
     assert tokens == [5, 6, 7, 7, 7] and offsets.tolist() == [0, 1, 1, 1, 1]
-    assert block[:3, :3].tolist() == _block([-1, 0, 0]).tolist()
+    assert block[:3, :3].tolist() == ancestor_block([-1, 0, 0]).tolist()
     assert not block[:3, 3:].any() and not block[3:, :3].any() and block[3:, 3:].tolist() == np.eye(2, dtype=bool).tolist()
     same = pad_block([5], np.array([0]), np.ones((1, 1), dtype=bool), 1)
     assert same[0] == [5] and same[2].shape == (1, 1)
     with pytest.raises(ValueError, match="cannot pad a forward of 3 rows to 2"):
-        pad_block([5, 6, 7], np.array([0, 1, 1]), _block([-1, 0, 0]), 2)
+        pad_block([5, 6, 7], np.array([0, 1, 1]), ancestor_block([-1, 0, 0]), 2)
     with pytest.raises(ValueError, match="block must be"):
         pad_block([5, 6], np.array([0, 1]), np.ones((3, 3), dtype=bool), 4)

@@ -42,6 +42,7 @@ import specdraft.hf
 from specdraft import PromptLookup, UnsupportedOptionError
 
 from conftest import FAST, Oracles, RandomGuess, _config, generation_config_override
+import test_sampling_stats as law_test
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -249,59 +250,14 @@ def test_num_return_sequences_when_sampling():
     assert out[:3, :4].tolist() == [inputs["input_ids"][0].tolist()] * 3
 
 
-LAW_VOCAB = 10
 LAW_PROMPTS = [[1, 2, 3, 1, 2, 3], [4, 5]]
 LAW_SETTING = dict(temperature=0.9, top_k=7, top_p=0.95, repetition_penalty=1.3)
 
 
 @functools.lru_cache(maxsize=None)
 def law_model():
-    """A tiny float64 Llama with a 10-token vocabulary and peaked conditionals (no EOS)."""
-    torch.manual_seed(20240607)
-    config = LlamaConfig(vocab_size=LAW_VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64, attn_implementation="sdpa").eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(25.0)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = None
-    return model
-
-
-def exact_law(model, prompt: list[int], new: int) -> dict[tuple[int, ...], float]:
-    """P(first ``new`` tokens) under generate's own processed scores, by enumeration."""
-    law: dict[tuple[int, ...], float] = {(): 1.0}
-    for _ in range(new):
-        grown: dict[tuple[int, ...], float] = {}
-        for seq, p in law.items():
-            ids = torch.tensor([prompt + list(seq)])
-            out = plain(model, input_ids=ids, max_new_tokens=1, do_sample=True, output_scores=True,
-                        return_dict_in_generate=True, **LAW_SETTING)
-            cond = torch.softmax(out.scores[0][0], dim=-1).to(torch.float64).numpy()
-            for token, q in enumerate(cond / cond.sum()):
-                if q > 0:
-                    grown[seq + (token,)] = p * q
-        law = grown
-    return law
-
-
-def chi_square_p(counts: Counter, law: dict[tuple[int, ...], float], n: int) -> float:
-    from scipy import stats
-
-    observed, expected, pooled_o, pooled_e = [], [], 0, 0.0
-    for seq, p in law.items():
-        if n * p >= 5:
-            observed.append(counts.get(seq, 0))
-            expected.append(n * p)
-        else:
-            pooled_o += counts.get(seq, 0)
-            pooled_e += n * p
-    assert sum(counts.values()) == n and all(seq in law for seq in counts), "a sequence the law forbids"
-    if pooled_e > 0:
-        observed.append(pooled_o)
-        expected.append(pooled_e)
-    return float(stats.chisquare(observed, expected).pvalue)
+    """The sampling-law suite's tiny peaked float64 Llama (no EOS), built once here."""
+    return law_test.law_model()
 
 
 def test_batched_sampling_keeps_each_rows_law():
@@ -321,7 +277,9 @@ def test_batched_sampling_keeps_each_rows_law():
         for row in range(2):
             counts[row][tuple(out[row, -new:].tolist())] += 1
     for row, prompt in enumerate(LAW_PROMPTS):
-        assert chi_square_p(counts[row], exact_law(model, prompt, new), n) > 1e-4
+        pvalue, _, impossible = law_test.chi_square(counts[row], law_test.ExactLaw(model, LAW_SETTING, prompt, new))
+        assert impossible == 0, "a sequence the law forbids"
+        assert pvalue > law_test.P_THRESHOLD
 
 
 def test_batched_sampling_on_old_transformers_refuses_padding_penalty():

@@ -92,22 +92,23 @@ def law_model(device: str = "cpu"):
 
 
 class ExactLaw:
-    """The plain-sampling law of the first ``NEW`` tokens, by enumeration.
+    """The plain-sampling law of the first ``new`` tokens after ``prompt`` (by default ``NEW``
+    after ``PROMPT``), by enumeration.
 
     Each conditional is what ``model.generate(do_sample=True, **options)`` samples from after
     that prefix: its processed scores (``output_scores``), softmaxed in float32 as transformers
     does, then normalised in float64 as ``torch.multinomial`` does.
     """
 
-    def __init__(self, model, options: dict) -> None:
-        self.model, self.options = model, options
+    def __init__(self, model, options: dict, prompt: list[int] = PROMPT, new: int = NEW) -> None:
+        self.model, self.options, self.prompt, self.new = model, options, list(prompt), new
         self.cond: dict[tuple[int, ...], np.ndarray] = {}
         self.probs: dict[tuple[int, ...], float] = {}
         self._walk((), 1.0)
 
     def conditional(self, seq: tuple[int, ...]) -> np.ndarray:
         if seq not in self.cond:
-            ids = torch.tensor([PROMPT + list(seq)], device=self.model.device)
+            ids = torch.tensor([self.prompt + list(seq)], device=self.model.device)
             out = self.model.generate(ids, max_new_tokens=1, do_sample=True, output_scores=True,
                                       return_dict_in_generate=True, **self.options)
             p = torch.softmax(out.scores[0][0], dim=-1).to(torch.float64).cpu().numpy()
@@ -115,7 +116,7 @@ class ExactLaw:
         return self.cond[seq]
 
     def _walk(self, seq: tuple[int, ...], prob: float) -> None:
-        if len(seq) == NEW:
+        if len(seq) == self.new:
             self.probs[seq] = prob
             return
         p = self.conditional(seq)

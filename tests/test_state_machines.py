@@ -31,6 +31,8 @@ from specdraft.sources.ngram import MultiLevelNGram
 from specdraft.sources.trie import FrequencyTrie
 from specdraft.tree import TokenTree
 
+from conftest import ancestor_block
+
 MACHINE = settings(max_examples=100, stateful_step_count=40, deadline=None, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                           HealthCheck.filter_too_much])
@@ -514,13 +516,7 @@ def _check_tree(tree: TokenTree) -> None:
         assert tree.child(p, tree.tokens[i]) == i
         assert (p, tree.tokens[i]) not in seen, "two siblings carry the same token"
         seen.add((p, tree.tokens[i]))
-    ancestors = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            ancestors[i, j] = True
-            j = tree.parents[j]
-    assert np.array_equal(tree.ancestor_mask(), ancestors)
+    assert np.array_equal(tree.ancestor_mask(), ancestor_block(tree.parents))
     assert np.array_equal(tree.position_offsets(), np.asarray(tree.depth))
     for i in range(1, n):
         assert sorted(tree.children(i)) == [j for j in range(n) if tree.parents[j] == i]

@@ -9,19 +9,12 @@ from hypothesis import strategies as st
 
 from specdraft.tree import TokenTree, prior_rate
 
-from conftest import FAST, add_branch, reference_merge
+from conftest import FAST, add_branch, ancestor_block, reference_merge
 
 
 def brute_force_mask(tree: TokenTree) -> np.ndarray:
     """mask[i, j] iff j is on the root path of i (i included), by walking parent pointers."""
-    n = len(tree)
-    mask = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = tree.parents[j]
-    return mask
+    return ancestor_block(tree.parents)
 
 
 def node_sequences(tree: TokenTree) -> dict[tuple[int, ...], int]:
