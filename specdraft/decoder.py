@@ -210,20 +210,15 @@ class Decoder:
         row alike at; on a GPU, a few buckets whose forwards are captured as CUDA graphs
         (:mod:`specdraft.model.static`); elsewhere, as they come."""
         on_gpu = self.runner.device.type == "cuda"
-        if self.exact:
-            rule = load_or_probe(self.model, self._packed)
-            self.engine.padding = RowWidths(rule)
-            if on_gpu:  # the buckets at which the rule holds: fixed widths serve both
-                buckets = Buckets(exact_buckets(rule), mixes_prompts=rule.wider)
-                if self.runner.static is None or self.runner.static.widths != buckets.widths:
-                    self.runner.use_static(buckets.widths)
-                self.engine.padding = buckets
-        elif on_gpu:
-            if self.runner.static is None:
-                self.runner.use_static()
-            self.engine.padding = Buckets()
-        else:
-            self.engine.padding = None
+        rule = load_or_probe(self.model, self._packed) if self.exact else None
+        if not on_gpu:
+            self.engine.padding = RowWidths(rule) if rule is not None else None
+            return
+        # on a GPU: the buckets, in exact mode those at which the rule holds (fixed widths serve both)
+        buckets = Buckets(exact_buckets(rule), mixes_prompts=rule.wider) if rule is not None else Buckets()
+        if self.runner.static is None or self.runner.static.widths != buckets.widths:
+            self.runner.use_static(buckets.widths)
+        self.engine.padding = buckets
 
     def _kernels_context(self):
         """Around each forward: the packed layers in the model (and back out after), or nothing."""

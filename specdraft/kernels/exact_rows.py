@@ -299,8 +299,8 @@ def rule_cache_key(model: nn.Module, layers: Sequence[nn.Module]) -> dict[str, A
     from .kernel_costs import cache_key
 
     kernels = sorted({f"{layer.in_features}x{layer.out_features}:{_kernel_id(layer)}" for layer in layers})
-    return {**cache_key(model), "device": _device_name(layers), "version": CACHE_VERSION, "kernels": kernels, "max_rows": MAX_WIDTH,
-            "rows_per_width": ROWS_PER_WIDTH, "wide": list(WIDE_CHECKS)}
+    return {**cache_key(model), "device": _device_name(layers), "version": CACHE_VERSION, "kernels": kernels,
+            "max_rows": MAX_WIDTH, "rows_per_width": ROWS_PER_WIDTH, "wide": list(WIDE_CHECKS)}
 
 
 def rule_cache_path(key: dict[str, Any]) -> Path:
