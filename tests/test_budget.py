@@ -229,3 +229,31 @@ def test_a_narrow_offer_is_priced_at_the_width_it_runs_at():
     assert budget.allocate([ask]) == [Grant(0, False)]  # 3 tokens for 3.1 steps: plain is better
     budget.set_cost_curve([1.0, 2.0, 2.9, 2.1] + [2.2] * 60)
     assert budget.allocate([ask]) == [Grant(2, True)]  # 3 tokens for 2.9 steps: worth it
+
+
+@pytest.mark.parametrize("warm", [True, False])
+@pytest.mark.parametrize("side", [0, 3])
+def test_a_step_stays_within_the_widest_bucket(warm: bool, side: int):
+    """On a GPU a forward wider than the widest bucket runs eagerly, at several times a captured
+    one's price (and in exact mode wider than the rule covers, other bits): eight requests that
+    each offer 32 nodes share the 64 rows, in the warm-up and once prices are known, and each
+    gets its turn."""
+    from specdraft.model.static import Buckets
+
+    budget = Budget(32, warmup=3 if warm else 0, cost_curve=[1.0] * 64)
+    budget.costs.padding = Buckets((1, 8, 16, 32, 64))
+    if not warm:
+        budget.observe_step(1, 0.01)
+    asks = [Ask([0.9] * 32, 32, side, 1, context=100) for _ in range(8)]
+    grants = budget.allocate(asks)
+    rows = sum(1 + (g.nodes + side if g.side_blocks else 0) for g in grants)
+    assert rows <= 64
+    assert all(g.nodes > 0 for g in grants) and max(g.nodes for g in grants) - min(g.nodes for g in grants) <= 1
+    one = budget.allocate(asks[:1])  # one request alone keeps its whole tree
+    assert one == [Grant(32, True)]
+
+
+def test_without_buckets_the_step_is_not_limited():
+    budget = Budget(32, warmup=3)
+    asks = [Ask([0.9] * 32, 32, 0, 1) for _ in range(8)]
+    assert budget.row_limit is None and budget.allocate(asks) == [Grant(32, True)] * 8

@@ -138,3 +138,28 @@ def test_plain_static_decoding_after_a_longer_request(graphs: bool) -> None:
     dec = static_decoder(model, graphs, sources=[], max_tree_nodes=0)
     for prompt, new in ((PROMPT * 2, NEW), (PROMPT * 8, 48)):
         assert dec.generate(prompt, max_new_tokens=new).token_ids == reference_greedy(model, prompt, new)
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_batched_trees_share_the_widest_bucket_and_never_run_eagerly(adaptive: bool) -> None:
+    """Eight requests whose sources draft long trees: every decode forward runs at a bucket width
+    (the budget shares the widest bucket's rows among the requests instead of running a wider
+    forward eagerly), and each request's output is still model.generate's."""
+    model = tiny_model("llama")
+    dec = static_decoder(model, graphs=True, max_tree_nodes=32, adaptive_budget=adaptive)
+    spy = Spy(dec.runner.static)
+    decode_forwards = []
+    forward = dec.runner.forward
+
+    def counting(segments, *args, **kwargs):
+        if all(s.block is not None for s in segments):
+            decode_forwards.append(sum(len(s.tokens) for s in segments))
+        return forward(segments, *args, **kwargs)
+
+    dec.runner.forward = counting
+    prompts = [(PROMPT[i:] + PROMPT[:i]) * 3 for i in range(8)]
+    result = dec.generate_batch(prompts, max_new_tokens=24, concurrency=8)
+    assert [o.token_ids for o in result] == [reference_greedy(model, p, 24) for p in prompts]
+    assert max(decode_forwards) <= max(WIDTHS)
+    assert len(decode_forwards) - len(spy.widths) <= 1  # eager only where the store grew (its scratch row)
+    assert max(spy.widths) == max(WIDTHS)  # the trees did fill the widest bucket

@@ -111,12 +111,22 @@ class Budget:
         offered = [min(a.offered, self.max_nodes) if a.decoding else 0 for a in asks]
         if self.max_nodes == 0:
             return [_NOTHING] * len(asks)
+        limit = self.row_limit
         if not self.adaptive or self.steps < self.warmup or not self.costs.known:
-            return [Grant(n, True) if a.decoding else _NOTHING for a, n in zip(asks, offered)]
-        nodes = self._best_prefix(asks, offered)
+            full = [Grant(n, True) if a.decoding else _NOTHING for a, n in zip(asks, offered)]
+            return full if limit is None else _fit_in_turns(asks, full, limit)
+        nodes = self._best_prefix(asks, offered, limit)
         return self._opening(asks, nodes)
 
-    def _best_prefix(self, asks: Sequence[Ask], offered: list[int]) -> list[int]:
+    @property
+    def row_limit(self) -> int | None:
+        """The most rows a step's forward may have: the widest of the widths forwards run at
+        (:attr:`~specdraft.engine.widths.Widths.widest`; a wider one runs eagerly on a GPU, or
+        would break exact mode's rule); ``None``: no limit. Rows every request needs anyway (its
+        root, a prompt chunk) are never cut: only draft nodes are held back."""
+        return getattr(self.costs.padding, "widest", None)
+
+    def _best_prefix(self, asks: Sequence[Ask], offered: list[int], limit: int | None = None) -> list[int]:
         """Nodes per request: the prefix of the best-first order with the most tokens per cost.
 
         A request's ranks are offered in runs along the upper concave hull of its expected tokens
@@ -140,6 +150,8 @@ class Budget:
             _, _, i, k = heapq.heappop(heap)
             ask = asks[i]
             rows = 1 + (ask.side_rows if taken[i] == 0 else 0)
+            if limit is not None and width + rows > limit:
+                continue  # this request's next node does not fit the widest forward (nor will its later ones)
             width += rows
             row_columns += rows * ask.context
             tokens += ask.rates[taken[i]] or 0.0
@@ -173,6 +185,27 @@ class Budget:
                     n = 0
             grants.append(Grant(n, n > 0))
         return grants
+
+
+def _fit_in_turns(asks: Sequence[Ask], grants: list[Grant], limit: int) -> list[Grant]:
+    """``grants`` (every request's full tree) cut to ``limit`` rows in all, if they exceed it: one
+    node to each request in turn, whose first node brings its side blocks' rows, so requests
+    share the rows alike."""
+    width = sum(a.fixed_rows + (g.nodes + a.side_rows if g.side_blocks else 0) for a, g in zip(asks, grants))
+    if width <= limit:
+        return grants
+    width = sum(a.fixed_rows for a in asks)
+    nodes = [0] * len(asks)
+    growing = True
+    while growing:
+        growing = False
+        for i, (a, g) in enumerate(zip(asks, grants)):
+            rows = 1 + (a.side_rows if nodes[i] == 0 else 0)
+            if nodes[i] < g.nodes and width + rows <= limit:
+                nodes[i] += 1
+                width += rows
+                growing = True
+    return [Grant(n, n > 0) for n in nodes]
 
 
 def _hull_runs(rates: Sequence[float | None], offered: int) -> list[tuple[float, int]]:

@@ -24,6 +24,8 @@ class Widths(Protocol):
 
     #: whether a prompt chunk may share a forward with other requests' trees
     mixes_prompts: bool
+    #: the most rows a decode forward may have (the budget grants no more); ``None``: no limit
+    widest: int | None
 
     def rows_for(self, k: int) -> int: ...
 
@@ -34,6 +36,9 @@ class RowWidths:
     def __init__(self, rule: RowRule) -> None:
         self.rule = rule
         self.mixes_prompts = rule.wider
+        # a decode forward wider than the rule covers would give its rows other bits: where wider
+        # forwards were not found to agree, the budget keeps every step within the rule
+        self.widest: int | None = None if rule.wider else rule.max_rows
 
     def rows_for(self, k: int) -> int:
         """Rows a forward of ``k`` real rows runs at; a forward wider than the rule covers runs as

@@ -49,6 +49,12 @@ class Buckets:
         """The smallest bucket holding ``k`` rows; wider forwards run as they are."""
         return next((w for w in self.widths if w >= k), k)
 
+    @property
+    def widest(self) -> int:
+        """The widest bucket: the budget keeps a decode forward's rows within it, since a wider
+        one runs eagerly (on a GPU several times the price of a captured one)."""
+        return self.widths[-1]
+
 
 class StaticForwards:
     """The static buffers and the captured graphs of one model runner (see the module docstring)."""
