@@ -45,9 +45,14 @@ start)
     fi
     keep_parts
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-    rm -f "$KEEP/quick.done"
-    setsid bash -c "bash benchmarks/gpu_quick.sh '$KEEP/quick' > '$KEEP/quick.log' 2>&1; touch '$KEEP/quick.done'" \
-        < /dev/null > /dev/null 2>&1 &
+    # the background job runs from its own copy of the tree: each later call copies the working
+    # tree over this one, and a module imported while that happens is missing
+    rm -rf "$KEEP/repo" "$KEEP/quick" "$KEEP/quick.done"
+    mkdir -p "$KEEP/repo"
+    tar cf - --exclude="./$PARTS" --exclude=./.whl . | tar xf - -C "$KEEP/repo"
+    (cd "$KEEP/repo" && PYTHONPATH="$KEEP/site" setsid bash -c \
+        "bash benchmarks/gpu_quick.sh '$KEEP/quick' > '$KEEP/quick.log' 2>&1; touch '$KEEP/quick.done'" \
+        < /dev/null > /dev/null 2>&1 &)
     say "CUDA suite and step profile started in the background ($KEEP/quick.log)"
     ;;
 add)
@@ -59,7 +64,8 @@ bench)
     out_dir=${OUT:-$KEEP/out}
     mkdir -p "$out_dir"
     deadline=$(( started + ${SECONDS_LEFT:-540} ))
-    # the background checks share the GPU: wait for them (at most WAIT s), then stop them
+    # the background checks share the GPU: wait for them (at most WAIT s; the step profile takes
+    # about 4 minutes after the suite's 1), then stop them
     for _ in $(seq "${WAIT:-90}"); do [[ -e "$KEEP/quick.done" ]] && break; sleep 1; done
     pkill -f gpu_quick.sh 2>/dev/null; pkill -f gpu_steps.py 2>/dev/null; pkill -f "pytest -m cuda" 2>/dev/null
     gpu=$("$PY" -c "

@@ -546,3 +546,4 @@ def test_generate_static_pays_its_compile_before_the_timing(tiny) -> None:
     assert method.warm_tokens == 96
     result = method.run(prompt, 8)
     assert result.token_ids == reference_greedy(model, prompt, 8)
+    assert result.accept_lengths == [1] * 8 and result.steps == 8  # one token per forward, counted without a hook

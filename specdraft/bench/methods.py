@@ -341,7 +341,8 @@ class StaticGenerate(PlainGenerate):
     before the first timed prompt, by an untimed call whose static cache is long enough for the
     prompts that follow (:data:`WARM_CACHE_TOKENS`). transformers keeps a static cache at least as
     long as the longest one it made, so later prompts reuse the compiled step instead of each
-    longer one compiling it again; timing the compile would make the baseline look minutes slow."""
+    longer one compiling it again; timing the compile would make the baseline look minutes slow.
+    It runs without the forward hook that counts the other methods' steps (see :meth:`run`)."""
 
     #: the cache length the untimed first call sizes the static cache for
     WARM_CACHE_TOKENS = 2048
@@ -353,11 +354,17 @@ class StaticGenerate(PlainGenerate):
         self.warm_tokens = 0
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool = True) -> MethodResult:
+        from specdraft.baseline import time_plain_generate
+
         needed = len(prompt_ids) + max_new_tokens
         if self.warm_tokens < needed and getattr(self.model, "device", None) is not None \
                 and self.model.device.type != "cpu":  # on a CPU transformers compiles nothing
             self.warm_up(prompt_ids, max(needed, self.WARM_CACHE_TOKENS))
-        return super().run(prompt_ids, max_new_tokens, learn)
+        # no forward hook here: inside the compiled forward its read of the cache length breaks
+        # the graph and waits for the device at every step. Every forward commits one token.
+        tokens, seconds = time_plain_generate(self.model, list(prompt_ids), max_new_tokens, **self.gen_kwargs)
+        return MethodResult(token_ids=list(tokens), wall_time=seconds, accept_lengths=[1] * len(tokens),
+                            steps=len(tokens))
 
     def warm_up(self, prompt_ids: Sequence[int], cache_tokens: int) -> None:
         """One untimed call whose prompt and new tokens fill ``cache_tokens`` positions."""
