@@ -465,10 +465,10 @@ FIRST_SCREEN = [
     Setting("CPU", "float32", "chat", "first-screen-qwen0.5b-fp32-humaneval5-mtbench5-96def57"),
     Setting("CPU", "bfloat16", "code", "first-screen-qwen0.5b-bf16-humaneval5-mtbench5-552a27e"),
     Setting("CPU", "bfloat16", "chat", "first-screen-qwen0.5b-bf16-humaneval5-mtbench5-552a27e"),
-    Setting("GPU", "bfloat16", "code", "gpu-h100-2026-11-26-0179ff1/bench-humaneval-mtbench10"),
-    Setting("GPU", "bfloat16", "chat", "gpu-h100-2026-11-26-0179ff1/bench-humaneval-mtbench10"),
+    Setting("GPU", "bfloat16", "code", "gpu-h100-2026-11-26-549453d/main"),
+    Setting("GPU", "bfloat16", "chat", "gpu-h100-2026-11-26-549453d/main"),
     Setting("CPU", "bfloat16", "code", "concurrency-qwen0.5b-bf16-humaneval8-552a27e", batch=8),
-    Setting("GPU", "bfloat16", "code", None, batch=8),
+    Setting("GPU", "bfloat16", "code", "gpu-h100-2026-11-26-549453d/batch", batch=8),
 ]
 
 WORKLOADS = {"code": "humaneval", "chat": "mtbench"}

@@ -84,8 +84,13 @@ def _run_values(run: Path) -> set[str]:
                             "speedup_vs_plain_median"):
                     if key in m:
                         values.add(m[key])
-    for path in run.glob("*/concurrency.json"):  # specdraft bench --concurrency
-        values.update(row["vs_generate"] for row in json.loads(path.read_text())["rows"])
+    for path in run.rglob("concurrency.json"):  # specdraft bench --concurrency
+        rows = json.loads(path.read_text())["rows"]
+        values.update(row["vs_generate"] for row in rows)
+        # and against transformers' batched generate at the same level (the first screen's ×N rows)
+        batched = {row["concurrency"]: row["tokens_per_s"] for row in rows if row["method"] == "hf-batched"}
+        values.update(row["tokens_per_s"] / batched[row["concurrency"]] for row in rows
+                      if batched.get(row["concurrency"]))
     for path in run.glob("*.json"):  # benchmarks/exact_identity.py --model: a summary per mode
         summary = json.loads(path.read_text()).get("summary") if path.name != "summary.json" else None
         for key, mode in (summary or {}).items() if isinstance(summary, dict) else ():
