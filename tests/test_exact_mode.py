@@ -121,3 +121,46 @@ def test_the_model_keeps_its_own_attention_outside_a_call() -> None:
     assert model.config._attn_implementation == "sdpa"
     inexact = Decoder(model, sources=[], max_tree_nodes=0, exact=False, cpu_kernels="stock")
     assert inexact.generate(repetitive_prompt(1), max_new_tokens=12).token_ids == expected
+
+
+class WideRowsDiffer(torch.nn.Linear):
+    """A linear layer whose kernel computes a forward of more than 64 rows in other bits than a
+    narrower one, as a GPU library does where it picks another kernel for a taller matrix: the
+    probe then finds wide forwards disagreeing (the rule is not ``wider``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out * (1 + 2**-6) if x.numel() // x.shape[-1] > 64 else out
+
+
+@functools.lru_cache(maxsize=None)
+def wide_rows_differ_model(dtype: torch.dtype):
+    import copy
+
+    model = copy.deepcopy(wide_model(dtype))
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear:
+                swapped = WideRowsDiffer(child.in_features, child.out_features, child.bias is not None,
+                                         dtype=child.weight.dtype)
+                swapped.load_state_dict(child.state_dict())
+                setattr(module, name, swapped)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
+def test_prompts_run_alone_where_wide_forwards_differ(dtype) -> None:
+    """Where forwards wider than 64 rows compute rows in other bits, requests admitted together
+    must not prefill their prompts in one wide forward (nor next to other requests' trees): each
+    prompt runs whole and alone, as when its request runs by itself, and every decode step stays
+    within 64 rows. Then a batched request's exact output is still its exact plain output."""
+    model = wide_rows_differ_model(dtype)
+    plain = Decoder(model, sources=[], max_tree_nodes=0, exact=True, cpu_kernels="stock")
+    assert plain.engine.padding is not None and not plain.engine.padding.mixes_prompts
+    assert plain.engine.padding.widest == 64
+    seeds = [3, 4, 5, 6, 7]
+    expected = [plain.generate(repetitive_prompt(s), max_new_tokens=NEW).token_ids for s in seeds]
+    dec = Decoder(model, sources=make_sources(["prompt", "trie", "ngram", "suffix"]), max_tree_nodes=24,
+                  exact=True, cpu_kernels="stock")
+    result = dec.generate_batch([repetitive_prompt(s) for s in seeds], max_new_tokens=NEW, concurrency=4)
+    assert [out.token_ids for out in result] == expected

@@ -95,12 +95,15 @@ class Step:
         members = []
         decoding = any(r.decoding for r in self.running)
         padding = self.engine.padding
-        alone = decoding and padding is not None and not padding.mixes_prompts \
-            and any(r.prefilling for r in self.running)  # this step: prompt chunks only
-        chunk_left = PREFILL_CHUNK if decoding and not alone else None
+        if padding is not None and not padding.mixes_prompts:
+            # exact mode where wide forwards compute rows in other bits: a prompt runs alone in
+            # its forward, whole, as when its request runs by itself, so its keys and values do
+            # not depend on the other requests (their prompts or their trees)
+            prefilling = next((r for r in self.running if r.prefilling), None)
+            if prefilling is not None:
+                return [Member(prefilling, "chunk", chunk_rows=prefilling.prompt_length - prefilling.prefilled)]
+        chunk_left = PREFILL_CHUNK if decoding else None
         for request in self.running:
-            if alone and not request.prefilling:
-                continue
             if request.prefilling:
                 rows = request.prompt_length - request.prefilled
                 if chunk_left is not None:

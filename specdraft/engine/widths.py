@@ -4,9 +4,10 @@ Exact mode pads every forward of ``k`` rows to a width at which the model's line
 each row the bits a plain one-token step gives it (a :class:`~specdraft.kernels.exact_rows.RowRule`,
 probed per machine and model); a plain step is padded by the same rule, so plain decoding and
 speculation compute every row alike. Forwards wider than the rule covers (a prompt's chunks)
-run as they are where the rule found wide forwards agreeing too; where it did not, a prompt
-chunk never shares a forward with another request's tree (:attr:`Widths.mixes_prompts`), so a
-request's rows never depend on what else is in the batch.
+run as they are where the rule found wide forwards agreeing too; where it did not, a prompt runs
+whole and alone in its forward, as when its request runs by itself (:attr:`Widths.mixes_prompts`),
+and the budget keeps every decode step within the rule (:attr:`Widths.widest`), so a request's
+rows never depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..model.static import WIDTHS
 class Widths(Protocol):
     """What the step asks of a padding rule."""
 
-    #: whether a prompt chunk may share a forward with other requests' trees
+    #: whether a prompt chunk may share a forward with other requests' rows (their prompts or trees)
     mixes_prompts: bool
     #: the most rows a decode forward may have (the budget grants no more); ``None``: no limit
     widest: int | None
