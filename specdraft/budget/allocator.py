@@ -20,7 +20,7 @@ The rule
     request this is the width ``n`` maximising ``(1 + sum p_r) / cost(width(n))``; for many, few
     requests widen their trees where rows are cheap and many shrink them towards plain decoding.
 
-Two guards
+Three guards
     *Warm-up*: for the first ``warmup`` steps of a decoder (and until any step has been priced)
     every request gets its full tree, side blocks included, so wide steps get measured and sources
     that need a few steps before their drafts mean anything (Jacobi fills its window) get them.
@@ -28,9 +28,12 @@ Two guards
     more than ``opening_cost_ratio`` times the forward without it: nothing of the request has been
     seen yet, and on a short answer a failed wide step is not won back. Where width is nearly free
     (bf16 on a CPU, GPUs) the rule never fires.
+    *Row limit*: where forwards run at fixed widths (:attr:`row_limit`), no step gets more rows
+    than the widest, in the warm-up and with a fixed budget too (then one node per request in
+    turn): a wider forward would run eagerly on a GPU, or break exact mode's rule.
 
-``adaptive=False`` gives every request its full tree every step (for benchmarks of fixed budgets).
-The budget changes only which drafts are checked, never how they are verified, so output stays
+``adaptive=False`` gives every request its full tree every step, within the row limit (for
+benchmarks of fixed budgets). The budget changes only which drafts are checked, never how they are verified, so output stays
 exactly lossless whatever it decides.
 """
 
