@@ -10,6 +10,8 @@ the bucket choice, and on the simulated device one read and one upload per step.
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,9 @@ from specdraft.simulated_device import SimulatedDevice
 from specdraft.sources.registry import DEFAULT_SOURCES, make_sources
 
 from conftest import AlternatingBudget, OracleSource, reference_greedy, tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from gpu_steps import count_decode_forwards  # noqa: E402
 
 PROMPT = [1, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6, 7]
 NEW = 16
@@ -148,15 +153,7 @@ def test_batched_trees_share_the_widest_bucket_and_never_run_eagerly(adaptive: b
     model = tiny_model("llama")
     dec = static_decoder(model, graphs=True, max_tree_nodes=32, adaptive_budget=adaptive)
     spy = Spy(dec.runner.static)
-    decode_forwards = []
-    forward = dec.runner.forward
-
-    def counting(segments, *args, **kwargs):
-        if all(s.block is not None for s in segments):
-            decode_forwards.append(sum(len(s.tokens) for s in segments))
-        return forward(segments, *args, **kwargs)
-
-    dec.runner.forward = counting
+    decode_forwards = count_decode_forwards(dec)
     prompts = [(PROMPT[i:] + PROMPT[:i]) * 3 for i in range(8)]
     result = dec.generate_batch(prompts, max_new_tokens=24, concurrency=8)
     assert [o.token_ids for o in result] == [reference_greedy(model, p, 24) for p in prompts]
