@@ -35,6 +35,9 @@ class GenerationStats:
     accept_lengths: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
     per_source: dict[str, SourceStats] = field(default_factory=dict)
+    #: steps that ran without drafting: the budget had declined the drafts before them
+    #: (:mod:`specdraft.engine.pause`)
+    skipped_drafts: int = 0
 
     @property
     def mean_accepted(self) -> float:
@@ -54,6 +57,7 @@ class GenerationStats:
             "tokens_per_s": self.tokens_per_s,
             "accept_lengths": list(self.accept_lengths),
             "per_source": {k: v.as_dict() for k, v in self.per_source.items()},
+            "skipped_drafts": self.skipped_drafts,
         }
 
     def summary(self) -> str:

@@ -491,6 +491,11 @@ class AlternatingBudget(Budget):
         super().__init__(max_nodes, num_sources, **options)
         self.calls = 0
 
+    @property
+    def chooses(self) -> bool:
+        """Its plain steps are forced, not chosen for cost: no drafting pause follows them."""
+        return False
+
     def allocate(self, asks):
         if not any(a.decoding for a in asks):  # a prompt's forward: no tree to size
             return [Grant(0, False)] * len(asks)

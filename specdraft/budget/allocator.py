@@ -115,11 +115,17 @@ class Budget:
         if self.max_nodes == 0:
             return [_NOTHING] * len(asks)
         limit = self.row_limit
-        if not self.adaptive or self.steps < self.warmup or not self.costs.known:
+        if not self.chooses:
             full = [Grant(n, True) if a.decoding else _NOTHING for a, n in zip(asks, offered)]
             return full if limit is None else _fit_in_turns(asks, full, limit)
         nodes = self._best_prefix(asks, offered, limit)
         return self._opening(asks, nodes)
+
+    @property
+    def chooses(self) -> bool:
+        """Whether :meth:`allocate` weighs drafts against costs now (adaptive, past the warm-up,
+        with a step priced), rather than granting every tree whole."""
+        return self.adaptive and self.max_nodes > 0 and self.steps >= self.warmup and self.costs.known
 
     @property
     def row_limit(self) -> int | None:

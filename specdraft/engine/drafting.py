@@ -77,26 +77,30 @@ class Drafter:
             source.begin(prompt)
             request.begun.append(source)
 
-    def propose(self, request: LiveRequest) -> Proposal:
-        """Every source's draft for ``request`` and their merge into its full tree."""
+    def propose(self, request: LiveRequest, drafting: bool = True) -> Proposal:
+        """Every source's draft for ``request`` and their merge into its full tree.
+        ``drafting=False`` asks every source with a budget of 0 (a step of the request's drafting
+        pause, :mod:`specdraft.engine.pause`): each source still gets its ``propose`` before the
+        step's ``observe``, and returns at once."""
         if not request.begun and self.sources:
             self.begin(request)
         context = request.context()
+        budget = self.max_tree_nodes if drafting else 0
         depth_limit = request.spec.max_new_tokens - len(request.output) - 1  # the bonus token takes the last slot
-        drafts = [self._propose(source, context, depth_limit) for source in self.sources]
-        full = TokenTree.from_drafts(request.root, [d.branches for d in drafts], self.max_tree_nodes,
+        drafts = [self._propose(source, context, budget, depth_limit) for source in self.sources]
+        full = TokenTree.from_drafts(request.root, [d.branches for d in drafts], budget,
                                      request.acceptance.source_rates)
         return Proposal(drafts, self._fitting_sides(drafts, request.region.length), full)
 
-    def _propose(self, source: DraftSource, context, depth_limit: int) -> Draft:
-        draft = source.propose(context, self.max_tree_nodes)
+    def _propose(self, source: DraftSource, context, budget: int, depth_limit: int) -> Draft:
+        draft = source.propose(context, budget)
         side = draft.side_block
         for tokens in [*draft.branches, side.tokens if side is not None else []]:
             bad = [t for t in tokens if not 0 <= int(t) < self.vocab_size]
             if bad:
                 raise ValueError(f"draft source {source.name!r} proposed token ids {bad[:5]} outside the model's "
                                  f"vocabulary [0, {self.vocab_size})")
-        if self.max_tree_nodes == 0 or depth_limit < 1:
+        if budget == 0 or depth_limit < 1:
             return Draft(side_block=side)
         return Draft(branches=[list(b[:depth_limit]) for b in draft.branches if len(b)], side_block=side)
 

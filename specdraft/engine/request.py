@@ -24,6 +24,7 @@ from ..sources.base import Context, Draft, DraftSource, TokenView
 from ..stats import GenerationStats
 from ..stopping import StopRule
 from ..tree import TokenTree
+from .pause import DraftPause
 from .readback import ReadSlots, TopRows
 from .row_draws import RowDraws
 from ..verify import Draw
@@ -98,6 +99,8 @@ class LiveRequest:
     #: the prompt step's top-k rows, handed to the sources with the first tree step's
     pending_top: TopRows | None = None
     begun: list[DraftSource] = field(default_factory=list)
+    #: its drafting time, and how many steps it still runs without drafting
+    pause: DraftPause = field(default_factory=DraftPause)
     step: PendingStep | None = None
     #: its last step is settled, or it failed (``error``): the loop finishes it after the step
     ending: bool = False

@@ -1,7 +1,9 @@
 """One step, for every running request at once: draft -> plan -> lay out -> forward -> read back -> settle.
 
 1. **draft**: each decoding request's sources propose, and their branches merge into its full
-   tree (:mod:`specdraft.engine.drafting`); a request whose source raises ends alone;
+   tree (:mod:`specdraft.engine.drafting`); a request whose source raises ends alone; a request
+   whose recent drafts did not pay for their host time skips drafting for a few steps
+   (:mod:`specdraft.engine.pause`);
 2. **plan**: the budget grants each request a number of its tree's nodes, weighing every
    request's expected tokens against the forward's cost (:mod:`specdraft.budget`);
 3. **lay out**: each request's checked tree and side blocks become rows of the forward
@@ -65,6 +67,8 @@ class Member:
     chunk_rows: int = 0
     segment: Segment | None = None
     rider_index: int | None = None
+    #: its sources drafted this step (``False``: a step of its drafting pause)
+    drafted: bool = True
 
 
 class Step:
@@ -111,12 +115,19 @@ class Step:
                     chunk_left -= rows
                 members.append(Member(request, "chunk", chunk_rows=rows))
                 continue
+            drafting = not request.pause.skip()  # no drafts in a pause (see engine.pause)
+            timed = drafting and bool(request.begun)  # (not the first draft: it also reads the prompt)
+            started = self.engine.clock()
             try:
-                proposal = self.engine.drafter.propose(request)
+                proposal = self.engine.drafter.propose(request, drafting)
             except Exception as exc:  # noqa: BLE001 - a source that raises ends its request alone
                 request.fail(exc)
                 continue
-            members.append(Member(request, "tree", proposal=proposal))
+            if timed:
+                request.pause.drafted(self.engine.clock() - started)
+            if not drafting:
+                request.stats.skipped_drafts += 1
+            members.append(Member(request, "tree", proposal=proposal, drafted=drafting))
         return members
 
     # -- 2. plan --------------------------------------------------------------------------------
@@ -130,7 +141,14 @@ class Step:
             else:
                 asks.append(Ask(request.acceptance.rank_rates, m.proposal.full.num_draft_nodes, m.proposal.side_rows,
                                 1, context=request.region.length + 1, opening=request.acceptance.tree_steps == 0))
-        return self.engine.budget.allocate(asks)
+        budget = self.engine.budget
+        grants = budget.allocate(asks)
+        plain_step = budget.costs.seconds(1) if budget.chooses else None
+        for m, grant in zip(members, grants):
+            if m.kind == "tree" and m.drafted:
+                expected = sum(p or 0.0 for p in m.request.acceptance.rank_rates[: grant.nodes])
+                m.request.pause.checked(expected, plain_step)
+        return grants
 
     # -- 3. lay out -----------------------------------------------------------------------------
 

@@ -325,9 +325,13 @@ class PackedModel:
             raise RuntimeError("the model these packed weights belong to no longer exists")
         with self._lock:
             if self._depth == 0:
-                moved = [child for parent, child, layer in self._slots if getattr(parent, child) is not layer.original]
-                if any(isinstance(getattr(parent, child), (PackedLinear, Fp16Linear, MixedLinear))
-                       for parent, child, _ in self._slots):
+                moved, other = [], False
+                for parent, child, layer in self._slots:
+                    current = getattr(parent, child)
+                    if current is not layer.original:
+                        moved.append(child)
+                        other = other or isinstance(current, (PackedLinear, Fp16Linear, MixedLinear))
+                if other:
                     raise RuntimeError(f"another decoder is running a forward of this model on other packed kernels "
                                        f"right now; decoders sharing one model across threads must use the same "
                                        f"cpu_kernels (this one: {self.kind!r})")

@@ -204,7 +204,11 @@ class DraftSource(Protocol):
         ...
 
     def propose(self, context: Context, budget: int) -> Draft:
-        """Guess continuations of ``context.root`` using at most ``budget`` draft tokens."""
+        """Guess continuations of ``context.root`` using at most ``budget`` draft tokens.
+
+        A ``budget`` of 0 means no draft is wanted this step (plain decoding, or a pause in which
+        the decoder drafts nothing because recent drafts did not pay): return at once, with at
+        most a side block, which the decoder leaves out of a step without drafts."""
         ...
 
     def observe(self, feedback: Feedback) -> None:

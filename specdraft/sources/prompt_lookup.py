@@ -96,6 +96,8 @@ class PromptLookup(SourceBase[_TailIndex]):
         return index
 
     def propose(self, context: Context, budget: int) -> Draft:
+        if budget <= 0:  # no draft wanted: the index catches up at the next draft
+            return Draft()
         tokens = context.tokens
         length = len(tokens)
         index = self.request_state(context)

@@ -1,0 +1,194 @@
+"""Drafting pauses where a forward is cheap: a GPU's step, emulated on the CPU.
+
+On a GPU a plain step replays a captured graph in about 4 ms, and drafting (the sources' search,
+the merge) is host work of about a millisecond on top of it. On chat the budget checks almost no
+draft, so the default ran below our plain decoding there (0.85x on an H100, MT-Bench).
+:mod:`specdraft.engine.pause` skips drafting for a few steps after drafts that did not pay for
+their host time. This script measures what that changes where no GPU is at hand: the real model
+runs on the CPU, but the decoder's clock (by which the budget prices steps and the pause weighs
+drafts) counts each forward as ``--forward-ms`` per 64 rows (3.4 ms: transformers' compiled
+static-cache ``generate`` per token on an H100 at 549453d) instead of its CPU time; the host work
+(drafting, merging, verifying, learning) counts as it runs here, on one thread. Every width up to
+64 rows costs the same, as eager forwards did on GPUs (the captured widths were not profiled).
+The CPU kernels stay stock: swapping packed ones in around each forward is CPU-only host work.
+
+Per prompt and method (interleaved per prompt), in emulated milliseconds per new token: our plain
+decoding, the default with pauses switched off (``MAX_PAUSE = 0``), and the default; with tokens
+per step, skipped drafts and whether the output equals our plain decoding's. Medians of the
+per-prompt ratios are reported. Host times are CPU times of this process (``time.process_time``),
+so other work on the machine does not count.
+
+    python benchmarks/draft_pause.py --datasets mtbench,humaneval --prompts 10 \\
+        --out benchmarks/results/draft-pause-<date>-<commit>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+METHODS = ("plain", "no-pause", "default")
+
+
+class EmulatedClock:
+    """CPU time of this process, with every forward's own CPU time replaced by ``forward_s`` per
+    ``rows_per_forward`` rows (a forward hook measures what to take out)."""
+
+    def __init__(self, model: Any, forward_s: float, rows_per_forward: int = 64) -> None:
+        self.forward_s = forward_s
+        self.rows = rows_per_forward
+        self.correction = 0.0
+        self._started: float | None = None
+        model.register_forward_pre_hook(self._pre, with_kwargs=True)
+        model.register_forward_hook(self._post)
+
+    def __call__(self) -> float:
+        return time.process_time() + self.correction
+
+    def _pre(self, module: Any, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        width = ids.shape[-1] if ids is not None else kwargs["inputs_embeds"].shape[1]
+        self.correction += self.forward_s * math.ceil(width / self.rows)
+        self._started = time.process_time()
+
+    def _post(self, module: Any, args: tuple, output: Any) -> None:
+        self.correction -= time.process_time() - self._started
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="alias, checkpoint dir, .gguf file or hub id")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--datasets", default="mtbench,humaneval")
+    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--forward-ms", type=float, default=3.4)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if args.prompts < 1 or args.new_tokens < 2 or not args.forward_ms > 0:
+        parser.error("--prompts >= 1, --new-tokens >= 2 and --forward-ms > 0 are required")
+    return args
+
+
+def run_method(decoders: dict[str, Any], method: str, prompt: list[int], new_tokens: int, clock: EmulatedClock
+               ) -> dict[str, Any]:
+    import specdraft.engine.pause as pause
+
+    longest = pause.MAX_PAUSE
+    if method == "no-pause":
+        pause.MAX_PAUSE = 0
+    try:
+        started = clock()
+        out = decoders[method].generate(prompt, max_new_tokens=new_tokens)
+        seconds = clock() - started
+    finally:
+        pause.MAX_PAUSE = longest
+    stats = out.stats
+    return {"ms_per_token": 1e3 * seconds / max(1, stats.new_tokens), "tokens": out.token_ids,
+            "steps": stats.steps, "tokens_per_step": stats.mean_accepted, "skipped_drafts": stats.skipped_drafts}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from specdraft import Decoder
+    from specdraft.bench.datasets import load_prompts
+    from specdraft.models import load_model
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, progress=False)
+    clock = EmulatedClock(model, args.forward_ms / 1e3)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"setup": setup(args), "datasets": {}}
+    for dataset in [d.strip() for d in args.datasets.split(",") if d.strip()]:
+        prompts = [r.token_ids for r in load_prompts(dataset, args.prompts, tokenizer)]
+        decoders = {"plain": Decoder(model, tokenizer, max_tree_nodes=0, cpu_kernels="stock"),
+                    "no-pause": Decoder(model, tokenizer, cpu_kernels="stock"),
+                    "default": Decoder(model, tokenizer, cpu_kernels="stock")}
+        for dec in decoders.values():
+            dec.clock = clock
+            dec.generate(prompts[0][:64], max_new_tokens=8)  # warm: kernels chosen, budget priced
+        rows = []
+        for index, prompt in enumerate(prompts):
+            row = {m: run_method(decoders, m, prompt, args.new_tokens, clock) for m in METHODS}
+            plain_tokens = row["plain"]["tokens"]
+            for m in METHODS:
+                row[m]["same_as_plain"] = row[m].pop("tokens") == plain_tokens
+            rows.append(row)
+            print(f"{dataset} {index}: " + "  ".join(
+                f"{m} {row[m]['ms_per_token']:.2f} ms/tok {row[m]['tokens_per_step']:.2f} tok/step "
+                f"skip {row[m]['skipped_drafts']}" for m in METHODS), file=sys.stderr, flush=True)
+        results["datasets"][dataset] = {"prompts": rows, "summary": summarize(rows)}
+        for dec in decoders.values():
+            dec.close()
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out_dir / "results.md").write_text(render(results))
+    print(render(results))
+    return 0
+
+
+def summarize(rows: list[dict]) -> dict[str, Any]:
+    def ratios(m: str) -> list[float]:
+        return [r["plain"]["ms_per_token"] / r[m]["ms_per_token"] for r in rows]
+
+    summary: dict[str, Any] = {}
+    for m in METHODS:
+        summary[m] = {
+            "median_ms_per_token": round(statistics.median(r[m]["ms_per_token"] for r in rows), 3),
+            "median_vs_plain": round(statistics.median(ratios(m)), 3),
+            "worst_vs_plain": round(min(ratios(m)), 3),
+            "tokens_per_step": round(statistics.mean(r[m]["tokens_per_step"] for r in rows), 3),
+            "skipped_drafts": sum(r[m]["skipped_drafts"] for r in rows),
+            "same_as_plain": sum(r[m]["same_as_plain"] for r in rows),
+        }
+    return summary
+
+
+def render(results: dict[str, Any]) -> str:
+    s = results["setup"]
+    lines = [f"# Drafting pauses on an emulated GPU step ({s['date']}, commit {s['commit']})", "",
+             f"{s['model']} ({s['dtype']}) on {s['cpu']}, one thread; each forward counted as {s['forward_ms']} ms "
+             f"per 64 rows; greedy, {s['new_tokens']} new tokens; {s['prompts']} prompts per set.", "",
+             "| set | method | emulated ms/token (median) | vs our plain (median, worst) | tokens/step | skipped drafts "
+             "| = our plain |", "|---|---|---:|---:|---:|---:|---:|"]
+    for dataset, data in results["datasets"].items():
+        for m, row in data["summary"].items():
+            lines.append(f"| {dataset} | {m} | {row['median_ms_per_token']:.2f} | {row['median_vs_plain']:.3f}x "
+                         f"({row['worst_vs_plain']:.3f}x) | {row['tokens_per_step']:.2f} | {row['skipped_drafts']} "
+                         f"| {row['same_as_plain']}/{len(data['prompts'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def setup(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"date": time.strftime("%Y-%m-%d"), "commit": commit, "model": args.model, "dtype": args.dtype,
+            "cpu": cpu, "torch": torch.__version__, "forward_ms": args.forward_ms, "new_tokens": args.new_tokens,
+            "prompts": args.prompts}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

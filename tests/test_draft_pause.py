@@ -1,0 +1,142 @@
+"""Drafting pauses (specdraft.engine.pause): a request whose drafts do not pay for their host time stops
+drafting for a few steps where drafting is dear next to a step, never where it is cheap, and the
+output stays exactly plain decoding's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import RandomGuess, reference_greedy
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from specdraft import Decoder
+from specdraft.engine.pause import HOST_SHARE, MAX_PAUSE, DraftPause
+from specdraft.sources import Context, Draft
+
+
+def test_the_pause_doubles_with_each_declined_draft_up_to_what_drafting_costs():
+    pause = DraftPause()
+    pause.drafted(0.001)  # a draft costs a quarter of a 4 ms plain step: look every 5th step at most
+    assert pause.longest(0.004) == 4
+    lengths = []
+    for _ in range(5):
+        pause.checked(0.0, 0.004)  # the budget declined the draft
+        lengths.append(pause.left)
+        while pause.skip():
+            pass
+    assert lengths == [1, 2, 4, 4, 4]
+    pause.checked(1.5, 0.004)  # a tree expected to save 6 ms ends the pause
+    assert pause.left == 0 and pause.idle == 0
+    pause.checked(0.1, 0.004)  # one expected to save 0.4 ms does not pay for a 1 ms draft
+    assert pause.left == 1  # and the pause starts again from one step
+
+
+@pytest.mark.parametrize("draft_seconds, step_seconds, longest", [
+    (0.0005, 0.030, 0),  # a CPU: drafting is under 5% of a step, never pause
+    (0.001, 0.004, 4),  # a GPU's graph replay
+    (0.1, 0.001, MAX_PAUSE),  # never longer than MAX_PAUSE
+])
+def test_the_longest_pause_keeps_drafting_within_its_share_of_a_step(draft_seconds, step_seconds, longest):
+    pause = DraftPause()
+    pause.drafted(draft_seconds)
+    assert pause.longest(step_seconds) == longest
+    if 0 < longest < MAX_PAUSE:  # drafting once every longest + 1 steps costs at most HOST_SHARE of a step
+        assert draft_seconds / (longest + 1) <= HOST_SHARE * step_seconds * (1 + 1e-9)
+        assert draft_seconds / longest > HOST_SHARE * step_seconds
+
+
+def test_no_pause_before_anything_is_known():
+    pause = DraftPause()
+    pause.checked(0.0, 0.004)  # no draft timed yet
+    assert pause.left == 0
+    pause.drafted(0.001)
+    pause.checked(0.0, None)  # no price of a plain step (or a budget that does not choose)
+    assert pause.left == 0
+    assert not pause.skip()
+
+
+class SimulatedClock:
+    """A clock that moves only when something is charged to it: a source's draft, a forward."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class DearGuess(RandomGuess):
+    """Random, nearly always wrong drafts, each costing ``seconds`` on the simulated clock."""
+
+    def __init__(self, clock: SimulatedClock, seconds: float) -> None:
+        super().__init__(seed=3, vocab_size=64, copy_prob=0.0, name="dear")
+        self.clock = clock
+        self.seconds = seconds
+        self.drafts = 0  # proposes with a budget (a pause asks with 0)
+
+    def propose(self, context: Context, budget: int) -> Draft:
+        if budget > 0:
+            self.clock.now += self.seconds
+            self.drafts += 1
+        return super().propose(context, budget)
+
+
+def _model_on(clock: SimulatedClock, plain_seconds: float) -> torch.nn.Module:
+    """A tiny float64 Llama whose forward of ``k`` rows costs ``plain_seconds * (1 + (k - 1) / 4)``
+    on ``clock``: wide rows are dear, so the budget declines trees that miss."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float64, attn_implementation="sdpa").eval()
+
+    def charge(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        clock.now += plain_seconds * (1 + (ids.shape[-1] - 1) / 4)
+
+    model.register_forward_pre_hook(charge, with_kwargs=True)
+    return model
+
+
+def _decoder(draft_seconds: float, plain_seconds: float = 0.004, **options) -> tuple[Decoder, DearGuess]:
+    clock = SimulatedClock()
+    model = _model_on(clock, plain_seconds)
+    source = DearGuess(clock, draft_seconds)
+    dec = Decoder(model, sources=[source], max_tree_nodes=16, cpu_kernels="stock", **options)
+    dec.clock = clock
+    return dec, source
+
+
+PROMPTS = [[5, 9, 13, 2, 5, 9, 13, 7, 1, 4], [3, 3, 8, 21, 40, 8, 21], [30, 31, 32, 33, 34, 35, 36, 37]]
+
+
+def test_dear_drafts_that_the_budget_declines_pause_and_the_output_stays_exact():
+    dec, source = _decoder(draft_seconds=0.002)
+    out = dec.generate(PROMPTS[0], max_new_tokens=64)
+    assert out.token_ids == reference_greedy(dec.model, PROMPTS[0], 64)
+    assert out.stats.skipped_drafts > 10
+    assert source.drafts + out.stats.skipped_drafts == out.stats.steps - 1  # the prompt step drafts nothing
+    assert source.calls == out.stats.steps - 1  # a pause asks with a budget of 0: every observe has its propose
+    assert out.stats.as_dict()["skipped_drafts"] == out.stats.skipped_drafts
+
+
+def test_cheap_drafts_never_pause():
+    dec, source = _decoder(draft_seconds=0.00001)
+    out = dec.generate(PROMPTS[0], max_new_tokens=64)
+    assert out.token_ids == reference_greedy(dec.model, PROMPTS[0], 64)
+    assert out.stats.skipped_drafts == 0
+    assert source.drafts == out.stats.steps - 1
+
+
+def test_a_fixed_budget_always_drafts():
+    dec, source = _decoder(draft_seconds=0.002, adaptive_budget=False)
+    out = dec.generate(PROMPTS[0], max_new_tokens=64)
+    assert out.stats.skipped_drafts == 0
+    assert source.drafts == out.stats.steps - 1
+
+
+def test_requests_of_a_batch_pause_alone_and_stay_exact():
+    dec, _ = _decoder(draft_seconds=0.002)
+    outs = dec.generate_batch(PROMPTS, max_new_tokens=48, concurrency=3)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == reference_greedy(dec.model, prompt, 48)
+    assert all(out.stats.skipped_drafts > 0 for out in outs)
