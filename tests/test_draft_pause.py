@@ -14,21 +14,23 @@ from specdraft.engine.pause import HOST_SHARE, MAX_PAUSE, DraftPause
 from specdraft.sources import Context, Draft
 
 
-def test_the_pause_doubles_with_each_declined_draft_up_to_what_drafting_costs():
+def test_the_pause_doubles_with_each_draft_that_does_not_pay_up_to_what_drafting_costs():
     pause = DraftPause()
     pause.drafted(0.001)  # a draft costs a quarter of a 4 ms plain step: look every 5th step at most
     assert pause.longest(0.004) == 4
     lengths = []
-    for _ in range(5):
-        pause.checked(0.0, 0.004)  # the budget declined the draft
+    for _ in range(11):  # drafts that buy nothing: the average falls from one token by 0.8 a draft
+        pause.settled(0, 0.004)
         lengths.append(pause.left)
         while pause.skip():
             pass
-    assert lengths == [1, 2, 4, 4, 4]
-    pause.checked(1.5, 0.004)  # a tree expected to save 6 ms ends the pause
+    # it pays while the average times 4 ms reaches the 1 ms draft (0.8**6 = 0.26 tokens)
+    assert lengths == [0] * 6 + [1, 2, 4, 4, 4]
+    pause.settled(3, 0.004)  # a draft that committed three draft tokens ends the pause
     assert pause.left == 0 and pause.idle == 0
-    pause.checked(0.1, 0.004)  # one expected to save 0.4 ms does not pay for a 1 ms draft
-    assert pause.left == 1  # and the pause starts again from one step
+    for _ in range(3):
+        pause.settled(0, 0.004)
+    assert pause.left == 0  # the average it brought takes misses in a row to wear off again
 
 
 @pytest.mark.parametrize("draft_seconds, step_seconds, longest", [
@@ -47,10 +49,11 @@ def test_the_longest_pause_keeps_drafting_within_its_share_of_a_step(draft_secon
 
 def test_no_pause_before_anything_is_known():
     pause = DraftPause()
-    pause.checked(0.0, 0.004)  # no draft timed yet
+    for _ in range(20):
+        pause.settled(0, 0.004)  # no draft timed yet
     assert pause.left == 0
     pause.drafted(0.001)
-    pause.checked(0.0, None)  # no price of a plain step (or a budget that does not choose)
+    pause.settled(0, None)  # no price of a plain step (or a budget that does not choose)
     assert pause.left == 0
     assert not pause.skip()
 
@@ -109,7 +112,7 @@ def _decoder(draft_seconds: float, plain_seconds: float = 0.004, **options) -> t
 PROMPTS = [[5, 9, 13, 2, 5, 9, 13, 7, 1, 4], [3, 3, 8, 21, 40, 8, 21], [30, 31, 32, 33, 34, 35, 36, 37]]
 
 
-def test_dear_drafts_that_the_budget_declines_pause_and_the_output_stays_exact():
+def test_dear_drafts_that_buy_nothing_pause_and_the_output_stays_exact():
     dec, source = _decoder(draft_seconds=0.002)
     out = dec.generate(PROMPTS[0], max_new_tokens=64)
     assert out.token_ids == reference_greedy(dec.model, PROMPTS[0], 64)

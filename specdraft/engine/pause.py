@@ -7,16 +7,17 @@ about 4 ms, and the host work is a quarter of it. On chat the budget checks almo
 (the trees would not pay), yet every step still drafted them: on an H100 the default ran at
 0.85x our plain decoding on MT-Bench with 1.02 tokens per step.
 
-The rule, per request: a draft is *idle* when the tree the budget checks of it is expected to
-save less time than the draft took, that is when its expected extra tokens (the request's
-acceptance by rank, summed over the checked nodes; none when the budget declined them all) times
-a plain step's time fall short of the drafting time. After an idle draft the request skips
-drafting for its next steps, which run as plain steps. The pause doubles with each idle draft in
-a row (1, 2, 4, ... steps), up to the longest at which the drafting still done costs at most
-:data:`HOST_SHARE` of a plain step's time; a draft that pays ends it. So where drafting is cheap
-next to a step (a CPU) the longest pause is 0 and nothing changes, and where it is dear (a GPU) a
-request that stops finding drafts still looks every few steps, and a match found then starts
-speculation again at once.
+The rule, per request: the request keeps a moving average of what its drafts bought, the draft
+tokens each drafted step committed (beyond the model's own token, so 0 where the budget checked
+nothing or nothing was accepted). While that average, times a plain step's time, is below the
+time a draft takes, drafting does not pay: after each such draft the request skips drafting for
+its next steps, which run as plain steps. The pause doubles with each such draft in a row (1, 2,
+4, ... steps), up to the longest at which the drafting still done costs at most
+:data:`HOST_SHARE` of a plain step's time; a draft that brings the average back up ends it. The
+average starts at one token and moves by :data:`SMOOTHING` per drafted step, so a request pauses
+only after a run of drafts that bought nothing, and a hit after a pause counts at once. Where
+drafting is cheap next to a step (a CPU) the longest pause is 0 and nothing changes; where it is
+dear (a GPU) a request that stops finding drafts still looks every few steps.
 
 A skipped step is a plain step, so the output is exactly the same either way; the sources still
 hear every committed token (they keep their contexts), and the budget learns from every tree
@@ -33,8 +34,10 @@ HOST_SHARE = 0.05
 #: The longest pause in steps, whatever drafting costs: a request that begins to repeat text
 #: waits at most this long for its next look.
 MAX_PAUSE = 16
-#: Weight of the newest drafting time in its moving average.
-SMOOTHING = 0.3
+#: Weight of the newest draft in the moving averages of drafting time and of tokens bought.
+SMOOTHING = 0.2
+#: What a request's drafts are assumed to buy before any was drafted, in tokens per draft.
+OPENING_GAIN = 1.0
 
 
 @dataclass
@@ -43,7 +46,9 @@ class DraftPause:
 
     #: seconds one draft takes (moving average; ``None`` before the first)
     seconds: float | None = None
-    #: idle drafts in a row
+    #: draft tokens committed per drafted step (moving average)
+    gain: float = OPENING_GAIN
+    #: drafts in a row that did not pay
     idle: int = 0
     #: steps still to run without drafting
     left: int = 0
@@ -61,11 +66,12 @@ class DraftPause:
             return
         self.seconds = seconds if self.seconds is None else (1 - SMOOTHING) * self.seconds + SMOOTHING * seconds
 
-    def checked(self, expected_tokens: float, plain_step_seconds: float | None) -> None:
-        """The budget checks nodes of this step's draft that are expected to add
-        ``expected_tokens`` (0: it declined them all); a plain step now costs
-        ``plain_step_seconds`` (``None``: unknown, or the budget does not choose: no pause)."""
-        if self.seconds is None or not plain_step_seconds or expected_tokens * plain_step_seconds >= self.seconds:
+    def settled(self, draft_tokens: int, plain_step_seconds: float | None) -> None:
+        """A drafted step committed ``draft_tokens`` draft tokens (its tokens but the model's own);
+        a plain step now costs ``plain_step_seconds`` (``None``: unknown, or the budget does not
+        choose: no pause)."""
+        self.gain = (1 - SMOOTHING) * self.gain + SMOOTHING * max(0, draft_tokens)
+        if self.seconds is None or not plain_step_seconds or self.gain * plain_step_seconds >= self.seconds:
             self.idle = 0
             return
         self.idle += 1

@@ -70,6 +70,8 @@ class PendingStep:
     slots: ReadSlots | None = None
     #: each node's path tokens on the device, ``[nodes, depth]`` (repetition penalty, batched rows)
     path_tokens: torch.Tensor | None = None
+    #: its sources drafted (``False``: a step of the request's drafting pause, :mod:`.pause`)
+    drafted: bool = True
 
 
 @dataclass

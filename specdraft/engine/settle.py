@@ -49,6 +49,9 @@ def settle(engine: Parts, request: LiveRequest, logits: torch.Tensor, readback: 
             request.fail(exc)
             return tokens
         engine.budget.acceptance.observe(request.acceptance, step.full, request.committed, start)
+        if step.drafted:
+            budget = engine.budget
+            request.pause.settled(len(tokens) - 1, budget.costs.seconds(1) if budget.chooses else None)
     request.stats.new_tokens += len(tokens)
     request.stats.wall_time = engine.clock() - request.admitted
     request.ending = request.ending or done

@@ -141,14 +141,7 @@ class Step:
             else:
                 asks.append(Ask(request.acceptance.rank_rates, m.proposal.full.num_draft_nodes, m.proposal.side_rows,
                                 1, context=request.region.length + 1, opening=request.acceptance.tree_steps == 0))
-        budget = self.engine.budget
-        grants = budget.allocate(asks)
-        plain_step = budget.costs.seconds(1) if budget.chooses else None
-        for m, grant in zip(members, grants):
-            if m.kind == "tree" and m.drafted:
-                expected = sum(p or 0.0 for p in m.request.acceptance.rank_rates[: grant.nodes])
-                m.request.pause.checked(expected, plain_step)
-        return grants
+        return self.engine.budget.allocate(asks)
 
     # -- 3. lay out -----------------------------------------------------------------------------
 
@@ -172,7 +165,7 @@ class Step:
             if len(rows.tokens) > region.free:  # side blocks too wide for the region: they stay out
                 rows = tree_rows(tree, [None] * len(sides))
             request.step = PendingStep("tree", tree, proposal.full, proposal.drafts, rows.side_slices,
-                                       len(rows.tokens))
+                                       len(rows.tokens), drafted=m.drafted)
             m.segment = Segment(region, rows.tokens, rows.offsets + region.length, rows.block, range(len(rows.tokens)))
             if request.penalty is not None and request.batched:
                 m.rider_index = len(riders)
