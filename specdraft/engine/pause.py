@@ -1,4 +1,4 @@
-"""Drafting pauses: where the budget declines a request's drafts, stop paying for them for a while.
+"""Drafting pauses: where a request's drafts stop buying tokens, stop paying for them for a while.
 
 Drafting is host work: every source searches its tables and the merge builds the full tree, about
 a millisecond for the default sources. On a CPU a step of a 0.5B model costs tens of
@@ -19,9 +19,9 @@ only after a run of drafts that bought nothing, and a hit after a pause counts a
 drafting is cheap next to a step (a CPU) the longest pause is 0 and nothing changes; where it is
 dear (a GPU) a request that stops finding drafts still looks every few steps.
 
-A skipped step is a plain step, so the output is exactly the same either way; the sources still
-hear every committed token (they keep their contexts), and the budget learns from every tree
-drafted.
+A skipped step is a plain step, so the output is exactly the same either way. Every source is
+still asked, with a budget of 0 (each ``observe`` follows a ``propose``, as the protocol says),
+and still hears every committed token; the budget learns from every tree drafted.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-#: The most of a plain step's time that idle drafts may cost, on average.
+#: The most of a plain step's time that drafts which do not pay may cost, on average.
 HOST_SHARE = 0.05
 #: The longest pause in steps, whatever drafting costs: a request that begins to repeat text
 #: waits at most this long for its next look.
