@@ -169,7 +169,7 @@ def render(results: dict[str, Any]) -> str:
              + (f"each forward counted as {s['forward_ms']} ms per 64 rows (stock CPU kernels)" if s["forward_ms"]
                 else "the CPU's own forward times (default CPU kernels), CPU time")
              + f"; greedy, {s['new_tokens']} new tokens; {s['prompts']} prompts per set.", "",
-             "| set | method | emulated ms/token (median) | vs our plain (median, worst) | tokens/step | skipped drafts "
+             "| set | method | ms/token (median) | vs our plain (median, worst) | tokens/step | skipped drafts "
              "| = our plain |", "|---|---|---:|---:|---:|---:|---:|"]
     for dataset, data in results["datasets"].items():
         for m, row in data["summary"].items():
