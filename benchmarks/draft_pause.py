@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             dec.close()
     (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out_dir / "results.md").write_text(render(results))
+    (out_dir / "summary.json").write_text(json.dumps(bench_summary(results), indent=1) + "\n")
     print(render(results))
     return 0
 
@@ -160,6 +161,13 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
             "same_as_plain": sum(r[m]["same_as_plain"] for r in rows),
         }
     return summary
+
+
+def bench_summary(results: dict[str, Any]) -> dict[str, Any]:
+    """The ratios in the shape of ``specdraft bench``'s ``summary.json`` (what the docs' checks read)."""
+    return {"datasets": {dataset: {"methods": {
+        m: {"speedup_vs_plain_median": row["median_vs_plain"], "speedup_min": row["worst_vs_plain"]}
+        for m, row in data["summary"].items()}} for dataset, data in results["datasets"].items()}}
 
 
 def render(results: dict[str, Any]) -> str:
