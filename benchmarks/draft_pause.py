@@ -13,7 +13,7 @@ static-cache ``generate`` per token on an H100 at 549453d) instead of its CPU ti
 The CPU kernels stay stock: swapping packed ones in around each forward is CPU-only host work.
 
 Per prompt and method (interleaved per prompt), in emulated milliseconds per new token: our plain
-decoding, the default with pauses switched off (``MAX_PAUSE = 0``), and the default; with tokens
+decoding, the default with pauses switched off (the budget's ``drafting_share = 0``), and the default; with tokens
 per step, skipped drafts and whether the output equals our plain decoding's. Medians of the
 per-prompt ratios are reported. Host times are CPU times of this process (``time.process_time``),
 so other work on the machine does not count.
@@ -87,17 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_method(decoders: dict[str, Any], method: str, prompt: list[int], new_tokens: int,
                clock: Callable[[], float]) -> dict[str, Any]:
-    import specdraft.engine.pause as pause
-
-    longest = pause.MAX_PAUSE
-    if method == "no-pause":
-        pause.MAX_PAUSE = 0
-    try:
-        started = clock()
-        out = decoders[method].generate(prompt, max_new_tokens=new_tokens)
-        seconds = clock() - started
-    finally:
-        pause.MAX_PAUSE = longest
+    started = clock()
+    out = decoders[method].generate(prompt, max_new_tokens=new_tokens)
+    seconds = clock() - started
     stats = out.stats
     return {"ms_per_token": 1e3 * seconds / max(1, stats.new_tokens), "tokens": out.token_ids,
             "steps": stats.steps, "tokens_per_step": stats.mean_accepted, "skipped_drafts": stats.skipped_drafts}
@@ -123,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         decoders = {"plain": Decoder(model, tokenizer, max_tree_nodes=0, cpu_kernels=kernels),
                     "no-pause": Decoder(model, tokenizer, cpu_kernels=kernels),
                     "default": Decoder(model, tokenizer, cpu_kernels=kernels)}
+        decoders["no-pause"].budget.drafting_share = 0.0
         for dec in decoders.values():
             dec.clock = clock
             dec.generate(prompts[0][:64], max_new_tokens=8)  # warm: kernels chosen, budget priced

@@ -107,6 +107,8 @@ def test_cli_bench_writes_every_output(capsys, tiny_dir: Path, prompt_file: Path
     assert data["methods"][BASELINE]["speedup_geomean"] == pytest.approx(1.0)
     assert data["methods"][BASELINE]["mean_accepted"] == pytest.approx(1.0)
     assert set(data["methods"]["specdraft:prompt"]["per_source"]) == {"prompt"}
+    assert data["methods"][BASELINE]["skipped_drafts"] is None  # not our decoder
+    assert isinstance(data["methods"]["specdraft:prompt"]["skipped_drafts"], int)
     assert data["mismatches"] == [] and len(data["per_prompt"]) == 3
 
     table = (out / "results.md").read_text()

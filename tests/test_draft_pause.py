@@ -10,26 +10,29 @@ from conftest import RandomGuess, reference_greedy
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from specdraft import Decoder
-from specdraft.engine.pause import HOST_SHARE, MAX_PAUSE, DraftPause
+from specdraft.budget import Budget
+from specdraft.engine.pause import MAX_PAUSE, DraftPause
+
+SHARE = 0.05  # the budget's default drafting_share
 from specdraft.sources import Context, Draft
 
 
 def test_the_pause_doubles_with_each_draft_that_does_not_pay_up_to_what_drafting_costs():
     pause = DraftPause()
     pause.drafted(0.001)  # a draft costs a quarter of a 4 ms plain step: look every 5th step at most
-    assert pause.longest(0.004) == 4
+    assert pause.longest(0.004, SHARE) == 4
     lengths = []
     for _ in range(11):  # drafts that buy nothing: the average falls from one token by 0.8 a draft
-        pause.settled(0, 0.004)
+        pause.settled(0, 0.004, SHARE)
         lengths.append(pause.left)
         while pause.skip():
             pass
     # it pays while the average times 4 ms reaches the 1 ms draft (0.8**6 = 0.26 tokens)
     assert lengths == [0] * 6 + [1, 2, 4, 4, 4]
-    pause.settled(3, 0.004)  # a draft that committed three draft tokens ends the pause
+    pause.settled(3, 0.004, SHARE)  # a draft that committed three draft tokens ends the pause
     assert pause.left == 0 and pause.idle == 0
     for _ in range(3):
-        pause.settled(0, 0.004)
+        pause.settled(0, 0.004, SHARE)
     assert pause.left == 0  # the average it brought takes misses in a row to wear off again
 
 
@@ -41,19 +44,19 @@ def test_the_pause_doubles_with_each_draft_that_does_not_pay_up_to_what_drafting
 def test_the_longest_pause_keeps_drafting_within_its_share_of_a_step(draft_seconds, step_seconds, longest):
     pause = DraftPause()
     pause.drafted(draft_seconds)
-    assert pause.longest(step_seconds) == longest
-    if 0 < longest < MAX_PAUSE:  # drafting once every longest + 1 steps costs at most HOST_SHARE of a step
-        assert draft_seconds / (longest + 1) <= HOST_SHARE * step_seconds * (1 + 1e-9)
-        assert draft_seconds / longest > HOST_SHARE * step_seconds
+    assert pause.longest(step_seconds, SHARE) == longest
+    if 0 < longest < MAX_PAUSE:  # drafting once every longest + 1 steps costs at most SHARE of a step
+        assert draft_seconds / (longest + 1) <= SHARE * step_seconds * (1 + 1e-9)
+        assert draft_seconds / longest > SHARE * step_seconds
 
 
 def test_no_pause_before_anything_is_known():
     pause = DraftPause()
     for _ in range(20):
-        pause.settled(0, 0.004)  # no draft timed yet
+        pause.settled(0, 0.004, SHARE)  # no draft timed yet
     assert pause.left == 0
     pause.drafted(0.001)
-    pause.settled(0, None)  # no price of a plain step (or a budget that does not choose)
+    pause.settled(0, None, SHARE)  # no price of a plain step (or a budget that does not choose)
     assert pause.left == 0
     assert not pause.skip()
 
@@ -128,6 +131,16 @@ def test_cheap_drafts_never_pause():
     assert out.token_ids == reference_greedy(dec.model, PROMPTS[0], 64)
     assert out.stats.skipped_drafts == 0
     assert source.drafts == out.stats.steps - 1
+
+
+def test_a_drafting_share_of_zero_never_pauses():
+    dec, source = _decoder(draft_seconds=0.002)
+    dec.budget.drafting_share = 0.0
+    out = dec.generate(PROMPTS[0], max_new_tokens=64)
+    assert out.stats.skipped_drafts == 0
+    assert source.drafts == out.stats.steps - 1
+    with pytest.raises(ValueError, match="drafting_share"):
+        Budget(16, 1, drafting_share=1.5)
 
 
 def test_a_fixed_budget_always_drafts():

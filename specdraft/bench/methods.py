@@ -78,7 +78,8 @@ class MethodResult:
     ``accept_lengths`` has the tokens committed by each forward pass after the prompt (Spec-Bench's
     field; all ones for plain decoding), ``None`` if it could not be observed. ``steps`` counts
     those forward passes. ``per_source`` maps a draft source to ``{"proposed", "accepted"}`` draft
-    tokens (empty for methods without our sources).
+    tokens (empty for methods without our sources). ``skipped_drafts`` counts the steps that ran
+    without drafting because recent drafts did not pay (``None`` for methods without our decoder).
     """
 
     token_ids: list[int]
@@ -86,6 +87,7 @@ class MethodResult:
     accept_lengths: list[int] | None
     steps: int | None
     per_source: dict[str, dict[str, int]] = field(default_factory=dict)
+    skipped_drafts: int | None = None
 
 
 class Method(Protocol):
@@ -452,7 +454,8 @@ class SpecdraftMethod:
         stats = out.stats
         return MethodResult(token_ids=list(out.token_ids), wall_time=seconds,
                             accept_lengths=list(stats.accept_lengths), steps=stats.steps,
-                            per_source={k: v.as_dict() for k, v in stats.per_source.items()})
+                            per_source={k: v.as_dict() for k, v in stats.per_source.items()},
+                            skipped_drafts=stats.skipped_drafts)
 
     def get_state(self) -> dict[str, Any]:
         """The draft sources (which learn across prompts) and the adaptive budget (which has

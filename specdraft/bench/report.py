@@ -100,6 +100,7 @@ def summarize(run: DatasetRun) -> dict[str, Any]:
             "compared": len(run.prompts),
             "reference": method.name == BASELINE,
             "per_source": _per_source(prompt_runs, new_tokens),
+            "skipped_drafts": _total(p.result.skipped_drafts for p in prompt_runs),
             "repeats_disagree": [prompt.id for prompt, p in zip(run.prompts, prompt_runs) if not p.consistent],
         }
         plain = plain_reference(method.name)
@@ -114,7 +115,7 @@ def summarize(run: DatasetRun) -> dict[str, Any]:
             p = run.runs[method.name][i]
             row["methods"][method.name] = {
                 "new_tokens": len(p.result.token_ids), "wall_time": p.wall_time, "wall_times": p.wall_times,
-                "steps": p.result.steps, "speedup": speed_ratio(ref, p),
+                "steps": p.result.steps, "skipped_drafts": p.result.skipped_drafts, "speedup": speed_ratio(ref, p),
                 "identical": p.result.token_ids == ref.result.token_ids,
             }
         per_prompt.append(row)
@@ -128,6 +129,12 @@ def summarize(run: DatasetRun) -> dict[str, Any]:
         "skipped": run.skipped,
         "per_prompt": per_prompt,
     }
+
+
+def _total(counts: Any) -> int | None:
+    """The sum of ``counts``, or ``None`` if any is unknown."""
+    values = list(counts)
+    return None if any(v is None for v in values) else sum(values)
 
 
 def _per_source(prompt_runs: Sequence[Any], new_tokens: int) -> dict[str, dict[str, Any]]:

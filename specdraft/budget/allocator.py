@@ -82,17 +82,22 @@ class Budget:
     def __init__(self, max_nodes: int, num_sources: int = 0, adaptive: bool = True,
                  cost_curve: Sequence[float] | None = None, attention_seconds: float = 0.0, warmup: int = 3,
                  opening_cost_ratio: float = 1.5, smoothing: float = 0.5, acceptance_smoothing: float = 0.3,
-                 prior_smoothing: float = 0.02) -> None:
+                 prior_smoothing: float = 0.02, drafting_share: float = 0.05) -> None:
         if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 0:
             raise ValueError(f"max_nodes must be an int >= 0, got {max_nodes!r}")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+        if not 0.0 <= drafting_share <= 1.0:
+            raise ValueError(f"drafting_share must be in [0, 1] (0: drafting never pauses), got {drafting_share!r}")
         if not opening_cost_ratio >= 1.0:
             raise ValueError(f"opening_cost_ratio must be >= 1 (math.inf: never hold back), got {opening_cost_ratio}")
         self.max_nodes = max_nodes
         self.adaptive = adaptive
         self.warmup = warmup
         self.opening_cost_ratio = opening_cost_ratio
+        #: the most of a plain step's time that drafts which buy nothing may cost, on average: a
+        #: request pauses its drafting to keep them there (:mod:`specdraft.engine.pause`; 0: never)
+        self.drafting_share = float(drafting_share)
         self.costs = StepCosts(cost_curve, smoothing, attention_seconds)
         self.acceptance = AcceptanceTracker(max_nodes, num_sources, fast=acceptance_smoothing, slow=prior_smoothing)
         #: steps priced so far (the warm-up counts them)

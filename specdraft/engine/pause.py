@@ -12,8 +12,9 @@ tokens each drafted step committed (beyond the model's own token, so 0 where the
 nothing or nothing was accepted). While that average, times a plain step's time, is below the
 time a draft takes, drafting does not pay: after each such draft the request skips drafting for
 its next steps, which run as plain steps. The pause doubles with each such draft in a row (1, 2,
-4, ... steps), up to the longest at which the drafting still done costs at most
-:data:`HOST_SHARE` of a plain step's time; a draft that brings the average back up ends it. The
+4, ... steps), up to the longest at which the drafting still done costs at most the budget's
+``drafting_share`` of a plain step's time (5% by default; 0 never pauses); a draft that brings the
+average back up ends it. The
 average starts at one token and moves by :data:`SMOOTHING` per drafted step, so a request pauses
 only after a run of drafts that bought nothing, and a hit after a pause counts at once. Where
 drafting is cheap next to a step (a CPU) the longest pause is 0 and nothing changes; where it is
@@ -29,8 +30,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-#: The most of a plain step's time that drafts which do not pay may cost, on average.
-HOST_SHARE = 0.05
 #: The longest pause in steps, whatever drafting costs: a request that begins to repeat text
 #: waits at most this long for its next look.
 MAX_PAUSE = 16
@@ -66,21 +65,21 @@ class DraftPause:
             return
         self.seconds = seconds if self.seconds is None else (1 - SMOOTHING) * self.seconds + SMOOTHING * seconds
 
-    def settled(self, draft_tokens: int, plain_step_seconds: float | None) -> None:
+    def settled(self, draft_tokens: int, plain_step_seconds: float | None, share: float) -> None:
         """A drafted step committed ``draft_tokens`` draft tokens (its tokens but the model's own);
         a plain step now costs ``plain_step_seconds`` (``None``: unknown, or the budget does not
-        choose: no pause)."""
+        choose: no pause); drafts that buy nothing may cost ``share`` of it."""
         self.gain = (1 - SMOOTHING) * self.gain + SMOOTHING * max(0, draft_tokens)
         if self.seconds is None or not plain_step_seconds or self.gain * plain_step_seconds >= self.seconds:
             self.idle = 0
             return
         self.idle += 1
-        self.left = min(2 ** min(self.idle - 1, 30), self.longest(plain_step_seconds))
+        self.left = min(2 ** min(self.idle - 1, 30), self.longest(plain_step_seconds, share))
 
-    def longest(self, plain_step_seconds: float | None) -> int:
-        """The longest pause at which drafting every ``pause + 1`` steps costs at most
-        :data:`HOST_SHARE` of a plain step."""
-        if self.seconds is None or not plain_step_seconds or plain_step_seconds <= 0:
+    def longest(self, plain_step_seconds: float | None, share: float) -> int:
+        """The longest pause at which drafting every ``pause + 1`` steps costs at most ``share``
+        of a plain step."""
+        if self.seconds is None or not plain_step_seconds or plain_step_seconds <= 0 or share <= 0:
             return 0
-        steps = math.ceil(self.seconds / (HOST_SHARE * plain_step_seconds) - 1e-9)
+        steps = math.ceil(self.seconds / (share * plain_step_seconds) - 1e-9)
         return max(0, min(MAX_PAUSE, steps - 1))

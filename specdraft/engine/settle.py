@@ -51,7 +51,8 @@ def settle(engine: Parts, request: LiveRequest, logits: torch.Tensor, readback: 
         engine.budget.acceptance.observe(request.acceptance, step.full, request.committed, start)
         if step.drafted:
             budget = engine.budget
-            request.pause.settled(len(tokens) - 1, budget.costs.seconds(1) if budget.chooses else None)
+            request.pause.settled(len(tokens) - 1, budget.costs.seconds(1) if budget.chooses else None,
+                                  budget.drafting_share)
     request.stats.new_tokens += len(tokens)
     request.stats.wall_time = engine.clock() - request.admitted
     request.ending = request.ending or done
