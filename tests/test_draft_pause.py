@@ -156,3 +156,16 @@ def test_requests_of_a_batch_pause_alone_and_stay_exact():
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == reference_greedy(dec.model, prompt, 48)
     assert all(out.stats.skipped_drafts > 0 for out in outs)
+
+
+def test_pauses_leave_seeded_sampling_as_it_was():
+    """A seed gives one output whatever the drafts were, so pausing them changes no sampled token."""
+    outputs = []
+    for share in (0.05, 0.0):
+        dec, _ = _decoder(draft_seconds=0.002)
+        dec.budget.drafting_share = share
+        out = dec.generate(PROMPTS[1], max_new_tokens=64, do_sample=True, temperature=0.8, top_k=20, seed=7)
+        outputs.append((out.token_ids, out.stats.skipped_drafts))
+    (paused, skipped), (unpaused, none) = outputs
+    assert skipped > 0 and none == 0
+    assert paused == unpaused
