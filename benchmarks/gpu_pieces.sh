@@ -14,7 +14,8 @@
 #
 # Stages of `bench` (STAGES, comma-separated; the default runs all, in this order):
 #   main      specdraft bench, HumanEval 10 and MT-Bench 10 x 128: eager generate, compiled
-#             static-cache generate, our plain decoding and our default (GPU default: exact off)
+#             static-cache generate, our plain decoding, our default (GPU default: exact off) and
+#             our default without drafting pauses (MAIN_METHODS overrides the list)
 #   exact     the same prompts in exact mode: our plain decoding and our default (identity and price)
 #   batch     --concurrency 1,8 on HumanEval 8 x 64 (batched generate against our batched decoding)
 #   edits     the code-edit set, 6 x 256
@@ -116,7 +117,7 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     common=(--model "$model" --dtype bfloat16 --device "${DEVICE:-cuda}" --no-plot -q)
     count=${LIMIT:-10}
     stage main 260 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" --no-exact \
-        --methods baseline,generate-static,plain,default --out "$results/main"
+        --methods "${MAIN_METHODS:-baseline,generate-static,plain,default,default@nopause}" --out "$results/main"
     stage exact 120 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" --exact \
         --methods plain,default --out "$results/exact"
     stage batch 100 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval --limit "$(( count < 8 ? count : 8 ))" --max-new-tokens 64 \

@@ -38,7 +38,7 @@ step() { echo "gpu_run.sh: $* ($(( $(date +%s) - started )) s in)" >&2; }
 step "pytest -m cuda"
 "$PY" -m pytest -m cuda -q -p no:cacheprovider 2>&1 | tee "$out/pytest-cuda.txt" || true
 
-methods=baseline,generate-static,hf-prompt-lookup,plain,default
+methods=baseline,generate-static,hf-prompt-lookup,plain,default,default@nopause
 step "bench: HumanEval 10, MT-Bench 10"
 "$PY" -m specdraft bench --model "$model" --dtype bfloat16 --device cuda --dataset humaneval,mtbench --limit 10 \
     --methods "$methods" --out "$out/bench" --no-plot -q

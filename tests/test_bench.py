@@ -457,6 +457,14 @@ def test_fixed_suffix_turns_the_adaptive_budget_off():
     adaptive = build_method("specdraft:prompt", model, None, 8)
     assert not fixed.decoder.budget.adaptive and adaptive.decoder.budget.adaptive
     assert fixed.name == "specdraft:prompt@fixed"
+    nopause = build_method("default@nopause@stock", model, None, 8)
+    assert nopause.name == "default@nopause@stock" and nopause.decoder.budget.adaptive
+    assert nopause.decoder.budget.drafting_share == 0 and adaptive.decoder.budget.drafting_share > 0
+    assert parse_methods("default@stock@nopause") == ["baseline", "default@nopause@stock"]
+    with pytest.raises(MethodError, match="names two budgets"):
+        parse_methods("default@fixed@nopause")
+    with pytest.raises(MethodError, match="@nopause means nothing"):
+        parse_methods("plain@nopause")
 
 
 def test_bench_only_peer_is_never_a_default_method_and_says_how_to_get_it() -> None:

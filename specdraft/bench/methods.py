@@ -26,12 +26,13 @@ Names (``--methods``):
     path gains from what speculation gains; the report's "vs plain" column divides each of our
     methods by the ``plain`` run on the same kernels.
 
-Suffixes of our methods: ``@fixed`` switches the adaptive budget off; without a kernel suffix
+Suffixes of our methods: ``@fixed`` switches the adaptive budget off, ``@nopause`` only its
+drafting pauses (the budget's ``drafting_share = 0``, :mod:`specdraft.engine.pause`); without a kernel suffix
 the decoder runs the library's default, ``cpu_kernels="auto"`` (each forward width on the
 cheapest exact path measured on this machine, see :mod:`specdraft.kernel_costs`); ``@stock``
 runs ``cpu_kernels="stock"``, ``@packed`` ``"packed"`` (oneDNN-packed linear weights) and
 ``@fbgemm`` ``"fbgemm"`` (exact float16 weights on FBGEMM; see :mod:`specdraft.cpu_kernels`);
-``@fixed`` and one kernel suffix may be given together (``default@fixed@packed``). ``baseline``
+one budget suffix and one kernel suffix may be given together (``default@fixed@packed``). ``baseline``
 and ``hf-prompt-lookup`` always run stock ``model.generate``.
 
 **State across prompts.** Each method object is built once per dataset and keeps its draft
@@ -168,6 +169,10 @@ def valid_method_names() -> str:
 #: Suffix of a method name that turns the adaptive tree budget off (``default@fixed``,
 #: ``specdraft:prompt@fixed``): every step then checks up to ``--max-tree-nodes`` nodes.
 FIXED_SUFFIX = "@fixed"
+#: Suffix of a method name that keeps the adaptive budget but never pauses drafting (``default@nopause``).
+NOPAUSE_SUFFIX = "@nopause"
+#: Budget suffix -> the budget a method runs: ``"fixed"``, ``"nopause"`` (without one: ``"adaptive"``).
+BUDGET_SUFFIXES = {FIXED_SUFFIX: "fixed", NOPAUSE_SUFFIX: "nopause"}
 #: Suffix of a method name that runs our decoder with ``cpu_kernels="packed"`` (``default@packed``).
 PACKED_SUFFIX = "@packed"
 #: Method-name suffix -> ``Decoder(cpu_kernels=...)``; without one, a method runs :data:`DEFAULT_KERNELS`.
@@ -176,22 +181,32 @@ KERNEL_SUFFIXES = {"@stock": "stock", PACKED_SUFFIX: "packed", "@fbgemm": "fbgem
 DEFAULT_KERNELS = "auto"
 
 
-def _split_suffixes(name: str) -> tuple[str, bool, str]:
-    """``(base, fixed, cpu_kernels)`` of a method name with its ``@fixed`` and kernel suffixes, in
-    any order (``cpu_kernels`` is :data:`DEFAULT_KERNELS` without a kernel suffix)."""
+def _split_suffixes(name: str) -> tuple[str, str, str]:
+    """``(base, budget, cpu_kernels)`` of a method name with its budget suffix (``@fixed``,
+    ``@nopause``) and kernel suffix, in any order (``budget`` is ``"adaptive"`` and ``cpu_kernels``
+    :data:`DEFAULT_KERNELS` without one)."""
     name = name.strip()
-    fixed, kernels = False, DEFAULT_KERNELS
+    budget, kernels = "adaptive", DEFAULT_KERNELS
     while True:
-        if name.endswith(FIXED_SUFFIX) and not fixed:
-            name, fixed = name[: -len(FIXED_SUFFIX)].strip(), True
+        suffix = next((s for s in BUDGET_SUFFIXES if name.endswith(s)), None)
+        if suffix is not None:
+            if budget != "adaptive":
+                raise MethodError(f"method {name + _budget_suffix(budget)!r} names two budgets; give at most one of "
+                                  f"{list(BUDGET_SUFFIXES)}")
+            name, budget = name[: -len(suffix)].strip(), BUDGET_SUFFIXES[suffix]
             continue
         suffix = next((s for s in KERNEL_SUFFIXES if name.endswith(s)), None)
         if suffix is None:
-            return name, fixed, kernels
+            return name, budget, kernels
         if kernels != DEFAULT_KERNELS:
             raise MethodError(f"method {name + _kernel_suffix(kernels)!r} names two CPU kernels; give at most one of "
                               f"{list(KERNEL_SUFFIXES)}")
         name, kernels = name[: -len(suffix)].strip(), KERNEL_SUFFIXES[suffix]
+
+
+def _budget_suffix(budget: str) -> str:
+    """The method-name suffix of a budget (empty for the adaptive one)."""
+    return next((s for s, b in BUDGET_SUFFIXES.items() if b == budget), "")
 
 
 def _kernel_suffix(kernels: str) -> str:
@@ -205,15 +220,16 @@ def plain_reference(name: str) -> str:
 
 
 def _canonical(name: str) -> str:
-    name, fixed, kernels = _split_suffixes(name)
-    if fixed or kernels != DEFAULT_KERNELS:
+    name, budget, kernels = _split_suffixes(name)
+    if budget != "adaptive" or kernels != DEFAULT_KERNELS:
         base = _canonical(name)
-        for flag, suffix in ((fixed, FIXED_SUFFIX), (kernels != DEFAULT_KERNELS, _kernel_suffix(kernels))):
+        for flag, suffix in ((budget != "adaptive", _budget_suffix(budget)),
+                             (kernels != DEFAULT_KERNELS, _kernel_suffix(kernels))):
             if flag and base in (BASELINE, HF_PROMPT_LOOKUP, STATIC_GENERATE):
                 raise MethodError(f"{suffix} applies to our decoder's methods, not to {base!r}")
-        if fixed and base == PLAIN:
-            raise MethodError(f"{FIXED_SUFFIX} means nothing for {PLAIN!r}, which checks no drafts")
-        return base + (FIXED_SUFFIX if fixed else "") + _kernel_suffix(kernels)
+        if budget != "adaptive" and base == PLAIN:
+            raise MethodError(f"{_budget_suffix(budget)} means nothing for {PLAIN!r}, which checks no drafts")
+        return base + _budget_suffix(budget) + _kernel_suffix(kernels)
     if name in (BASELINE, HF_PROMPT_LOOKUP, STATIC_GENERATE, DEFAULT, PLAIN):
         return name
     from specdraft.source_spec import SourceSpecError, parse_source_spec, split_top_level
@@ -402,7 +418,7 @@ class SpecdraftMethod:
 
     def __init__(self, name: str, model: Any, tokenizer: Any, source_names: Sequence[str],
                  max_tree_nodes: int = 32, adaptive_budget: bool = True, cpu_kernels: str = DEFAULT_KERNELS,
-                 exact: bool | None = None) -> None:
+                 exact: bool | None = None, drafting_pauses: bool = True) -> None:
         from specdraft.sources.registry import make_sources
 
         self.name = name
@@ -410,9 +426,11 @@ class SpecdraftMethod:
         self.adaptive_budget = adaptive_budget
         self.cpu_kernels = cpu_kernels
         self.exact = exact
+        self.drafting_pauses = drafting_pauses
         self.description = (("specdraft Decoder with sources " + "+".join(self.source_names) if self.source_names
                              else "specdraft Decoder, plain decoding (no sources, max_tree_nodes=0)")
                             + ("" if adaptive_budget else f", fixed budget of {max_tree_nodes} nodes")
+                            + ("" if drafting_pauses else ", no drafting pauses")
                             + f", cpu_kernels={cpu_kernels!r}")
         self.model = model
         self.tokenizer = tokenizer
@@ -427,8 +445,11 @@ class SpecdraftMethod:
         """A Decoder over ``sources`` with this method's tree size and budget kind."""
         from specdraft.decoder import Decoder
 
-        return Decoder(self.model, self.tokenizer, sources=sources, max_tree_nodes=self.max_tree_nodes,
-                       adaptive_budget=self.adaptive_budget, cpu_kernels=self.cpu_kernels, exact=self.exact)
+        decoder = Decoder(self.model, self.tokenizer, sources=sources, max_tree_nodes=self.max_tree_nodes,
+                          adaptive_budget=self.adaptive_budget, cpu_kernels=self.cpu_kernels, exact=self.exact)
+        if not self.drafting_pauses:
+            decoder.budget.drafting_share = 0.0
+        return decoder
 
     def _throwaway_decoder(self) -> Any:
         """A decoder for a repeat that must not teach the real one: copies of the draft sources
@@ -482,18 +503,19 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32
                               'model.generate(do_sample=False, cache_implementation="static")')
     from specdraft.source_spec import split_top_level
 
-    base, fixed, kernels = _split_suffixes(name)
-    suffix = (FIXED_SUFFIX if fixed else "") + _kernel_suffix(kernels)
+    base, budget, kernels = _split_suffixes(name)
+    suffix = _budget_suffix(budget) + _kernel_suffix(kernels)
     if base == PLAIN:
         return SpecdraftMethod(PLAIN + suffix, model, tokenizer, [], 0, adaptive_budget=True, cpu_kernels=kernels,
                                exact=exact)
+    options = dict(adaptive_budget=budget != "fixed", drafting_pauses=budget == "adaptive", cpu_kernels=kernels,
+                   exact=exact)
     if base == DEFAULT:
         sources = split_top_level(_canonical("+".join(default_source_names()))[len(PREFIX):], "+")
-        return SpecdraftMethod(DEFAULT + suffix, model, tokenizer, sources, max_tree_nodes, adaptive_budget=not fixed,
-                               cpu_kernels=kernels, exact=exact)
+        return SpecdraftMethod(DEFAULT + suffix, model, tokenizer, sources, max_tree_nodes, **options)
     canonical = _canonical(base)
     return SpecdraftMethod(canonical + suffix, model, tokenizer, split_top_level(canonical[len(PREFIX):], "+"),
-                           max_tree_nodes, adaptive_budget=not fixed, cpu_kernels=kernels, exact=exact)
+                           max_tree_nodes, **options)
 
 
 def build_methods(names: Sequence[str], model: Any, tokenizer: Any, max_tree_nodes: int = 32,
