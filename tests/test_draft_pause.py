@@ -169,3 +169,23 @@ def test_pauses_leave_seeded_sampling_as_it_was():
     (paused, skipped), (unpaused, none) = outputs
     assert skipped > 0 and none == 0
     assert paused == unpaused
+
+
+def test_pauses_on_the_simulated_device_read_once_per_step_and_stay_exact():
+    """On a device (simulated: its reads and uploads counted) paused steps choose their row there
+    like any other step: one read per step, and the output is still ``generate``'s."""
+    from specdraft.simulated_device import SimulatedDevice
+
+    clock = SimulatedClock()
+    model = _model_on(clock, 0.004)
+    reference = reference_greedy(model, PROMPTS[0], 48)
+    sim = SimulatedDevice()
+    sim.adopt(model)
+    with sim, sim.patched_generator():
+        dec = Decoder(model, sources=[DearGuess(clock, 0.002)], max_tree_nodes=16)
+        dec.clock = clock
+        sim.reset_counts()
+        out = dec.generate(PROMPTS[0], max_new_tokens=48)
+    assert out.token_ids == reference
+    assert out.stats.skipped_drafts > 0
+    assert sim.counts.syncs == out.stats.steps, sim.counts.log
