@@ -35,7 +35,7 @@ class GenerationStats:
     accept_lengths: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
     per_source: dict[str, SourceStats] = field(default_factory=dict)
-    #: steps that ran without drafting: the budget had declined the drafts before them
+    #: steps that ran without drafting: the drafts before them did not pay for their host time
     #: (:mod:`specdraft.engine.pause`)
     skipped_drafts: int = 0
 

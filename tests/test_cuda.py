@@ -172,28 +172,19 @@ def test_bench_runs_on_a_cuda_model(tmp_path: Path) -> None:
     assert summary["config"]["methods"] == ["baseline", "specdraft:prompt"]
 
 
-class _StepCharged:
-    """Drafts that nearly always miss, on a simulated clock charged per draft and per step (a
-    captured forward runs no hook that could charge it)."""
-
-    @staticmethod
-    def make(clock, draft_seconds: float, step_seconds: float):
-        from test_draft_pause import DearGuess
-
-        class StepCharged(DearGuess):
-            def observe(self, feedback) -> None:
-                self.clock.now += step_seconds
-                super().observe(feedback)
-
-        return StepCharged(clock, draft_seconds)
-
-
 def test_drafting_pauses_on_cuda_stay_exact() -> None:
-    from test_draft_pause import PROMPTS, SimulatedClock
+    from test_draft_pause import PROMPTS, DearGuess, SimulatedClock
+
+    class StepCharged(DearGuess):
+        """Charges the clock per step too: a captured forward runs no hook that could."""
+
+        def observe(self, feedback) -> None:
+            self.clock.now += 0.004
+            super().observe(feedback)
 
     model = cuda_model("llama")
     clock = SimulatedClock()
-    dec = Decoder(model, None, sources=[_StepCharged.make(clock, 0.002, 0.004)], max_tree_nodes=16)
+    dec = Decoder(model, None, sources=[StepCharged(clock, 0.002)], max_tree_nodes=16)
     dec.clock = clock
     out = dec.generate(PROMPTS[0], max_new_tokens=48)
     assert out.token_ids == generate_greedy(model, PROMPTS[0], 48)

@@ -80,8 +80,7 @@ def summarize(run: DatasetRun) -> dict[str, Any]:
         prompt_runs = run.runs[method.name]
         new_tokens = sum(len(p.result.token_ids) for p in prompt_runs)
         wall = sum(p.wall_time for p in prompt_runs)
-        steps_known = all(p.result.steps is not None for p in prompt_runs)
-        steps = sum(p.result.steps or 0 for p in prompt_runs) if steps_known else None
+        steps = _total(p.result.steps for p in prompt_runs)
         ratios = [r for r in (speed_ratio(b, p) for b, p in zip(baseline, prompt_runs)) if r is not None]
         identical = sum(1 for prompt in run.prompts if (method.name, json.dumps(prompt.id)) not in mismatched)
         methods[method.name] = {

@@ -32,6 +32,8 @@ class Proposal:
     drafts: list[Draft]
     sides: list[SideBlock | None]
     full: TokenTree
+    #: the sources drafted (``False``: asked with a budget of 0, a step of a drafting pause)
+    drafted: bool = True
 
     @property
     def side_rows(self) -> int:
@@ -90,7 +92,7 @@ class Drafter:
         drafts = [self._propose(source, context, budget, depth_limit) for source in self.sources]
         full = TokenTree.from_drafts(request.root, [d.branches for d in drafts], budget,
                                      request.acceptance.source_rates)
-        return Proposal(drafts, self._fitting_sides(drafts, request.region.length), full)
+        return Proposal(drafts, self._fitting_sides(drafts, request.region.length), full, drafting)
 
     def _propose(self, source: DraftSource, context, budget: int, depth_limit: int) -> Draft:
         draft = source.propose(context, budget)

@@ -67,8 +67,6 @@ class Member:
     chunk_rows: int = 0
     segment: Segment | None = None
     rider_index: int | None = None
-    #: its sources drafted this step (``False``: a step of its drafting pause)
-    drafted: bool = True
 
 
 class Step:
@@ -127,7 +125,7 @@ class Step:
                 request.pause.drafted(self.engine.clock() - started)
             if not drafting:
                 request.stats.skipped_drafts += 1
-            members.append(Member(request, "tree", proposal=proposal, drafted=drafting))
+            members.append(Member(request, "tree", proposal=proposal))
         return members
 
     # -- 2. plan --------------------------------------------------------------------------------
@@ -165,7 +163,7 @@ class Step:
             if len(rows.tokens) > region.free:  # side blocks too wide for the region: they stay out
                 rows = tree_rows(tree, [None] * len(sides))
             request.step = PendingStep("tree", tree, proposal.full, proposal.drafts, rows.side_slices,
-                                       len(rows.tokens), drafted=m.drafted)
+                                       len(rows.tokens), drafted=proposal.drafted)
             m.segment = Segment(region, rows.tokens, rows.offsets + region.length, rows.block, range(len(rows.tokens)))
             if request.penalty is not None and request.batched:
                 m.rider_index = len(riders)
