@@ -23,6 +23,7 @@ from .kernels.attention_cost import attention_seconds
 from .kernels.exact_rows import load_or_probe
 from .kernels.kernel_costs import choose_kernels
 from .model.attention import ATTENTION_CHOICES, select_attention
+from .model.exact_attention import CHUNK
 from .model.runner import ModelRunner
 from .sampling import resolve_settings
 from .sources.base import DraftSource
@@ -211,6 +212,8 @@ class Decoder:
         (:mod:`specdraft.model.static`); elsewhere, as they come."""
         on_gpu = self.runner.device.type == "cuda"
         rule = load_or_probe(self.model, self._packed) if self.exact else None
+        # exact attention at fixed shapes reads committed tokens in place from chunk boundaries
+        self.runner.store.align = CHUNK if self.exact else 1
         if not on_gpu:
             self.engine.padding = RowWidths(rule) if rule is not None else None
             return

@@ -89,8 +89,9 @@ def wide_cuda_model(dtype: torch.dtype) -> torch.nn.Module:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_exact_mode_on_cuda_equals_exact_plain_decoding(dtype: torch.dtype) -> None:
     """Exact mode on the GPU: every decode forward at a bucket width where the probed rule holds,
-    on the exact attention; speculation gives exact plain decoding's tokens, alone, batched (a
-    request's output does not depend on the others) and sampled with a seed."""
+    on the exact attention at fixed shapes, captured as CUDA graphs; speculation gives exact plain
+    decoding's tokens, alone, batched (a request's output does not depend on the others) and
+    sampled with a seed."""
     model = wide_cuda_model(dtype)
     plain = Decoder(model, None, sources=[], max_tree_nodes=0, exact=True)
     dec = Decoder(model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=24, exact=True)
@@ -100,6 +101,8 @@ def test_exact_mode_on_cuda_equals_exact_plain_decoding(dtype: torch.dtype) -> N
     outs = [dec.generate(p, max_new_tokens=48) for p in prompts]
     assert [o.token_ids for o in outs] == expected
     assert sum(o.stats.steps for o in outs) < 48 * len(prompts)  # trees were really checked
+    for decoder in (plain, dec):  # the exact attention did not keep a forward from its graph
+        assert decoder.runner.static.captured and decoder.runner.static.note == "", decoder.runner.static.note
     result = dec.generate_batch(prompts, max_new_tokens=48, concurrency=4)
     assert [o.token_ids for o in result] == expected
     options = dict(do_sample=True, temperature=0.8, top_k=40, top_p=0.95, seed=11)

@@ -22,8 +22,8 @@ How
        padding's zeros, which change nothing);
     3. per chunk, ``p @ v`` over exactly :data:`CHUNK` ranks, a float32 matrix product of fixed
        shape;
-    4. the chunks' partial outputs added in rank order (a sequential ``cumsum``; a row with fewer
-       chunks than the widest adds zeros).
+    4. the chunks' partial outputs added pairwise in rank order over a power of two (a row with
+       fewer chunks than the widest adds zeros at the end, which change nothing).
 
     Every reduction therefore has a length and an order fixed by the row's own visible keys. The
     matrix products are float32 ``bmm`` calls with at least :data:`MIN_ROWS` rows, :data:`MIN_COLUMNS`
@@ -34,12 +34,30 @@ How
     that sees them and read in place; only a row's last chunks (the end of the cache and its tree
     ancestors) are gathered per row.
 
+Two layouts of the same rule
+    On a CPU the rows are laid out on the host: grouped by their first visible column, each
+    group's chunks sized to its widest row. A CUDA graph cannot capture that (it reads the mask
+    back and makes shapes from it: measured on an H100, exact mode then ran every forward eagerly,
+    at 0.13-0.15x the speed of plain decoding). Everywhere else (:func:`uses_fixed_shapes`) the
+    layout is computed on the device at shapes fixed by the forward's row and column counts alone
+    (:func:`_fixed_block`): the scores and weights of every column, the *body* chunks (all but a
+    row's last two) multiplied in place for every store chunk at once and shifted to the row's
+    rank order, the last two chunks gathered per row, the softmax's denominator summed in the
+    numerator's order (a column of ones beside the values). That needs a row's committed tokens to
+    start at a multiple of :data:`CHUNK` in the store (:attr:`~specdraft.model.kv_store.KVStore.align`,
+    set in exact mode), and the result is then the same whatever the store's size. The two layouts
+    round differently from each other; each device uses one, so speculation and plain decoding
+    there round alike.
+
 Cost
     About a dense masked attention's arithmetic in float32 plus a gather of a few chunks per row.
     Measured per layer on an AVX-512 CPU with Qwen2.5-0.5B's heads (``benchmarks/exact_price.py``):
     a plain step padded to two rows costs half of ``sdpa``'s one-row step (0.3-0.5x), trees of
     2-4 rows cost about what ``sdpa`` does, and wider ones more (1.1-1.3x at 8 rows, 1.6-2x at
-    64), since ``sdpa``'s flash kernel multiplies bfloat16 where this multiplies float32.
+    64), since ``sdpa``'s flash kernel multiplies bfloat16 where this multiplies float32. The fixed
+    layout does the body's product for every store chunk and carries a partial per chunk, so it
+    costs more arithmetic than the host layout at long contexts (on that CPU 2-5x per layer), in
+    about 30 small kernels per layer: a GPU replays them in the forward's graph.
 
 Requirements on the caller
     Each row's visible keys, in column order, must be in position order (a cache that holds the
@@ -83,7 +101,7 @@ class ExactAttentionError(RuntimeError):
     """The exact attention cannot run this call; the message says what is unsupported."""
 
 
-def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def padded_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.bmm(a, b)`` with at least :data:`MIN_ROWS` rows, :data:`MIN_COLUMNS` columns and
     two batch entries (zero padding, cut off again), so that every call runs the same float32
     kernel whatever its shape."""
@@ -98,7 +116,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a, b)[:batch, :rows, :columns]
 
 
-def _allowed(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+def visible_columns(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """``[batch, q, kv]`` bool, contiguous: which key columns each query row may attend to. Without
     a mask the ``q`` rows are the last ``q`` positions of a causal sequence over the ``kv`` columns."""
     if mask is None:
@@ -173,7 +191,7 @@ def _attend_block(block: _Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     kv = k.shape[1]
     chunks, width = block.chunks, block.chunks * CHUNK
     # 1. scores for every column: one dot over the head dimension each
-    scores = _bmm(q.reshape(heads_kv, groups * rows, dim), k.transpose(1, 2)).view(heads_kv, groups, rows, kv)
+    scores = padded_bmm(q.reshape(heads_kv, groups * rows, dim), k.transpose(1, 2)).view(heads_kv, groups, rows, kv)
     # 2. gathered to ranks, padded with -inf to whole chunks, softmax in float32
     ranked = scores.gather(3, block.index.expand(heads_kv, groups, rows, width)).add_(block.bias)
     probs = torch.softmax(ranked, dim=-1)
@@ -181,13 +199,13 @@ def _attend_block(block: _Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     #    again from gathered keys for the chunks that are not (a tree's ancestors after a gap)
     v_in_place = v[:, :width] if width <= kv else torch.cat([v, v.new_zeros(heads_kv, width - kv, dim)], dim=1)
     p = probs.view(heads_kv, groups, rows, chunks, CHUNK).permute(0, 3, 2, 1, 4)  # [Hkv, chunks, R, groups, C]
-    partial = _bmm(p.reshape(heads_kv * chunks, rows * groups, CHUNK),
+    partial = padded_bmm(p.reshape(heads_kv * chunks, rows * groups, CHUNK),
                    v_in_place.reshape(heads_kv * chunks, CHUNK, dim)).view(heads_kv, chunks * rows, groups, dim)
     pairs = block.pairs.numel()
     if pairs:
         vals = v.index_select(1, block.pair_columns).view(heads_kv, pairs, CHUNK, dim).transpose(0, 1)
         p = p.reshape(heads_kv, chunks * rows, groups, CHUNK).index_select(1, block.pairs)
-        out = _bmm(p.transpose(0, 1).reshape(pairs * heads_kv, groups, CHUNK),
+        out = padded_bmm(p.transpose(0, 1).reshape(pairs * heads_kv, groups, CHUNK),
                    vals.reshape(pairs * heads_kv, CHUNK, dim))
         partial.index_copy_(1, block.pairs, out.view(pairs, heads_kv, groups, dim).transpose(0, 1))
     # 4. chunks added in rank order, pairwise over a power-of-two count: the zeros of chunks a row
@@ -220,7 +238,7 @@ class _LayoutCache:
         with self._lock:
             if key == self._key and (mask is None or torch.equal(mask, self._mask)):
                 return self._layout
-        allowed = _allowed(mask, batch, q_len, kv_len, device)
+        allowed = visible_columns(mask, batch, q_len, kv_len, device)
         layout = [_layout(allowed[b]) for b in range(batch)]
         with self._lock:
             self._key, self._layout = key, layout
@@ -231,6 +249,166 @@ class _LayoutCache:
 _LAYOUTS = _LayoutCache()
 
 
+# -- fixed shapes: what a CUDA graph can capture ----------------------------------------------------
+
+#: Whether the fixed-shape layout runs (:func:`uses_fixed_shapes`): ``None`` picks it on every device
+#: but the CPU; ``True``/``False`` force it either way (tests run it on a CPU).
+FIXED_SHAPES: bool | None = None
+
+#: Float32 elements the per-chunk partials of one row block may take (rows per block shrink past it).
+FIXED_BLOCK_ELEMENTS = 1 << 23
+
+
+def uses_fixed_shapes(device: torch.device) -> bool:
+    """Whether exact attention on ``device`` lays out its rows at fixed shapes on the device (see
+    :func:`_fixed_block`) rather than on the host. Every exact forward on a device takes the same
+    layout, so speculation and plain decoding round alike."""
+    return FIXED_SHAPES if FIXED_SHAPES is not None else device.type != "cpu"
+
+
+@dataclass
+class _FixedBlock:
+    """Rows ``[at, at + R)`` of a forward laid out at shapes fixed by ``R`` and the padded key count
+    ``Cp`` alone: device tensors, computed once per forward with no host read.
+
+    A row's visible keys are cut by rank into chunks of :data:`CHUNK`. All but its last two chunks
+    (the *body*) are committed tokens of its region, which start at a store row that is a multiple
+    of :data:`CHUNK` (:attr:`~specdraft.model.kv_store.KVStore.align`), so body chunk ``j`` is
+    store chunk ``first // CHUNK + j``, read in place; the last two chunks (the *tail*: the end of
+    the committed tokens and the row's tree ancestors, at most 64 keys past them) are gathered."""
+
+    at: int
+    rows: int
+    hidden: torch.Tensor  # [R, Cp] bool: not visible
+    off_body: torch.Tensor  # [R, Cp] not visible, or not in a body chunk
+    shift: torch.Tensor  # [S, R] store chunk of rank chunk s (the zero chunk M past the row's first)
+    tail_columns: torch.Tensor  # [R, 2 * CHUNK] column of each tail rank (0 past the row's count)
+    past_count: torch.Tensor  # [R, 2 * CHUNK] tail ranks past the row's count
+    tail_pick: torch.Tensor  # [S, R] at rank chunk s: the tail's first (0) or second (1) chunk, or nothing (2)
+    slots: int  # S: a power of two above the store's chunk count
+
+
+def _fixed_block(allowed: torch.Tensor, at: int) -> _FixedBlock:
+    """The layout of rows whose ``[R, Cp]`` part of the mask is ``allowed`` (``Cp`` a multiple of
+    :data:`CHUNK`)."""
+    rows, columns = allowed.shape
+    chunks = columns // CHUNK
+    device = allowed.device
+    # rank -> column: the visible columns first, in column order (a stable sort of fixed shape)
+    order = torch.argsort(allowed.logical_not().to(torch.uint8), dim=1, stable=True)
+    count = allowed.sum(dim=1)
+    first = allowed.to(torch.uint8).argmax(dim=1)
+    tail_chunk = ((count - 1).clamp(min=0) // CHUNK - 1).clamp(min=0)
+    ranks = allowed.to(torch.int64).cumsum(dim=1) - 1
+    off_body = ~(allowed & (ranks < (tail_chunk * CHUNK)[:, None]))
+    tail_ranks = tail_chunk[:, None] * CHUNK + torch.arange(2 * CHUNK, device=device)
+    tail_valid = tail_ranks < count[:, None]
+    tail_columns = order.gather(1, tail_ranks.clamp(max=columns - 1)).masked_fill(~tail_valid, 0)
+    slots = 1 << chunks.bit_length()  # room for every chunk and the tail's second past the last
+    shift = ((first // CHUNK)[None, :] + torch.arange(slots, device=device)[:, None]).clamp(max=chunks)
+    tail_pick = (torch.arange(slots, device=device)[:, None] - tail_chunk[None, :]).clamp(min=-1)
+    tail_pick = torch.where((tail_pick == 0) | (tail_pick == 1), tail_pick, 2)
+    return _FixedBlock(at, rows, ~allowed, off_body, shift, tail_columns, ~tail_valid, tail_pick, slots)
+
+
+def _attend_fixed(block: _FixedBlock, q: torch.Tensor, k: torch.Tensor, v_ext: torch.Tensor) -> torch.Tensor:
+    """Attention of one fixed block's rows. ``q`` is ``[kv_heads, groups, R, D]`` float32 (scaled),
+    ``k`` ``[kv_heads, Cp, D]`` and ``v_ext`` ``[kv_heads, Cp, D + 1]`` float32, the values with a
+    column of ones (so each chunk's product also sums its weights: the softmax's denominator takes
+    the numerator's order). Returns ``[R, kv_heads, groups, D]``.
+
+    Every step is of fixed shape, and every sum's order is a function of the row's own ranks: the
+    scores are one dot each; the weights ``exp(score - max)`` are elementwise (the maximum is
+    exact in any order); each chunk's product has the inner length :data:`CHUNK`; the chunks are
+    put in rank order (the body's shifted by the row's first chunk, the tail's placed at its rank
+    chunks) and added pairwise over a power of two, where the zeros of chunks past the row's last
+    change nothing, whatever the store's size."""
+    heads_kv, groups, rows, dim = q.shape
+    columns = k.shape[1]
+    chunks, width = columns // CHUNK, dim + 1
+    scores = padded_bmm(q.reshape(heads_kv, groups * rows, dim), k.transpose(1, 2)).view(heads_kv, groups, rows,
+                                                                                          columns)
+    scores = scores.masked_fill(block.hidden, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # a row seeing nothing: 0s
+    weights = torch.exp(scores - top)
+    # the body: every store chunk in place, each row's weights outside its body zeroed
+    body = weights.masked_fill(block.off_body, 0.0).view(heads_kv, groups, rows, chunks, CHUNK).permute(0, 3, 2, 1, 4)
+    partial = padded_bmm(body.reshape(heads_kv * chunks, rows * groups, CHUNK),
+                         v_ext.reshape(heads_kv * chunks, CHUNK, width)).view(heads_kv, chunks, rows, groups, width)
+    partial = torch.cat([partial, partial.new_zeros(heads_kv, 1, rows, groups, width)], dim=1)
+    ordered = partial.gather(1, block.shift.view(1, block.slots, rows, 1, 1).expand(heads_kv, block.slots, rows,
+                                                                                    groups, width))
+    # the tail: its two chunks gathered per row, added at their rank chunks (zeros in the body there)
+    tail = weights.gather(3, block.tail_columns.expand(heads_kv, groups, rows, 2 * CHUNK))
+    tail = tail.masked_fill(block.past_count, 0.0).view(heads_kv, groups, rows, 2, CHUNK).permute(0, 2, 3, 1, 4)
+    values = v_ext.index_select(1, block.tail_columns.reshape(-1)).view(heads_kv * rows * 2, CHUNK, width)
+    tail = padded_bmm(tail.reshape(heads_kv * rows * 2, groups, CHUNK), values).view(heads_kv, rows, 2, groups, width)
+    tail = torch.cat([tail.transpose(1, 2), tail.new_zeros(heads_kv, 1, rows, groups, width)], dim=1)
+    ordered = ordered + tail.gather(1, block.tail_pick.view(1, block.slots, rows, 1, 1).expand(
+        heads_kv, block.slots, rows, groups, width))
+    size = block.slots
+    while size > 1:
+        ordered = ordered[:, 0::2] + ordered[:, 1::2]
+        size //= 2
+    total = ordered[:, 0]  # [Hkv, R, groups, D + 1]
+    numerator, denominator = total[..., :dim], total[..., dim:]
+    return (numerator / denominator.clamp(min=torch.finfo(torch.float32).tiny)).transpose(0, 1)  # nothing seen: 0
+
+
+class _FixedLayouts:
+    """The fixed layout of the mask of the current forward. Every layer gets the same mask object,
+    so the layout is kept for that object (held, so that no later mask can take its identity) and
+    computed again for any other: no comparison of contents, which would read the device."""
+
+    def __init__(self) -> None:
+        self._mask: torch.Tensor | None = None
+        self._key: tuple | None = None
+        self._layout: list[list[_FixedBlock]] = []
+        self._lock = threading.Lock()
+
+    def get(self, mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, columns: int,
+            device: torch.device, heads_kv: int, groups: int) -> list[list[_FixedBlock]]:
+        key = (batch, q_len, kv_len, columns, str(device), heads_kv, groups)
+        with self._lock:
+            if key == self._key and mask is self._mask:
+                return self._layout
+        allowed = visible_columns(mask, batch, q_len, kv_len, device)
+        if columns > kv_len:
+            allowed = torch.cat([allowed, allowed.new_zeros(batch, q_len, columns - kv_len)], dim=2)
+        slots = 1 << (columns // CHUNK).bit_length()
+        per_block = max(1, min(ROW_BLOCK, FIXED_BLOCK_ELEMENTS // (slots * heads_kv * groups * CHUNK)))
+        layout = [[_fixed_block(allowed[b, at : at + per_block], at) for at in range(0, q_len, per_block)]
+                  for b in range(batch)]
+        with self._lock:
+            self._mask, self._key, self._layout = mask, key, layout
+        return layout
+
+
+_FIXED_LAYOUTS = _FixedLayouts()
+
+
+def _exact_fixed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                 scale: float, groups: int) -> torch.Tensor:
+    """:func:`exact_attention` at fixed shapes: ``[B, q, H, D]`` float32."""
+    batch, heads, q_len, dim = query.shape
+    heads_kv, kv_len = key.shape[1], key.shape[2]
+    columns = -(-kv_len // CHUNK) * CHUNK
+    layout = _FIXED_LAYOUTS.get(mask, batch, q_len, kv_len, columns, query.device, heads_kv, groups)
+    out = query.new_zeros(batch, q_len, heads, dim, dtype=torch.float32)
+    for b in range(batch):
+        q = (query[b].to(torch.float32) * scale).reshape(heads_kv, groups, q_len, dim)
+        k = key[b].to(torch.float32)
+        v = value[b].to(torch.float32)
+        if columns > kv_len:
+            k = torch.cat([k, k.new_zeros(heads_kv, columns - kv_len, dim)], dim=1)
+            v = torch.cat([v, v.new_zeros(heads_kv, columns - kv_len, dim)], dim=1)
+        v_ext = torch.cat([v, v.new_ones(heads_kv, columns, 1)], dim=2)
+        for block in layout[b]:
+            rows = slice(block.at, block.at + block.rows)
+            out[b, rows] = _attend_fixed(block, q[:, :, rows], k, v_ext).reshape(block.rows, heads, dim)
+    return out
+
+
 def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                     is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -239,7 +417,8 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     ``query`` is ``[B, H, q, D]``, ``key``/``value`` ``[B, Hkv, kv, D]``; ``attention_mask`` a 4D
     ``[B, 1, q, kv]`` bool (or additive) mask, or ``None`` for the last ``q`` positions of a causal
     sequence. Returns ``([B, q, H, D], None)`` in the query's dtype. A row with no visible key gets
-    zeros.
+    zeros. On a CPU the rows are laid out on the host; elsewhere at fixed shapes on the device
+    (:func:`uses_fixed_shapes`), with no host read, so that a CUDA graph can capture the forward.
     """
     if dropout and module.training:
         raise ExactAttentionError("exact attention does not implement attention dropout; call model.eval()")
@@ -253,6 +432,11 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         raise ExactAttentionError(f"{heads} query heads cannot share {heads_kv} key/value heads evenly")
     groups = heads // heads_kv
     scale = scaling if scaling is not None else dim ** -0.5
+    if attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[1] != 1):
+        raise ExactAttentionError(f"exact attention takes a [batch, 1, q, kv] mask shared by all heads, got shape "
+                                  f"{tuple(attention_mask.shape)}")
+    if uses_fixed_shapes(query.device):
+        return _exact_fixed(query, key, value, attention_mask, scale, groups).to(query.dtype), None
     layout = _LAYOUTS.get(attention_mask, batch, q_len, kv_len, query.device)
     out = query.new_zeros(batch, q_len, heads, dim, dtype=torch.float32)
     for b in range(batch):

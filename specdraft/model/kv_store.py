@@ -128,6 +128,9 @@ class KVStore(DynamicCache):
         self.capacity = 0
         self.regions: list[Region] = []
         self.writes: Writes | None = None
+        #: every region starts at a multiple of this (exact attention at fixed shapes reads a
+        #: region's committed tokens in place, chunk by chunk, when its start is a chunk boundary)
+        self.align = 1
         #: accepted rows to move (source, destination) before the next forward writes
         self._moves: tuple[list[int], list[int]] = ([], [])
 
@@ -153,7 +156,8 @@ class KVStore(DynamicCache):
         self.capacity = max(self.capacity, int(rows))
 
     def allocate(self, capacity: int) -> Region:
-        """A region of ``capacity`` rows (first fit; the buffers grow when none fits)."""
+        """A region of ``capacity`` rows starting at a multiple of :attr:`align` (first fit; the
+        buffers grow when none fits)."""
         capacity = int(capacity)
         if capacity < 1:
             raise ValueError(f"a region needs at least one row, got {capacity}")
@@ -161,7 +165,7 @@ class KVStore(DynamicCache):
         for region in sorted(self.regions, key=lambda r: r.start):
             if region.start - at >= capacity:
                 break
-            at = max(at, region.end)
+            at = -(-max(at, region.end) // self.align) * self.align
         if at + capacity > self.capacity:
             self.capacity = max(at + capacity, 2 * self.capacity)
         region = Region(at, capacity)

@@ -1,0 +1,219 @@
+"""Exact attention at fixed shapes (what a GPU runs, so that a CUDA graph can capture it), on a CPU.
+
+Off the CPU the exact attention lays out its rows on the device at shapes fixed by the forward's
+row and column counts, with no host read (``exact_attention.FIXED_SHAPES`` forces that layout here).
+What a CPU can check is checked: every row equals a one-row call over its visible keys alone, at
+any row count, among masked keys, with the region moved by whole chunks or the store grown; the
+values equal ``sdpa``'s to rounding; the layout runs on shapeless ``meta`` tensors (no host read,
+no shape that depends on the mask); KV-store regions start at chunk boundaries in exact mode; and
+a decoder set up as on a GPU (fixed-width buckets, forwards "captured" and replayed) gives exact
+plain decoding's tokens in bfloat16, alone and batched.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import specdraft.model.exact_attention as exact
+from specdraft import BatchRequest, Decoder
+from specdraft.engine.widths import exact_buckets
+from specdraft.kernels.exact_rows import load_or_probe
+from specdraft.model.exact_attention import CHUNK, exact_attention
+from specdraft.model.kv_store import KVStore
+from specdraft.model.static import Buckets, RerunGraph
+from specdraft.sources.registry import make_sources
+
+from conftest import ancestor_block, repetitive_prompt, wide_llama
+
+NEW = 40
+
+
+@pytest.fixture(autouse=True)
+def fixed_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(exact, "FIXED_SHAPES", True)
+
+
+class _Module(nn.Module):
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.eval()
+
+
+def _attend(q, k, v, allowed):
+    mask = None if allowed is None else torch.as_tensor(allowed)[None, None]
+    out, _ = exact_attention(_Module(q.shape[1] // k.shape[1]), q, k, v, mask)
+    return out[0]
+
+
+def _tree(n: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, n)]
+
+
+def _with_columns_before(x: torch.Tensor, count: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.cat([torch.randn(*x.shape[:2], count, x.shape[3], generator=gen).to(x.dtype), x], dim=2)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,cache_len", [(14, 2, 64, 130), (4, 4, 8, 5), (6, 1, 16, 200),
+                                                           (14, 2, 64, 5 * CHUNK + 3)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fixed_rows_depend_only_on_their_visible_keys(heads: int, kv_heads: int, dim: int, cache_len: int,
+                                                      threads: int) -> None:
+    """Against single-row calls over the row's keys alone: any number of rows, interleaved masked
+    keys (a tree), the region moved by whole chunks, more store columns after it; in float32,
+    bfloat16 and float16, on 1 and 2 threads."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            gen = torch.Generator().manual_seed(heads * dim + cache_len)
+            n = 24
+            k = torch.randn(1, kv_heads, cache_len + n, dim, generator=gen).to(dtype)
+            v = torch.randn(1, kv_heads, cache_len + n, dim, generator=gen).to(dtype)
+            q = torch.randn(1, n, heads, dim, generator=gen).to(dtype).transpose(1, 2)
+            allowed = np.concatenate([np.ones((n, cache_len), dtype=bool), ancestor_block(_tree(n, dim))], axis=1)
+            alone = []
+            for r in range(n):
+                cols = np.flatnonzero(allowed[r])
+                alone.append(_attend(q[:, :, r : r + 1], k[:, :, cols], v[:, :, cols], None)[0])
+            for m in (1, 2, 3, 5, 24):
+                out = _attend(q[:, :, :m], k[:, :, : cache_len + m], v[:, :, : cache_len + m],
+                              allowed[:m, : cache_len + m])
+                bad = [r for r in range(m) if not torch.equal(out[r], alone[r])]
+                assert not bad, f"{dtype}, {m} rows: rows {bad} differ from their single-row results"
+            for before, after in ((CHUNK, 0), (2 * CHUNK, 100), (0, 7 * CHUNK + 1)):
+                moved_k = _with_columns_before(torch.cat([k, torch.randn(1, kv_heads, after, dim).to(dtype)], 2),
+                                               before, gen)
+                moved_v = _with_columns_before(torch.cat([v, torch.randn(1, kv_heads, after, dim).to(dtype)], 2),
+                                               before, gen)
+                mask = np.concatenate([np.zeros((n, before), dtype=bool), allowed, np.zeros((n, after), dtype=bool)],
+                                      axis=1)
+                out = _attend(q, moved_k, moved_v, mask)
+                bad = [r for r in range(n) if not torch.equal(out[r], alone[r])]
+                assert not bad, f"{dtype}: {before} columns before, {after} after: rows {bad} differ"
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_a_region_off_a_chunk_boundary_rounds_otherwise() -> None:
+    """Teeth for the store's alignment: the same keys 7 columns later give the same values to
+    rounding but other bits in some row (so regions must start at chunk boundaries)."""
+    gen = torch.Generator().manual_seed(14 * 64 + 130)
+    n, cache_len = 24, 130
+    k = torch.randn(1, 2, cache_len + n, 64, generator=gen).to(torch.bfloat16)
+    v = torch.randn(1, 2, cache_len + n, 64, generator=gen).to(torch.bfloat16)
+    q = torch.randn(1, n, 14, 64, generator=gen).to(torch.bfloat16).transpose(1, 2)
+    allowed = np.concatenate([np.ones((n, cache_len), dtype=bool), ancestor_block(_tree(n, 64))], axis=1)
+    out = _attend(q, k, v, allowed)
+    mask = np.concatenate([np.zeros((n, 7), dtype=bool), allowed], axis=1)
+    moved = _attend(q, _with_columns_before(k, 7, gen), _with_columns_before(v, 7, gen), mask)
+    assert torch.allclose(out.float(), moved.float(), atol=1e-2)
+    assert not torch.equal(out, moved)
+
+
+def test_fixed_attention_matches_sdpa_to_rounding() -> None:
+    """The same attention as ``sdpa`` up to float32 rounding, for any mask (rows seeing scattered
+    columns too) and without one (causal); a row that sees nothing gets zeros."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 14, 9, 64, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, 2, 300, 64, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, 2, 300, 64, generator=gen, dtype=torch.float64)
+    allowed = torch.rand(9, 300, generator=gen) < 0.7
+    allowed[:, 0] = True
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, None],
+                                                                enable_gqa=True).transpose(1, 2)[0]
+    got = _attend(q.float(), k.float(), v.float(), allowed)
+    assert torch.allclose(got.double(), expected, atol=2e-6), float((got.double() - expected).abs().max())
+    causal = _attend(q[:, :, :3].float(), k[:, :, :3].float(), v[:, :, :3].float(), None)
+    expected = torch.nn.functional.scaled_dot_product_attention(q[:, :, :3], k[:, :, :3], v[:, :, :3], is_causal=True,
+                                                                enable_gqa=True).transpose(1, 2)[0]
+    assert torch.allclose(causal.double(), expected, atol=2e-6)
+    allowed[4] = False
+    assert torch.equal(_attend(q.float(), k.float(), v.float(), allowed)[4], torch.zeros(14, 64))
+
+
+def test_fixed_layout_reads_nothing_back_from_the_device() -> None:
+    """On ``meta`` tensors (shapes without values) the fixed layout runs through: nothing in it
+    reads a value on the host or makes a shape from one, which a CUDA graph could not capture. The
+    host layout cannot (teeth)."""
+    meta = torch.device("meta")
+    q = torch.empty(1, 14, 8, 64, device=meta, dtype=torch.bfloat16)
+    k = torch.empty(1, 2, 300, 64, device=meta, dtype=torch.bfloat16)
+    mask = torch.empty(1, 1, 8, 300, device=meta, dtype=torch.bool)
+    out, _ = exact_attention(_Module(7), q, k, k, mask)
+    assert out.shape == (1, 8, 14, 64) and out.device == meta
+    exact.FIXED_SHAPES = False
+    with pytest.raises(NotImplementedError):
+        exact_attention(_Module(7), q, k, k, mask)
+
+
+def test_the_layout_is_laid_out_once_per_mask() -> None:
+    """Every layer of a forward gets the same mask object and reuses its layout; a new mask (even
+    one with the same values at the same address) is laid out anew."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 3, 8, generator=gen)
+    k = torch.randn(1, 2, 70, 8, generator=gen)
+    mask = torch.ones(1, 1, 3, 70, dtype=torch.bool)
+    first = _attend(q, k, k, mask[0, 0])
+    layouts = exact._FIXED_LAYOUTS
+    exact_attention(_Module(2), q, k, k, mask)
+    kept = layouts.get(mask, 1, 3, 70, 128, q.device, 2, 2)
+    assert layouts.get(mask, 1, 3, 70, 128, q.device, 2, 2) is kept
+    other = mask.clone()
+    other[0, 0, 1, 5:] = False
+    assert layouts.get(other, 1, 3, 70, 128, q.device, 2, 2) is not kept
+    changed = _attend(q, k, k, other[0, 0])
+    assert torch.equal(changed[0], first[0]) and not torch.equal(changed[1], first[1])
+
+
+def test_store_regions_start_at_chunk_boundaries_when_aligned() -> None:
+    store = KVStore()
+    store.align = CHUNK
+    regions = [store.allocate(n) for n in (10, 70, 1, 64)]
+    assert [r.start for r in regions] == [0, CHUNK, 3 * CHUNK, 4 * CHUNK]
+    store.release(regions[1])
+    assert store.allocate(20).start == CHUNK  # first fit, at a boundary
+    plain = KVStore()
+    assert [plain.allocate(n).start for n in (10, 70)] == [0, 10]
+
+
+@functools.lru_cache(maxsize=None)
+def _model():
+    model = wide_llama(torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _as_on_a_gpu(dec: Decoder) -> Decoder:
+    """What the decoder does on a GPU in exact mode: every decode forward at a bucket width where
+    the rule holds, from static buffers, each width "captured" (:class:`RerunGraph`)."""
+    rule = load_or_probe(dec.model, dec._packed)
+    buckets = Buckets(exact_buckets(rule), mixes_prompts=rule.wider)
+    dec.runner.use_static(buckets.widths, capture=True, graph_kind=RerunGraph)
+    dec.engine.padding = buckets
+    return dec
+
+
+def test_exact_mode_at_fixed_shapes_equals_exact_plain_decoding() -> None:
+    """bfloat16, the 896-wide model: speculation through captured fixed-width forwards gives the
+    tokens of exact plain decoding through them, alone and batched (regions side by side)."""
+    plain = _as_on_a_gpu(Decoder(_model(), sources=[], max_tree_nodes=0, exact=True, cpu_kernels="stock"))
+    dec = _as_on_a_gpu(Decoder(_model(), sources=make_sources(["prompt", "trie", "ngram", "suffix"]),
+                               max_tree_nodes=24, exact=True, cpu_kernels="stock"))
+    expected = {s: plain.generate(repetitive_prompt(s), max_new_tokens=NEW).token_ids for s in range(6)}
+    for s in range(3):
+        out = dec.generate(repetitive_prompt(s), max_new_tokens=NEW)
+        assert out.token_ids == expected[s], s
+        assert out.stats.steps < NEW  # trees were checked
+    result = dec.generate_batch([BatchRequest(repetitive_prompt(s), max_new_tokens=NEW) for s in range(2, 6)],
+                                concurrency=3)
+    assert [o.token_ids for o in result] == [expected[s] for s in range(2, 6)]
+    static = dec.runner.static
+    assert static.captured and static.note == ""
+    assert dec.runner.store.align == CHUNK
