@@ -103,12 +103,51 @@ def test_exact_mode_on_cuda_equals_exact_plain_decoding(dtype: torch.dtype) -> N
     assert sum(o.stats.steps for o in outs) < 48 * len(prompts)  # trees were really checked
     for decoder in (plain, dec):  # the exact attention did not keep a forward from its graph
         assert decoder.runner.static.captured and decoder.runner.static.note == "", decoder.runner.static.note
+    import specdraft.model.exact_attention as exact
+
+    assert exact.TRITON_NOTE == {}  # and ran as the Triton kernel
     result = dec.generate_batch(prompts, max_new_tokens=48, concurrency=4)
     assert [o.token_ids for o in result] == expected
     options = dict(do_sample=True, temperature=0.8, top_k=40, top_p=0.95, seed=11)
     for p in prompts[:3]:
         assert dec.generate(p, max_new_tokens=48, **options).token_ids == \
             plain.generate(p, max_new_tokens=48, **options).token_ids
+
+
+@pytest.mark.parametrize("triton", [True, False], ids=["triton-kernel", "torch-layout"])
+def test_exact_attention_rows_on_cuda_equal_their_one_row_results(triton: bool, monkeypatch) -> None:
+    """The exact attention's fixed shapes on the GPU, in the Triton kernel and in torch operations:
+    at every bucket width, every row of a tree over a cache equals the one-row call over its visible
+    keys alone, bit for bit (bfloat16)."""
+    import numpy as np
+
+    import specdraft.model.exact_attention as exact
+    from conftest import ancestor_block
+
+    monkeypatch.setattr(exact, "TRITON", triton)
+    gen = torch.Generator().manual_seed(9)
+    n, cache_len = 64, 300
+    k = torch.randn(1, 2, cache_len + n, 64, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 2, cache_len + n, 64, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, n, 14, 64, generator=gen).to(device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    parents = [-1] + [int(np.random.default_rng(i).integers(max(0, i - 4), i)) for i in range(1, n)]
+    allowed = np.concatenate([np.ones((n, cache_len), dtype=bool), ancestor_block(parents)], axis=1)
+
+    class Module(torch.nn.Module):
+        num_key_value_groups = 7
+
+    def attend(rows, keys, values, mask):
+        mask = None if mask is None else torch.as_tensor(mask, device="cuda")[None, None]
+        return exact.exact_attention(Module().eval(), rows, keys, values, mask)[0][0]
+
+    alone = [attend(q[:, :, r : r + 1], k[:, :, np.flatnonzero(allowed[r])], v[:, :, np.flatnonzero(allowed[r])],
+                    None)[0] for r in range(n)]
+    for width in (1, 8, 16, 32, 64):
+        out = attend(q[:, :, :width], k[:, :, : cache_len + width], v[:, :, : cache_len + width],
+                     allowed[:width, : cache_len + width])
+        bad = [r for r in range(width) if not torch.equal(out[r], alone[r])]
+        assert not bad, f"width {width}: rows {bad} differ from their one-row results"
+    assert exact.TRITON_NOTE == {}
 
 
 def test_repetition_penalty_on_cuda_equals_generate() -> None:

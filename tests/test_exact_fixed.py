@@ -13,6 +13,10 @@ plain decoding's tokens in bfloat16, alone and batched.
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,6 +40,20 @@ NEW = 40
 @pytest.fixture(autouse=True)
 def fixed_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(exact, "FIXED_SHAPES", True)
+    monkeypatch.setattr(exact, "TRITON", False)
+
+
+def _in_triton_interpreter(check: str) -> None:
+    """Run ``check`` (a function of this module) in a fresh process with Triton's interpreter on
+    (it is chosen when Triton is first imported, and transformers imports it early), on the
+    fixed shapes as one Triton kernel per layer."""
+    pytest.importorskip("triton", reason="the Triton kernel needs the triton package (pip install triton)")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_exact_fixed as t; "
+            "t.exact.FIXED_SHAPES = True; t.exact.TRITON = True; t." + check + "()")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 class _Module(nn.Module):
@@ -155,19 +173,20 @@ def test_fixed_layout_reads_nothing_back_from_the_device() -> None:
 
 def test_the_layout_is_laid_out_once_per_mask() -> None:
     """Every layer of a forward gets the same mask object and reuses its layout; a new mask (even
-    one with the same values at the same address) is laid out anew."""
+    one with the same values) is laid out anew."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(1, 4, 3, 8, generator=gen)
     k = torch.randn(1, 2, 70, 8, generator=gen)
     mask = torch.ones(1, 1, 3, 70, dtype=torch.bool)
     first = _attend(q, k, k, mask[0, 0])
-    layouts = exact._FIXED_LAYOUTS
-    exact_attention(_Module(2), q, k, k, mask)
-    kept = layouts.get(mask, 1, 3, 70, 128, q.device, 2, 2)
-    assert layouts.get(mask, 1, 3, 70, 128, q.device, 2, 2) is kept
+    made = []
+    layouts = exact._PerMask()
+    key = (1, 3, 70)
+    kept = layouts.get(mask, key, lambda: made.append(1) or object())
+    assert layouts.get(mask, key, lambda: made.append(1) or object()) is kept and len(made) == 1
+    assert layouts.get(mask.clone(), key, lambda: made.append(1) or object()) is not kept and len(made) == 2
     other = mask.clone()
     other[0, 0, 1, 5:] = False
-    assert layouts.get(other, 1, 3, 70, 128, q.device, 2, 2) is not kept
     changed = _attend(q, k, k, other[0, 0])
     assert torch.equal(changed[0], first[0]) and not torch.equal(changed[1], first[1])
 
@@ -217,3 +236,51 @@ def test_exact_mode_at_fixed_shapes_equals_exact_plain_decoding() -> None:
     static = dec.runner.static
     assert static.captured and static.note == ""
     assert dec.runner.store.align == CHUNK
+
+
+# -- the same, in the Triton kernel ----------------------------------------------------------------
+
+
+def test_triton_rows_depend_only_on_their_visible_keys() -> None:
+    _in_triton_interpreter("_triton_rows")
+
+
+def test_triton_exact_mode_equals_exact_plain_decoding() -> None:
+    _in_triton_interpreter("_triton_decoding")
+
+
+def _triton_rows() -> None:
+    """The kernel's rows equal one-row calls over their keys alone: any number of rows, a tree's
+    masked keys, the keys at any column offset (the kernel reads them through the rank table), in
+    bfloat16 and float32; and its values equal ``sdpa``'s to rounding."""
+    gen = torch.Generator().manual_seed(5)
+    n, cache_len = 12, 70
+    for dtype in (torch.bfloat16, torch.float32):
+        k = torch.randn(1, 2, cache_len + n, 64, generator=gen).to(dtype)
+        v = torch.randn(1, 2, cache_len + n, 64, generator=gen).to(dtype)
+        q = torch.randn(1, n, 14, 64, generator=gen).to(dtype).transpose(1, 2)
+        allowed = np.concatenate([np.ones((n, cache_len), dtype=bool), ancestor_block(_tree(n, 7))], axis=1)
+        alone = [_attend(q[:, :, r : r + 1], k[:, :, np.flatnonzero(allowed[r])], v[:, :, np.flatnonzero(allowed[r])],
+                         None)[0] for r in range(n)]
+        for m in (1, 5, n):
+            out = _attend(q[:, :, :m], k[:, :, : cache_len + m], v[:, :, : cache_len + m], allowed[:m, : cache_len + m])
+            assert all(torch.equal(out[r], alone[r]) for r in range(m)), (dtype, m)
+        mask = np.concatenate([np.zeros((n, 7), dtype=bool), allowed], axis=1)
+        out = _attend(q, _with_columns_before(k, 7, gen), _with_columns_before(v, 7, gen), mask)
+        assert all(torch.equal(out[r], alone[r]) for r in range(n)), dtype
+    test_fixed_attention_matches_sdpa_to_rounding()
+
+
+def _triton_decoding() -> None:
+    """Decoding through "captured" fixed-width forwards on the kernel: speculation gives exact plain
+    decoding's tokens, alone and batched."""
+    plain = _as_on_a_gpu(Decoder(_model(), sources=[], max_tree_nodes=0, exact=True, cpu_kernels="stock"))
+    dec = _as_on_a_gpu(Decoder(_model(), sources=make_sources(["prompt", "ngram", "suffix"]), max_tree_nodes=8,
+                               exact=True, cpu_kernels="stock"))
+    new = 16
+    expected = [plain.generate(repetitive_prompt(s), max_new_tokens=new).token_ids for s in (0, 1)]
+    out = dec.generate(repetitive_prompt(0), max_new_tokens=new)
+    assert out.token_ids == expected[0] and out.stats.steps < new
+    result = dec.generate_batch([repetitive_prompt(s) for s in (0, 1)], max_new_tokens=new, concurrency=2)
+    assert [o.token_ids for o in result] == expected
+    assert exact.TRITON_NOTE == {}

@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -355,36 +355,57 @@ def _attend_fixed(block: _FixedBlock, q: torch.Tensor, k: torch.Tensor, v_ext: t
     return (numerator / denominator.clamp(min=torch.finfo(torch.float32).tiny)).transpose(0, 1)  # nothing seen: 0
 
 
-class _FixedLayouts:
-    """The fixed layout of the mask of the current forward. Every layer gets the same mask object,
+class _PerMask:
+    """What was laid out for the mask of the current forward. Every layer gets the same mask object,
     so the layout is kept for that object (held, so that no later mask can take its identity) and
-    computed again for any other: no comparison of contents, which would read the device."""
+    made again for any other: no comparison of contents, which would read the device."""
 
     def __init__(self) -> None:
         self._mask: torch.Tensor | None = None
         self._key: tuple | None = None
-        self._layout: list[list[_FixedBlock]] = []
+        self._value: Any = None
         self._lock = threading.Lock()
 
-    def get(self, mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, columns: int,
-            device: torch.device, heads_kv: int, groups: int) -> list[list[_FixedBlock]]:
-        key = (batch, q_len, kv_len, columns, str(device), heads_kv, groups)
+    def get(self, mask: torch.Tensor | None, key: tuple, make: Callable[[], Any]) -> Any:
         with self._lock:
             if key == self._key and mask is self._mask:
-                return self._layout
-        allowed = visible_columns(mask, batch, q_len, kv_len, device)
-        if columns > kv_len:
-            allowed = torch.cat([allowed, allowed.new_zeros(batch, q_len, columns - kv_len)], dim=2)
-        slots = 1 << (columns // CHUNK).bit_length()
-        per_block = max(1, min(ROW_BLOCK, FIXED_BLOCK_ELEMENTS // (slots * heads_kv * groups * CHUNK)))
-        layout = [[_fixed_block(allowed[b, at : at + per_block], at) for at in range(0, q_len, per_block)]
-                  for b in range(batch)]
+                return self._value
+        value = make()
         with self._lock:
-            self._mask, self._key, self._layout = mask, key, layout
-        return layout
+            self._mask, self._key, self._value = mask, key, value
+        return value
 
 
-_FIXED_LAYOUTS = _FixedLayouts()
+_FIXED_LAYOUTS = _PerMask()
+_ROW_ORDERS = _PerMask()
+
+
+def _padded_visible(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, columns: int,
+                    device: torch.device) -> torch.Tensor:
+    """:func:`visible_columns` padded with hidden columns to ``columns``."""
+    allowed = visible_columns(mask, batch, q_len, kv_len, device)
+    if columns > kv_len:
+        allowed = torch.cat([allowed, allowed.new_zeros(batch, q_len, columns - kv_len)], dim=2)
+    return allowed
+
+
+def _fixed_layout(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, columns: int,
+                  device: torch.device, heads_kv: int, groups: int) -> list[list[_FixedBlock]]:
+    """Each batch entry's row blocks (rows per block bounded by :data:`FIXED_BLOCK_ELEMENTS`)."""
+    allowed = _padded_visible(mask, batch, q_len, kv_len, columns, device)
+    slots = 1 << (columns // CHUNK).bit_length()
+    per_block = max(1, min(ROW_BLOCK, FIXED_BLOCK_ELEMENTS // (slots * heads_kv * groups * CHUNK)))
+    return [[_fixed_block(allowed[b, at : at + per_block], at) for at in range(0, q_len, per_block)]
+            for b in range(batch)]
+
+
+def _row_order(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, columns: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the Triton kernel: ``[B, q, columns]`` int32, each row's visible columns first in column
+    order, and ``[B, q]`` int32, how many it sees (fixed shapes, on the device)."""
+    allowed = _padded_visible(mask, batch, q_len, kv_len, columns, device)
+    order = torch.argsort(allowed.logical_not().to(torch.uint8), dim=2, stable=True)
+    return order.to(torch.int32).contiguous(), allowed.sum(dim=2).to(torch.int32).contiguous()
 
 
 def _exact_fixed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -393,7 +414,9 @@ def _exact_fixed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     batch, heads, q_len, dim = query.shape
     heads_kv, kv_len = key.shape[1], key.shape[2]
     columns = -(-kv_len // CHUNK) * CHUNK
-    layout = _FIXED_LAYOUTS.get(mask, batch, q_len, kv_len, columns, query.device, heads_kv, groups)
+    key_ = (batch, q_len, kv_len, columns, str(query.device), heads_kv, groups)
+    layout = _FIXED_LAYOUTS.get(mask, key_, lambda: _fixed_layout(mask, batch, q_len, kv_len, columns, query.device,
+                                                                  heads_kv, groups))
     out = query.new_zeros(batch, q_len, heads, dim, dtype=torch.float32)
     for b in range(batch):
         q = (query[b].to(torch.float32) * scale).reshape(heads_kv, groups, q_len, dim)
@@ -406,6 +429,53 @@ def _exact_fixed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
         for block in layout[b]:
             rows = slice(block.at, block.at + block.rows)
             out[b, rows] = _attend_fixed(block, q[:, :, rows], k, v_ext).reshape(block.rows, heads, dim)
+    return out
+
+
+#: Whether the fixed shapes run as one Triton kernel per layer (:mod:`specdraft.model.exact_triton`):
+#: ``None`` on CUDA where Triton is installed and its first call works; ``True``/``False`` force it.
+TRITON: bool | None = None
+
+#: Per device, why the Triton kernel does not run there (its first call failed).
+TRITON_NOTE: dict[str, str] = {}
+
+_TRITON_RAN: set[str] = set()
+
+
+def _uses_triton(device: torch.device) -> bool:
+    if TRITON is not None:
+        return TRITON
+    if device.type != "cuda" or str(device) in TRITON_NOTE:
+        return False
+    from . import exact_triton
+
+    return exact_triton.available()
+
+
+def _exact_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float) -> torch.Tensor | None:
+    """:func:`exact_attention` in the Triton kernel: ``[B, q, H, D]`` float32, or ``None`` where the
+    kernel's very first call on the device failed (the torch layout runs from then on, so one
+    process rounds one way; :data:`TRITON_NOTE` says why). A failure after a first success raises:
+    switching layouts mid-way would change the rounding of what is being decoded."""
+    from . import exact_triton
+
+    batch, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    columns = -(-kv_len // CHUNK) * CHUNK
+    device = str(query.device)
+    key_ = (batch, q_len, kv_len, columns, device)
+    try:
+        order, count = _ROW_ORDERS.get(mask, key_, lambda: _row_order(mask, batch, q_len, kv_len, columns,
+                                                                       query.device))
+        out = exact_triton.attend(query, key, value, order, count, scale)
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here falls back, and says why
+        if device in _TRITON_RAN or TRITON:
+            raise ExactAttentionError(f"the Triton kernel of exact attention failed on {device} after running "
+                                      f"({type(exc).__name__}: {exc}); set exact_attention.TRITON = False") from exc
+        TRITON_NOTE[device] = f"{type(exc).__name__}: {exc}"
+        return None
+    _TRITON_RAN.add(device)
     return out
 
 
@@ -436,7 +506,10 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         raise ExactAttentionError(f"exact attention takes a [batch, 1, q, kv] mask shared by all heads, got shape "
                                   f"{tuple(attention_mask.shape)}")
     if uses_fixed_shapes(query.device):
-        return _exact_fixed(query, key, value, attention_mask, scale, groups).to(query.dtype), None
+        out = _exact_triton(query, key, value, attention_mask, scale) if _uses_triton(query.device) else None
+        if out is None:
+            out = _exact_fixed(query, key, value, attention_mask, scale, groups)
+        return out.to(query.dtype), None
     layout = _LAYOUTS.get(attention_mask, batch, q_len, kv_len, query.device)
     out = query.new_zeros(batch, q_len, heads, dim, dtype=torch.float32)
     for b in range(batch):
