@@ -47,7 +47,9 @@ Two layouts of the same rule
     start at a multiple of :data:`CHUNK` in the store (:attr:`~specdraft.model.kv_store.KVStore.align`,
     set in exact mode), and the result is then the same whatever the store's size. The two layouts
     round differently from each other; each device uses one, so speculation and plain decoding
-    there round alike.
+    there round alike. On CUDA, where Triton is installed, the fixed layout runs as one kernel per
+    layer instead (:mod:`specdraft.model.exact_triton`: a program per row walks its keys in rank
+    order), which needs no alignment; the torch operations remain where it cannot run.
 
 Cost
     About a dense masked attention's arithmetic in float32 plus a gather of a few chunks per row.
