@@ -22,7 +22,9 @@ so other work on the machine does not count.
         --out benchmarks/results/draft-pause-<date>-<commit>
 
 ``--forward-ms 0`` runs the CPU as it is instead (its own forward times, the decoder's default
-CPU kernels), to check that drafting pauses leave CPU decoding alone.
+CPU kernels), to check that drafting pauses leave CPU decoding alone. ``--extra NAME=SOURCES``
+adds a method with other sources (for example ``--extra tr=prompt,trie,ngram,suffix,recycle``:
+what the default would do with Token Recycling where a tree of 64 rows costs what one row does).
 """
 
 from __future__ import annotations
@@ -78,10 +80,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--forward-ms", type=float, default=3.4)
+    parser.add_argument("--extra", action="append", default=[], metavar="NAME=SOURCES",
+                        help="another method: the default decoder with these sources (repeatable)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.prompts < 1 or args.new_tokens < 2 or not args.forward_ms >= 0:
         parser.error("--prompts >= 1, --new-tokens >= 2 and --forward-ms >= 0 are required")
+    from specdraft.sources.registry import parse_source_names
+
+    extras = {}
+    for item in args.extra:
+        name, _, sources = item.partition("=")
+        if not name or not sources or name in METHODS or name in extras:
+            parser.error(f"--extra takes NAME=SOURCES with a new name, got {item!r}")
+        extras[name] = parse_source_names(sources)
+    args.extras = extras
     return args
 
 
@@ -102,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     from specdraft import Decoder
     from specdraft.bench.datasets import load_prompts
     from specdraft.models import load_model
+    from specdraft.sources.registry import make_sources
 
     torch.set_num_threads(1)
     model, tokenizer = load_model(args.model, dtype=args.dtype, progress=False)
@@ -115,20 +129,23 @@ def main(argv: list[str] | None = None) -> int:
         decoders = {"plain": Decoder(model, tokenizer, max_tree_nodes=0, cpu_kernels=kernels),
                     "no-pause": Decoder(model, tokenizer, cpu_kernels=kernels),
                     "default": Decoder(model, tokenizer, cpu_kernels=kernels)}
+        decoders.update({name: Decoder(model, tokenizer, sources=make_sources(names), cpu_kernels=kernels)
+                         for name, names in args.extras.items()})
+        methods = [*METHODS, *args.extras]
         decoders["no-pause"].budget.drafting_share = 0.0
         for dec in decoders.values():
             dec.clock = clock
             dec.generate(prompts[0][:64], max_new_tokens=8)  # warm: kernels chosen, budget priced
         rows = []
         for index, prompt in enumerate(prompts):
-            row = {m: run_method(decoders, m, prompt, args.new_tokens, clock) for m in METHODS}
+            row = {m: run_method(decoders, m, prompt, args.new_tokens, clock) for m in methods}
             plain_tokens = row["plain"]["tokens"]
-            for m in METHODS:
+            for m in methods:
                 row[m]["same_as_plain"] = row[m].pop("tokens") == plain_tokens
             rows.append(row)
             print(f"{dataset} {index}: " + "  ".join(
                 f"{m} {row[m]['ms_per_token']:.2f} ms/tok {row[m]['tokens_per_step']:.2f} tok/step "
-                f"skip {row[m]['skipped_drafts']}" for m in METHODS), file=sys.stderr, flush=True)
+                f"skip {row[m]['skipped_drafts']}" for m in methods), file=sys.stderr, flush=True)
         results["datasets"][dataset] = {"prompts": rows, "summary": summarize(rows)}
         for dec in decoders.values():
             dec.close()
@@ -144,7 +161,7 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         return [r["plain"]["ms_per_token"] / r[m]["ms_per_token"] for r in rows]
 
     summary: dict[str, Any] = {}
-    for m in METHODS:
+    for m in rows[0]:
         summary[m] = {
             "median_ms_per_token": round(statistics.median(r[m]["ms_per_token"] for r in rows), 3),
             "median_vs_plain": round(statistics.median(ratios(m)), 3),
@@ -194,7 +211,7 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
         pass
     return {"date": time.strftime("%Y-%m-%d"), "commit": commit, "model": args.model, "dtype": args.dtype,
             "cpu": cpu, "torch": torch.__version__, "forward_ms": args.forward_ms, "new_tokens": args.new_tokens,
-            "prompts": args.prompts}
+            "prompts": args.prompts, "extra": args.extra}
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def fixed_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
 def _in_triton_interpreter(check: str) -> None:
     """Run ``check`` (a function of this module) in a fresh process with Triton's interpreter on
     (it is chosen when Triton is first imported, and transformers imports it early), on the
-    fixed shapes as one Triton kernel per layer."""
+    fixed shapes as Triton kernels."""
     pytest.importorskip("triton", reason="the Triton kernel needs the triton package (pip install triton)")
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_exact_fixed as t; "
             "t.exact.FIXED_SHAPES = True; t.exact.TRITON = True; t." + check + "()")
@@ -251,10 +251,10 @@ def test_triton_exact_mode_equals_exact_plain_decoding() -> None:
 
 def _triton_rows() -> None:
     """The kernel's rows equal one-row calls over their keys alone: any number of rows, a tree's
-    masked keys, the keys at any column offset (the kernel reads them through the rank table), in
-    bfloat16 and float32; and its values equal ``sdpa``'s to rounding."""
+    masked keys, the keys at any column offset (the kernel reads them through the rank table), a
+    walk in several segments, in bfloat16 and float32; and its values equal ``sdpa``'s to rounding."""
     gen = torch.Generator().manual_seed(5)
-    n, cache_len = 12, 70
+    n, cache_len = 12, 300  # rows walked in two segments
     for dtype in (torch.bfloat16, torch.float32):
         k = torch.randn(1, 2, cache_len + n, 64, generator=gen).to(dtype)
         v = torch.randn(1, 2, cache_len + n, 64, generator=gen).to(dtype)

@@ -47,9 +47,10 @@ Two layouts of the same rule
     start at a multiple of :data:`CHUNK` in the store (:attr:`~specdraft.model.kv_store.KVStore.align`,
     set in exact mode), and the result is then the same whatever the store's size. The two layouts
     round differently from each other; each device uses one, so speculation and plain decoding
-    there round alike. On CUDA, where Triton is installed, the fixed layout runs as one kernel per
-    layer instead (:mod:`specdraft.model.exact_triton`: a program per row walks its keys in rank
-    order), which needs no alignment; the torch operations remain where it cannot run.
+    there round alike. On CUDA, where Triton is installed, the fixed shapes run as two kernels per
+    layer instead (:mod:`specdraft.model.exact_triton`: programs walk each row's keys in rank
+    order, segment by segment, then combine the segments in order), which need no alignment; the
+    torch operations remain where they cannot run.
 
 Cost
     About a dense masked attention's arithmetic in float32 plus a gather of a few chunks per row.
@@ -434,7 +435,7 @@ def _exact_fixed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     return out
 
 
-#: Whether the fixed shapes run as one Triton kernel per layer (:mod:`specdraft.model.exact_triton`):
+#: Whether the fixed shapes run as Triton kernels (:mod:`specdraft.model.exact_triton`):
 #: ``None`` on CUDA where Triton is installed and its first call works; ``True``/``False`` force it.
 TRITON: bool | None = None
 
