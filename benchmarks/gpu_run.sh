@@ -7,6 +7,7 @@
 #      default, bfloat16, greedy;
 #   3. --concurrency 1,8 on HumanEval 8;
 #   4. the step profile (ms per step: forward, host, idle; plain and tree steps) of benchmarks/gpu_steps.py;
+#   5. the exact attention's price in CUDA graphs (sdpa, its Triton kernels, its torch layout);
 # and writes everything under benchmarks/results/gpu-<gpu>-<date>-<commit>/, whose summary.json
 # files scripts/render_tables.py renders into the README's GPU rows.
 #
@@ -37,6 +38,8 @@ step() { echo "gpu_run.sh: $* ($(( $(date +%s) - started )) s in)" >&2; }
 
 step "pytest -m cuda"
 "$PY" -m pytest -m cuda -q -p no:cacheprovider 2>&1 | tee "$out/pytest-cuda.txt" || true
+step "exact attention's price"
+"$PY" benchmarks/exact_attention_price.py --device cuda --out "$out/exact-attention-price" || true
 
 methods=baseline,generate-static,hf-prompt-lookup,plain,default,default@nopause
 step "bench: HumanEval 10, MT-Bench 10"

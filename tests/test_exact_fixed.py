@@ -13,6 +13,7 @@ plain decoding's tokens in bfloat16, alone and batched.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -289,3 +290,17 @@ def _triton_decoding() -> None:
     result = dec.generate_batch([repetitive_prompt(s) for s in (1, 0)], max_new_tokens=new, concurrency=2)
     assert [o.token_ids for o in result] == expected[::-1]
     assert exact.TRITON_NOTE == {}
+
+
+def test_the_price_script_runs_and_checks_against_sdpa(tmp_path: Path) -> None:
+    """``benchmarks/exact_attention_price.py`` on the CPU (its GPU run replays CUDA graphs): every
+    mode timed and within bfloat16 rounding of ``sdpa``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import exact_attention_price
+
+    assert exact_attention_price.main(["--device", "cpu", "--widths", "1,8", "--capacities", "256", "--layers", "2",
+                                       "--repeats", "1", "--modes", "sdpa,torch", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "price.json").read_text())["rows"]
+    assert [(r["width"], r["capacity"]) for r in rows] == [(1, 256), (8, 256)]
+    assert all(r["torch"]["ms_per_forward"] > 0 and r["torch"]["max_abs_vs_sdpa"] < 1e-2 for r in rows)
+    assert "| 256 | 8 |" in (tmp_path / "price.md").read_text()
