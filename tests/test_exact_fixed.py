@@ -241,6 +241,29 @@ def test_exact_mode_at_fixed_shapes_equals_exact_plain_decoding() -> None:
     assert dec.runner.store.align == CHUNK
 
 
+
+def test_exact_mode_on_a_simulated_gpu_reads_once_per_step() -> None:
+    """The decoder on a simulated CUDA device in exact mode (its GPU set-up: buckets where the rule
+    holds, static buffers, aligned regions, the fixed layout): one read and one upload per step, as
+    outside exact mode, and exact plain decoding's tokens."""
+    from specdraft.simulated_device import SimulatedDevice
+
+    model = wide_llama(torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    sim = SimulatedDevice()
+    sim.adopt(model)
+    with sim:
+        plain = Decoder(model, None, sources=[], max_tree_nodes=0, exact=True, cpu_kernels="stock")
+        dec = Decoder(model, None, sources=make_sources(["prompt", "ngram", "suffix"]), max_tree_nodes=16,
+                      adaptive_budget=False, exact=True, cpu_kernels="stock")
+        assert dec.runner.static is not None and dec.runner.store.align == CHUNK
+        expected = plain.generate(repetitive_prompt(0), max_new_tokens=24).token_ids
+        sim.reset_counts()
+        out = dec.generate(repetitive_prompt(0), max_new_tokens=24)
+        assert out.token_ids == expected and out.stats.steps < 24
+        assert sim.counts.syncs == out.stats.steps, sim.counts.log
+        assert sim.counts.uploads <= out.stats.steps, sim.counts.log
+
 # -- the same, in the Triton kernel ----------------------------------------------------------------
 
 
