@@ -264,6 +264,34 @@ def test_exact_mode_on_a_simulated_gpu_reads_once_per_step() -> None:
         assert sim.counts.syncs == out.stats.steps, sim.counts.log
         assert sim.counts.uploads <= out.stats.steps, sim.counts.log
 
+
+def test_triton_that_cannot_run_falls_back_once_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernels' very first call fails, the torch layout runs from then on, with a warning
+    and the reason in ``TRITON_NOTE``; a failure after the kernels ran raises instead (switching
+    layouts mid-way would change the rounding of what is being decoded)."""
+    import specdraft.model.exact_triton as kernel
+
+    monkeypatch.setattr(exact, "TRITON", None)
+    monkeypatch.setattr(exact, "TRITON_NOTE", {})
+    monkeypatch.setattr(exact, "_TRITON_RAN", set())
+    monkeypatch.setattr(exact, "_uses_triton", lambda device: str(device) not in exact.TRITON_NOTE)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(kernel, "attend", broken)
+    gen = torch.Generator().manual_seed(2)
+    q, k = torch.randn(1, 4, 3, 8, generator=gen), torch.randn(1, 2, 70, 8, generator=gen)
+    with pytest.warns(RuntimeWarning, match="no kernel here"):
+        first = _attend(q, k, k, None)
+    assert exact.TRITON_NOTE == {"cpu": "RuntimeError: no kernel here"}
+    exact.TRITON = False
+    assert torch.equal(first, _attend(q, k, k, None))  # the torch layout's rows
+    exact.TRITON, exact.TRITON_NOTE = None, {}
+    exact._TRITON_RAN.add("cpu")
+    with pytest.raises(exact.ExactAttentionError, match="after running"):
+        _attend(q, k, k, None)
+
 # -- the same, in the Triton kernel ----------------------------------------------------------------
 
 

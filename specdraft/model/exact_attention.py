@@ -77,6 +77,7 @@ masks for it, as for ``sdpa``.
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -417,8 +418,8 @@ def _exact_fixed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     batch, heads, q_len, dim = query.shape
     heads_kv, kv_len = key.shape[1], key.shape[2]
     columns = -(-kv_len // CHUNK) * CHUNK
-    key_ = (batch, q_len, kv_len, columns, str(query.device), heads_kv, groups)
-    layout = _FIXED_LAYOUTS.get(mask, key_, lambda: _fixed_layout(mask, batch, q_len, kv_len, columns, query.device,
+    shape_key = (batch, q_len, kv_len, columns, str(query.device), heads_kv, groups)
+    layout = _FIXED_LAYOUTS.get(mask, shape_key, lambda: _fixed_layout(mask, batch, q_len, kv_len, columns, query.device,
                                                                   heads_kv, groups))
     out = query.new_zeros(batch, q_len, heads, dim, dtype=torch.float32)
     for b in range(batch):
@@ -467,9 +468,9 @@ def _exact_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     kv_len = key.shape[2]
     columns = -(-kv_len // CHUNK) * CHUNK
     device = str(query.device)
-    key_ = (batch, q_len, kv_len, columns, device)
+    shape_key = (batch, q_len, kv_len, columns, device)
     try:
-        order, count = _ROW_ORDERS.get(mask, key_, lambda: _row_order(mask, batch, q_len, kv_len, columns,
+        order, count = _ROW_ORDERS.get(mask, shape_key, lambda: _row_order(mask, batch, q_len, kv_len, columns,
                                                                        query.device))
         out = exact_triton.attend(query, key, value, order, count, scale)
     except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here falls back, and says why
@@ -477,6 +478,8 @@ def _exact_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
             raise ExactAttentionError(f"the Triton kernel of exact attention failed on {device} after running "
                                       f"({type(exc).__name__}: {exc}); set exact_attention.TRITON = False") from exc
         TRITON_NOTE[device] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"exact attention: its Triton kernels cannot run on {device} ({TRITON_NOTE[device]}); the "
+                      "same rows run as torch operations instead, which cost more", RuntimeWarning, stacklevel=2)
         return None
     _TRITON_RAN.add(device)
     return out
