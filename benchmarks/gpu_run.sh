@@ -41,7 +41,8 @@ step "pytest -m cuda"
 step "exact attention's price"
 "$PY" benchmarks/exact_attention_price.py --device cuda --out "$out/exact-attention-price" || true
 
-methods=baseline,generate-static,hf-prompt-lookup,plain,default,default@nopause
+# the default with Token Recycling too: whether wide trees, cheap on a GPU, earn it a place in the GPU default
+methods=baseline,generate-static,hf-prompt-lookup,plain,default,default@nopause,specdraft:prompt+trie+ngram+suffix+recycle
 step "bench: HumanEval 10, MT-Bench 10"
 "$PY" -m specdraft bench --model "$model" --dtype bfloat16 --device cuda --dataset humaneval,mtbench --limit 10 \
     --methods "$methods" --out "$out/bench" --no-plot -q
