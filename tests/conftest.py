@@ -172,14 +172,15 @@ def ancestor_block(parents: Sequence[int]) -> np.ndarray:
     return block
 
 
-def wide_llama(dtype: torch.dtype, attn: str = "sdpa"):
+def wide_llama(dtype: torch.dtype, attn: str = "sdpa", layers: int = 2):
     """Issue 43's random 896-wide Llama (two layers, MLP 4864, 14 heads on 2 key/value heads,
     vocabulary 512) in ``dtype``: wide enough that a forward of several rows computes a row's
     logits in other last bits than a one-row forward (the effect exact mode removes). Built anew
-    per call (seeded), so that callers may cache, move or convert their own copy."""
+    per call (seeded), so that callers may cache, move or convert their own copy; ``layers``
+    shortens it where a test's time goes by layers."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(vocab_size=512, hidden_size=896, intermediate_size=4864, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=512, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=1024,
                          bos_token_id=1, eos_token_id=2)
     torch.manual_seed(43)
