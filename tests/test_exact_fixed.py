@@ -342,3 +342,45 @@ def _triton_decoding() -> None:
     result = dec.generate_batch(prompts[::-1], max_new_tokens=new, concurrency=2)
     assert [o.token_ids for o in result] == expected[::-1]
     assert exact.TRITON_NOTE == {}
+
+
+def test_the_price_script_runs_and_checks_against_sdpa(tmp_path: Path) -> None:
+    """``benchmarks/exact_attention_price.py`` on the CPU (its GPU run replays CUDA graphs): every
+    mode timed and within bfloat16 rounding of ``sdpa``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import exact_attention_price
+
+    assert exact_attention_price.main(["--device", "cpu", "--widths", "1,8", "--capacities", "256", "--layers", "2",
+                                       "--repeats", "1", "--modes", "sdpa,torch", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "price.json").read_text())["rows"]
+    assert [(r["width"], r["capacity"]) for r in rows] == [(1, 256), (8, 256)]
+    assert all(r["torch"]["ms_per_forward"] > 0 and r["torch"]["max_abs_vs_sdpa"] < 1e-2 for r in rows)
+    assert "| 256 | 8 |" in (tmp_path / "price.md").read_text()
+
+
+@pytest.mark.parametrize("dtype,dim,groups", [("bf16", 64, 7), ("fp16", 128, 4), ("fp32", 64, 1)])
+def test_triton_kernels_compile_for_hopper_and_ampere(dtype: str, dim: int, groups: int) -> None:
+    """Without a GPU, Triton still compiles the kernels to GPU code (``sm_90``: H100/H200;
+    ``sm_80``: A100): what the interpreter cannot show (types, shapes a real ``tl.dot`` accepts).
+    The products are float32 FMAs, no tensor-core MMA (``input_precision="ieee"``: no TF32), and
+    nothing spills to local memory."""
+    pytest.importorskip("triton", reason="the Triton kernel needs the triton package (pip install triton)")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from specdraft.model import exact_triton as kernel
+
+    pointers = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Order": "*i32", "Count": "*i32",
+                "Acc": "*fp32", "Top": "*fp32", "Total": "*fp32", "Out": "*fp32", "scale": "fp32"}
+    blocks = dict(GROUPS=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), D=dim,
+                  BLOCK_D=max(16, triton.next_power_of_2(dim)), SEGMENT=kernel.SEGMENT)
+    for jit, constants in ((kernel._segment_kernel, {**blocks, "STEP": kernel.CHUNK}), (kernel._combine_kernel, blocks)):
+        names = list(jit.arg_names)
+        signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
+        source = ASTSource(fn=jit, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()})
+        for arch in (90, 80):
+            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+            ptx = compiled.asm["ptx"]
+            assert compiled.asm["cubin"], (jit.__name__, arch)
+            assert "mma" not in ptx and ".local" not in ptx, (jit.__name__, arch)
