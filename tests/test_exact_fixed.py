@@ -7,7 +7,10 @@ any row count, among masked keys, with the region moved by whole chunks or the s
 values equal ``sdpa``'s to rounding; the layout runs on shapeless ``meta`` tensors (no host read,
 no shape that depends on the mask); KV-store regions start at chunk boundaries in exact mode; and
 a decoder set up as on a GPU (fixed-width buckets, forwards "captured" and replayed) gives exact
-plain decoding's tokens in bfloat16, alone and batched.
+plain decoding's tokens in bfloat16, alone and batched. On CUDA the same layout runs as Triton
+kernels (``specdraft.model.exact_triton``): here they run in Triton's interpreter, in a fresh
+process, through the same checks, and they are compiled to H100 and A100 code to show that they
+build there.
 """
 
 from __future__ import annotations
