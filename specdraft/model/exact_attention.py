@@ -105,7 +105,7 @@ class ExactAttentionError(RuntimeError):
     """The exact attention cannot run this call; the message says what is unsupported."""
 
 
-def padded_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.bmm(a, b)`` with at least :data:`MIN_ROWS` rows, :data:`MIN_COLUMNS` columns and
     two batch entries (zero padding, cut off again), so that every call runs the same float32
     kernel whatever its shape."""
@@ -120,19 +120,37 @@ def padded_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a, b)[:batch, :rows, :columns]
 
 
-def visible_columns(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+def _allowed(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """``[batch, q, kv]`` bool, contiguous: which key columns each query row may attend to. Without
     a mask the ``q`` rows are the last ``q`` positions of a causal sequence over the ``kv`` columns."""
     if mask is None:
         q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
         allowed = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
         return allowed[None].expand(batch, q_len, kv_len).contiguous()
-    if mask.dim() != 4 or mask.shape[1] != 1:
-        raise ExactAttentionError(f"exact attention takes a [batch, 1, q, kv] mask shared by all heads, got shape "
-                                  f"{tuple(mask.shape)}")
-    mask = mask[:, 0, :, -kv_len:]
+    mask = mask[:, 0, :, -kv_len:]  # [B, 1, q, kv] (checked by exact_attention)
     allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
     return allowed.expand(batch, q_len, kv_len).contiguous()
+
+
+def _rank_columns(allowed: torch.Tensor) -> torch.Tensor:
+    """Along the last dimension of a bool mask, the visible columns first, in column order: rank
+    ``r`` of a row is its ``r``-th visible key (a stable sort, of the mask's own shape)."""
+    return torch.argsort(allowed.logical_not().to(torch.uint8), dim=-1, stable=True)
+
+
+def _pairwise_sum(partial: torch.Tensor) -> torch.Tensor:
+    """``partial`` summed over dimension 1 pairwise, padded with zeros to a power of two: the order
+    of additions is fixed by the index alone, and zeros past the last nonzero entry change nothing,
+    however many there are."""
+    size = 1 << (partial.shape[1] - 1).bit_length()
+    if size > partial.shape[1]:
+        shape = list(partial.shape)
+        shape[1] = size - partial.shape[1]
+        partial = torch.cat([partial, partial.new_zeros(shape)], dim=1)
+    while size > 1:
+        partial = partial[:, 0::2] + partial[:, 1::2]
+        size //= 2
+    return partial[:, 0]
 
 
 @dataclass
@@ -159,7 +177,7 @@ def _block(rows: torch.Tensor, allowed: torch.Tensor, start: int, stop: int) -> 
     kv = allowed.shape[1]
     n = len(rows)
     # rank -> column: visible columns first, in column order
-    order = torch.argsort(allowed.logical_not().to(torch.uint8), dim=1, stable=True)
+    order = _rank_columns(allowed)
     ranks = torch.arange(width, device=device)
     valid = ranks[None, :] < count[:, None]
     index = order[:, :width] if width <= kv else torch.cat([order, order.new_zeros(n, width - kv)], dim=1)
@@ -195,7 +213,7 @@ def _attend_block(block: _Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     kv = k.shape[1]
     chunks, width = block.chunks, block.chunks * CHUNK
     # 1. scores for every column: one dot over the head dimension each
-    scores = padded_bmm(q.reshape(heads_kv, groups * rows, dim), k.transpose(1, 2)).view(heads_kv, groups, rows, kv)
+    scores = _bmm(q.reshape(heads_kv, groups * rows, dim), k.transpose(1, 2)).view(heads_kv, groups, rows, kv)
     # 2. gathered to ranks, padded with -inf to whole chunks, softmax in float32
     ranked = scores.gather(3, block.index.expand(heads_kv, groups, rows, width)).add_(block.bias)
     probs = torch.softmax(ranked, dim=-1)
@@ -203,25 +221,18 @@ def _attend_block(block: _Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     #    again from gathered keys for the chunks that are not (a tree's ancestors after a gap)
     v_in_place = v[:, :width] if width <= kv else torch.cat([v, v.new_zeros(heads_kv, width - kv, dim)], dim=1)
     p = probs.view(heads_kv, groups, rows, chunks, CHUNK).permute(0, 3, 2, 1, 4)  # [Hkv, chunks, R, groups, C]
-    partial = padded_bmm(p.reshape(heads_kv * chunks, rows * groups, CHUNK),
+    partial = _bmm(p.reshape(heads_kv * chunks, rows * groups, CHUNK),
                    v_in_place.reshape(heads_kv * chunks, CHUNK, dim)).view(heads_kv, chunks * rows, groups, dim)
     pairs = block.pairs.numel()
     if pairs:
         vals = v.index_select(1, block.pair_columns).view(heads_kv, pairs, CHUNK, dim).transpose(0, 1)
         p = p.reshape(heads_kv, chunks * rows, groups, CHUNK).index_select(1, block.pairs)
-        out = padded_bmm(p.transpose(0, 1).reshape(pairs * heads_kv, groups, CHUNK),
+        out = _bmm(p.transpose(0, 1).reshape(pairs * heads_kv, groups, CHUNK),
                    vals.reshape(pairs * heads_kv, CHUNK, dim))
         partial.index_copy_(1, block.pairs, out.view(pairs, heads_kv, groups, dim).transpose(0, 1))
     # 4. chunks added in rank order, pairwise over a power-of-two count: the zeros of chunks a row
     #    does not have change nothing, so the sum is the same as over the row's own chunks
-    partial = partial.view(heads_kv, chunks, rows, groups, dim)
-    size = 1 << (chunks - 1).bit_length()
-    if size > chunks:
-        partial = torch.cat([partial, partial.new_zeros(heads_kv, size - chunks, rows, groups, dim)], dim=1)
-    while size > 1:
-        partial = partial[:, 0::2] + partial[:, 1::2]
-        size //= 2
-    return partial[:, 0].transpose(0, 1)
+    return _pairwise_sum(partial.view(heads_kv, chunks, rows, groups, dim)).transpose(0, 1)
 
 
 class _LayoutCache:
@@ -242,7 +253,7 @@ class _LayoutCache:
         with self._lock:
             if key == self._key and (mask is None or torch.equal(mask, self._mask)):
                 return self._layout
-        allowed = visible_columns(mask, batch, q_len, kv_len, device)
+        allowed = _allowed(mask, batch, q_len, kv_len, device)
         layout = [_layout(allowed[b]) for b in range(batch)]
         with self._lock:
             self._key, self._layout = key, layout
@@ -298,8 +309,7 @@ def _fixed_block(allowed: torch.Tensor, at: int) -> _FixedBlock:
     rows, columns = allowed.shape
     chunks = columns // CHUNK
     device = allowed.device
-    # rank -> column: the visible columns first, in column order (a stable sort of fixed shape)
-    order = torch.argsort(allowed.logical_not().to(torch.uint8), dim=1, stable=True)
+    order = _rank_columns(allowed)  # rank -> column, at the mask's fixed shape
     count = allowed.sum(dim=1)
     first = allowed.to(torch.uint8).argmax(dim=1)
     tail_chunk = ((count - 1).clamp(min=0) // CHUNK - 1).clamp(min=0)
@@ -330,14 +340,14 @@ def _attend_fixed(block: _FixedBlock, q: torch.Tensor, k: torch.Tensor, v_ext: t
     heads_kv, groups, rows, dim = q.shape
     columns = k.shape[1]
     chunks, width = columns // CHUNK, dim + 1
-    scores = padded_bmm(q.reshape(heads_kv, groups * rows, dim), k.transpose(1, 2)).view(heads_kv, groups, rows,
+    scores = _bmm(q.reshape(heads_kv, groups * rows, dim), k.transpose(1, 2)).view(heads_kv, groups, rows,
                                                                                           columns)
     scores = scores.masked_fill(block.hidden, float("-inf"))
     top = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # a row seeing nothing: 0s
     weights = torch.exp(scores - top)
     # the body: every store chunk in place, each row's weights outside its body zeroed
     body = weights.masked_fill(block.off_body, 0.0).view(heads_kv, groups, rows, chunks, CHUNK).permute(0, 3, 2, 1, 4)
-    partial = padded_bmm(body.reshape(heads_kv * chunks, rows * groups, CHUNK),
+    partial = _bmm(body.reshape(heads_kv * chunks, rows * groups, CHUNK),
                          v_ext.reshape(heads_kv * chunks, CHUNK, width)).view(heads_kv, chunks, rows, groups, width)
     partial = torch.cat([partial, partial.new_zeros(heads_kv, 1, rows, groups, width)], dim=1)
     ordered = partial.gather(1, block.shift.view(1, block.slots, rows, 1, 1).expand(heads_kv, block.slots, rows,
@@ -346,15 +356,11 @@ def _attend_fixed(block: _FixedBlock, q: torch.Tensor, k: torch.Tensor, v_ext: t
     tail = weights.gather(3, block.tail_columns.expand(heads_kv, groups, rows, 2 * CHUNK))
     tail = tail.masked_fill(block.past_count, 0.0).view(heads_kv, groups, rows, 2, CHUNK).permute(0, 2, 3, 1, 4)
     values = v_ext.index_select(1, block.tail_columns.reshape(-1)).view(heads_kv * rows * 2, CHUNK, width)
-    tail = padded_bmm(tail.reshape(heads_kv * rows * 2, groups, CHUNK), values).view(heads_kv, rows, 2, groups, width)
+    tail = _bmm(tail.reshape(heads_kv * rows * 2, groups, CHUNK), values).view(heads_kv, rows, 2, groups, width)
     tail = torch.cat([tail.transpose(1, 2), tail.new_zeros(heads_kv, 1, rows, groups, width)], dim=1)
     ordered = ordered + tail.gather(1, block.tail_pick.view(1, block.slots, rows, 1, 1).expand(
         heads_kv, block.slots, rows, groups, width))
-    size = block.slots
-    while size > 1:
-        ordered = ordered[:, 0::2] + ordered[:, 1::2]
-        size //= 2
-    total = ordered[:, 0]  # [Hkv, R, groups, D + 1]
+    total = _pairwise_sum(ordered)  # [Hkv, R, groups, D + 1]
     numerator, denominator = total[..., :dim], total[..., dim:]
     return (numerator / denominator.clamp(min=torch.finfo(torch.float32).tiny)).transpose(0, 1)  # nothing seen: 0
 
@@ -386,8 +392,8 @@ _ROW_ORDERS = _PerMask()
 
 def _padded_visible(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, columns: int,
                     device: torch.device) -> torch.Tensor:
-    """:func:`visible_columns` padded with hidden columns to ``columns``."""
-    allowed = visible_columns(mask, batch, q_len, kv_len, device)
+    """:func:`_allowed` padded with hidden columns to ``columns``."""
+    allowed = _allowed(mask, batch, q_len, kv_len, device)
     if columns > kv_len:
         allowed = torch.cat([allowed, allowed.new_zeros(batch, q_len, columns - kv_len)], dim=2)
     return allowed
@@ -408,19 +414,18 @@ def _row_order(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, c
     """For the Triton kernel: ``[B, q, columns]`` int32, each row's visible columns first in column
     order, and ``[B, q]`` int32, how many it sees (fixed shapes, on the device)."""
     allowed = _padded_visible(mask, batch, q_len, kv_len, columns, device)
-    order = torch.argsort(allowed.logical_not().to(torch.uint8), dim=2, stable=True)
-    return order.to(torch.int32).contiguous(), allowed.sum(dim=2).to(torch.int32).contiguous()
+    return _rank_columns(allowed).to(torch.int32).contiguous(), allowed.sum(dim=2).to(torch.int32).contiguous()
 
 
 def _exact_fixed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                 scale: float, groups: int) -> torch.Tensor:
-    """:func:`exact_attention` at fixed shapes: ``[B, q, H, D]`` float32."""
+                 scale: float, groups: int, columns: int) -> torch.Tensor:
+    """:func:`exact_attention` at fixed shapes over ``columns`` (the keys padded to whole chunks):
+    ``[B, q, H, D]`` float32."""
     batch, heads, q_len, dim = query.shape
     heads_kv, kv_len = key.shape[1], key.shape[2]
-    columns = -(-kv_len // CHUNK) * CHUNK
-    shape_key = (batch, q_len, kv_len, columns, str(query.device), heads_kv, groups)
-    layout = _FIXED_LAYOUTS.get(mask, shape_key, lambda: _fixed_layout(mask, batch, q_len, kv_len, columns, query.device,
-                                                                  heads_kv, groups))
+    layout = _FIXED_LAYOUTS.get(mask, (batch, q_len, kv_len, columns, str(query.device), heads_kv, groups),
+                                lambda: _fixed_layout(mask, batch, q_len, kv_len, columns, query.device, heads_kv,
+                                                      groups))
     out = query.new_zeros(batch, q_len, heads, dim, dtype=torch.float32)
     for b in range(batch):
         q = (query[b].to(torch.float32) * scale).reshape(heads_kv, groups, q_len, dim)
@@ -457,7 +462,7 @@ def _uses_triton(device: torch.device) -> bool:
 
 
 def _exact_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                  scale: float) -> torch.Tensor | None:
+                  scale: float, columns: int) -> torch.Tensor | None:
     """:func:`exact_attention` in the Triton kernel: ``[B, q, H, D]`` float32, or ``None`` where the
     kernel's very first call on the device failed (the torch layout runs from then on, so one
     process rounds one way; :data:`TRITON_NOTE` says why). A failure after a first success raises:
@@ -466,12 +471,10 @@ def _exact_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
 
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
-    columns = -(-kv_len // CHUNK) * CHUNK
     device = str(query.device)
-    shape_key = (batch, q_len, kv_len, columns, device)
-    try:
-        order, count = _ROW_ORDERS.get(mask, shape_key, lambda: _row_order(mask, batch, q_len, kv_len, columns,
-                                                                       query.device))
+    order, count = _ROW_ORDERS.get(mask, (batch, q_len, kv_len, columns, device),
+                                   lambda: _row_order(mask, batch, q_len, kv_len, columns, query.device))
+    try:  # the kernels' launch alone: the layout above is torch's, and its errors are not the kernels'
         out = exact_triton.attend(query, key, value, order, count, scale)
     except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here falls back, and says why
         if device in _TRITON_RAN or TRITON:
@@ -512,9 +515,10 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         raise ExactAttentionError(f"exact attention takes a [batch, 1, q, kv] mask shared by all heads, got shape "
                                   f"{tuple(attention_mask.shape)}")
     if uses_fixed_shapes(query.device):
-        out = _exact_triton(query, key, value, attention_mask, scale) if _uses_triton(query.device) else None
+        columns = -(-kv_len // CHUNK) * CHUNK
+        out = _exact_triton(query, key, value, attention_mask, scale, columns) if _uses_triton(query.device) else None
         if out is None:
-            out = _exact_fixed(query, key, value, attention_mask, scale, groups)
+            out = _exact_fixed(query, key, value, attention_mask, scale, groups, columns)
         return out.to(query.dtype), None
     layout = _LAYOUTS.get(attention_mask, batch, q_len, kv_len, query.device)
     out = query.new_zeros(batch, q_len, heads, dim, dtype=torch.float32)
