@@ -108,13 +108,13 @@ def forward_of(mode: str, data: dict[str, Any], layers: int, groups: int) -> Cal
 
     def run() -> Any:
         mask = data["allowed"][None, None]
+        exact.TRITON = mode == "triton"
         out = None
         for _ in range(layers):
             if mode == "sdpa":
                 out = torch.nn.functional.scaled_dot_product_attention(data["q"], data["k"], data["v"], attn_mask=mask,
                                                                        enable_gqa=True).transpose(1, 2)
             else:
-                exact.TRITON = mode == "triton"
                 out = exact.exact_attention(module, data["q"], data["k"], data["v"], mask)[0]
         return out
 
@@ -126,15 +126,10 @@ def time_forward(run: Callable[[], Any], device: Any, repeats: int) -> tuple[flo
     import torch
 
     if device.type == "cuda":
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            output = run()
+        from specdraft.model.static import CudaGraph
+
+        graph = CudaGraph(run)  # as the decoder captures a forward: two warm-up runs, then the capture
+        output = graph.output
         times = []
         for _ in range(repeats):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -172,6 +172,31 @@ def ancestor_block(parents: Sequence[int]) -> np.ndarray:
     return block
 
 
+def random_tree(n: int, seed: int) -> list[int]:
+    """Parents of a random tree of ``n`` nodes in topological order (node 0 the root), bushy and deep."""
+    rng = np.random.default_rng(seed)
+    return [-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, n)]
+
+
+class AttentionModule(torch.nn.Module):
+    """What an attention function reads of its layer: the query heads per key/value head."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.eval()
+
+
+def exact_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed) -> torch.Tensor:
+    """The exact attention of batch entry 0, ``[q, H, D]``, with the ``[q, kv]`` mask ``allowed``
+    (made on the query's device; ``None``: causal)."""
+    from specdraft.model.exact_attention import exact_attention
+
+    mask = None if allowed is None else torch.as_tensor(allowed, device=q.device)[None, None]
+    out, _ = exact_attention(AttentionModule(q.shape[1] // k.shape[1]), q, k, v, mask)
+    return out[0]
+
+
 def wide_llama(dtype: torch.dtype, attn: str = "sdpa", layers: int = 2):
     """Issue 43's random 896-wide Llama (two layers, MLP 4864, 14 heads on 2 key/value heads,
     vocabulary 512) in ``dtype``: wide enough that a forward of several rows computes a row's

@@ -122,7 +122,7 @@ def test_exact_attention_rows_on_cuda_equal_their_one_row_results(triton: bool, 
     import numpy as np
 
     import specdraft.model.exact_attention as exact
-    from conftest import ancestor_block
+    from conftest import ancestor_block, exact_attend, random_tree
 
     monkeypatch.setattr(exact, "TRITON", triton)
     gen = torch.Generator().manual_seed(9)
@@ -130,21 +130,12 @@ def test_exact_attention_rows_on_cuda_equal_their_one_row_results(triton: bool, 
     k = torch.randn(1, 2, cache_len + n, 64, generator=gen).to(device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, 2, cache_len + n, 64, generator=gen).to(device="cuda", dtype=torch.bfloat16)
     q = torch.randn(1, n, 14, 64, generator=gen).to(device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-    parents = [-1] + [int(np.random.default_rng(i).integers(max(0, i - 4), i)) for i in range(1, n)]
-    allowed = np.concatenate([np.ones((n, cache_len), dtype=bool), ancestor_block(parents)], axis=1)
-
-    class Module(torch.nn.Module):
-        num_key_value_groups = 7
-
-    def attend(rows, keys, values, mask):
-        mask = None if mask is None else torch.as_tensor(mask, device="cuda")[None, None]
-        return exact.exact_attention(Module().eval(), rows, keys, values, mask)[0][0]
-
-    alone = [attend(q[:, :, r : r + 1], k[:, :, np.flatnonzero(allowed[r])], v[:, :, np.flatnonzero(allowed[r])],
-                    None)[0] for r in range(n)]
+    allowed = np.concatenate([np.ones((n, cache_len), dtype=bool), ancestor_block(random_tree(n, seed=9))], axis=1)
+    alone = [exact_attend(q[:, :, r : r + 1], k[:, :, np.flatnonzero(allowed[r])],
+                          v[:, :, np.flatnonzero(allowed[r])], None)[0] for r in range(n)]
     for width in (1, 8, 16, 32, 64):
-        out = attend(q[:, :, :width], k[:, :, : cache_len + width], v[:, :, : cache_len + width],
-                     allowed[:width, : cache_len + width])
+        out = exact_attend(q[:, :, :width], k[:, :, : cache_len + width], v[:, :, : cache_len + width],
+                           allowed[:width, : cache_len + width])
         bad = [r for r in range(width) if not torch.equal(out[r], alone[r])]
         assert not bad, f"width {width}: rows {bad} differ from their one-row results"
     assert exact.TRITON_NOTE == {}

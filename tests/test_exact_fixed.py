@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 import specdraft.model.exact_attention as exact
 from specdraft import BatchRequest, Decoder
@@ -36,7 +35,7 @@ from specdraft.model.kv_store import KVStore
 from specdraft.model.static import Buckets, RerunGraph
 from specdraft.sources.registry import make_sources
 
-from conftest import ancestor_block, repetitive_prompt, wide_llama
+from conftest import AttentionModule, ancestor_block, exact_attend, random_tree, repetitive_prompt, wide_llama
 
 NEW = 40
 
@@ -60,24 +59,6 @@ def _in_triton_interpreter(check: str) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-class _Module(nn.Module):
-    def __init__(self, groups: int) -> None:
-        super().__init__()
-        self.num_key_value_groups = groups
-        self.eval()
-
-
-def _attend(q, k, v, allowed):
-    mask = None if allowed is None else torch.as_tensor(allowed)[None, None]
-    out, _ = exact_attention(_Module(q.shape[1] // k.shape[1]), q, k, v, mask)
-    return out[0]
-
-
-def _tree(n: int, seed: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return [-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, n)]
-
-
 def _with_columns_before(x: torch.Tensor, count: int, gen: torch.Generator) -> torch.Tensor:
     return torch.cat([torch.randn(*x.shape[:2], count, x.shape[3], generator=gen).to(x.dtype), x], dim=2)
 
@@ -99,13 +80,13 @@ def test_fixed_rows_depend_only_on_their_visible_keys(heads: int, kv_heads: int,
             k = torch.randn(1, kv_heads, cache_len + n, dim, generator=gen).to(dtype)
             v = torch.randn(1, kv_heads, cache_len + n, dim, generator=gen).to(dtype)
             q = torch.randn(1, n, heads, dim, generator=gen).to(dtype).transpose(1, 2)
-            allowed = np.concatenate([np.ones((n, cache_len), dtype=bool), ancestor_block(_tree(n, dim))], axis=1)
+            allowed = np.concatenate([np.ones((n, cache_len), dtype=bool), ancestor_block(random_tree(n, dim))], axis=1)
             alone = []
             for r in range(n):
                 cols = np.flatnonzero(allowed[r])
-                alone.append(_attend(q[:, :, r : r + 1], k[:, :, cols], v[:, :, cols], None)[0])
+                alone.append(exact_attend(q[:, :, r : r + 1], k[:, :, cols], v[:, :, cols], None)[0])
             for m in (1, 2, 3, 5, 24):
-                out = _attend(q[:, :, :m], k[:, :, : cache_len + m], v[:, :, : cache_len + m],
+                out = exact_attend(q[:, :, :m], k[:, :, : cache_len + m], v[:, :, : cache_len + m],
                               allowed[:m, : cache_len + m])
                 bad = [r for r in range(m) if not torch.equal(out[r], alone[r])]
                 assert not bad, f"{dtype}, {m} rows: rows {bad} differ from their single-row results"
@@ -116,7 +97,7 @@ def test_fixed_rows_depend_only_on_their_visible_keys(heads: int, kv_heads: int,
                                                before, gen)
                 mask = np.concatenate([np.zeros((n, before), dtype=bool), allowed, np.zeros((n, after), dtype=bool)],
                                       axis=1)
-                out = _attend(q, moved_k, moved_v, mask)
+                out = exact_attend(q, moved_k, moved_v, mask)
                 bad = [r for r in range(n) if not torch.equal(out[r], alone[r])]
                 assert not bad, f"{dtype}: {before} columns before, {after} after: rows {bad} differ"
     finally:
@@ -131,10 +112,10 @@ def test_a_region_off_a_chunk_boundary_rounds_otherwise() -> None:
     k = torch.randn(1, 2, cache_len + n, 64, generator=gen).to(torch.bfloat16)
     v = torch.randn(1, 2, cache_len + n, 64, generator=gen).to(torch.bfloat16)
     q = torch.randn(1, n, 14, 64, generator=gen).to(torch.bfloat16).transpose(1, 2)
-    allowed = np.concatenate([np.ones((n, cache_len), dtype=bool), ancestor_block(_tree(n, 64))], axis=1)
-    out = _attend(q, k, v, allowed)
+    allowed = np.concatenate([np.ones((n, cache_len), dtype=bool), ancestor_block(random_tree(n, 64))], axis=1)
+    out = exact_attend(q, k, v, allowed)
     mask = np.concatenate([np.zeros((n, 7), dtype=bool), allowed], axis=1)
-    moved = _attend(q, _with_columns_before(k, 7, gen), _with_columns_before(v, 7, gen), mask)
+    moved = exact_attend(q, _with_columns_before(k, 7, gen), _with_columns_before(v, 7, gen), mask)
     assert torch.allclose(out.float(), moved.float(), atol=1e-2)
     assert not torch.equal(out, moved)
 
@@ -150,14 +131,14 @@ def test_fixed_attention_matches_sdpa_to_rounding() -> None:
     allowed[:, 0] = True
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, None],
                                                                 enable_gqa=True).transpose(1, 2)[0]
-    got = _attend(q.float(), k.float(), v.float(), allowed)
+    got = exact_attend(q.float(), k.float(), v.float(), allowed)
     assert torch.allclose(got.double(), expected, atol=2e-6), float((got.double() - expected).abs().max())
-    causal = _attend(q[:, :, :3].float(), k[:, :, :3].float(), v[:, :, :3].float(), None)
+    causal = exact_attend(q[:, :, :3].float(), k[:, :, :3].float(), v[:, :, :3].float(), None)
     expected = torch.nn.functional.scaled_dot_product_attention(q[:, :, :3], k[:, :, :3], v[:, :, :3], is_causal=True,
                                                                 enable_gqa=True).transpose(1, 2)[0]
     assert torch.allclose(causal.double(), expected, atol=2e-6)
     allowed[4] = False
-    assert torch.equal(_attend(q.float(), k.float(), v.float(), allowed)[4], torch.zeros(14, 64))
+    assert torch.equal(exact_attend(q.float(), k.float(), v.float(), allowed)[4], torch.zeros(14, 64))
 
 
 def test_fixed_layout_reads_nothing_back_from_the_device() -> None:
@@ -168,11 +149,11 @@ def test_fixed_layout_reads_nothing_back_from_the_device() -> None:
     q = torch.empty(1, 14, 8, 64, device=meta, dtype=torch.bfloat16)
     k = torch.empty(1, 2, 300, 64, device=meta, dtype=torch.bfloat16)
     mask = torch.empty(1, 1, 8, 300, device=meta, dtype=torch.bool)
-    out, _ = exact_attention(_Module(7), q, k, k, mask)
+    out, _ = exact_attention(AttentionModule(7), q, k, k, mask)
     assert out.shape == (1, 8, 14, 64) and out.device == meta
     exact.FIXED_SHAPES = False
     with pytest.raises(NotImplementedError):
-        exact_attention(_Module(7), q, k, k, mask)
+        exact_attention(AttentionModule(7), q, k, k, mask)
 
 
 def test_the_layout_is_laid_out_once_per_mask() -> None:
@@ -182,7 +163,7 @@ def test_the_layout_is_laid_out_once_per_mask() -> None:
     q = torch.randn(1, 4, 3, 8, generator=gen)
     k = torch.randn(1, 2, 70, 8, generator=gen)
     mask = torch.ones(1, 1, 3, 70, dtype=torch.bool)
-    first = _attend(q, k, k, mask[0, 0])
+    first = exact_attend(q, k, k, mask[0, 0])
     made = []
     layouts = exact._PerMask()
     key = (1, 3, 70)
@@ -191,7 +172,7 @@ def test_the_layout_is_laid_out_once_per_mask() -> None:
     assert layouts.get(mask.clone(), key, lambda: made.append(1) or object()) is not kept and len(made) == 2
     other = mask.clone()
     other[0, 0, 1, 5:] = False
-    changed = _attend(q, k, k, other[0, 0])
+    changed = exact_attend(q, k, k, other[0, 0])
     assert torch.equal(changed[0], first[0]) and not torch.equal(changed[1], first[1])
 
 
@@ -286,14 +267,14 @@ def test_triton_that_cannot_run_falls_back_once_and_says_why(monkeypatch: pytest
     gen = torch.Generator().manual_seed(2)
     q, k = torch.randn(1, 4, 3, 8, generator=gen), torch.randn(1, 2, 70, 8, generator=gen)
     with pytest.warns(RuntimeWarning, match="no kernel here"):
-        first = _attend(q, k, k, None)
+        first = exact_attend(q, k, k, None)
     assert exact.TRITON_NOTE == {"cpu": "RuntimeError: no kernel here"}
     exact.TRITON = False
-    assert torch.equal(first, _attend(q, k, k, None))  # the torch layout's rows
+    assert torch.equal(first, exact_attend(q, k, k, None))  # the torch layout's rows
     exact.TRITON, exact.TRITON_NOTE = None, {}
     exact._TRITON_RAN.add("cpu")
     with pytest.raises(exact.ExactAttentionError, match="after running"):
-        _attend(q, k, k, None)
+        exact_attend(q, k, k, None)
 
 # -- the same, in the Triton kernel ----------------------------------------------------------------
 
@@ -316,14 +297,15 @@ def _triton_rows() -> None:
         k = torch.randn(1, 2, cache_len + n, 64, generator=gen).to(dtype)
         v = torch.randn(1, 2, cache_len + n, 64, generator=gen).to(dtype)
         q = torch.randn(1, n, 14, 64, generator=gen).to(dtype).transpose(1, 2)
-        allowed = np.concatenate([np.ones((n, cache_len), dtype=bool), ancestor_block(_tree(n, 7))], axis=1)
-        alone = [_attend(q[:, :, r : r + 1], k[:, :, np.flatnonzero(allowed[r])], v[:, :, np.flatnonzero(allowed[r])],
-                         None)[0] for r in range(n)]
+        allowed = np.concatenate([np.ones((n, cache_len), dtype=bool), ancestor_block(random_tree(n, 7))], axis=1)
+        alone = [exact_attend(q[:, :, r : r + 1], k[:, :, np.flatnonzero(allowed[r])],
+                              v[:, :, np.flatnonzero(allowed[r])], None)[0] for r in range(n)]
         for m in (1, 5, n):
-            out = _attend(q[:, :, :m], k[:, :, : cache_len + m], v[:, :, : cache_len + m], allowed[:m, : cache_len + m])
+            out = exact_attend(q[:, :, :m], k[:, :, : cache_len + m], v[:, :, : cache_len + m],
+                               allowed[:m, : cache_len + m])
             assert all(torch.equal(out[r], alone[r]) for r in range(m)), (dtype, m)
         mask = np.concatenate([np.zeros((n, 7), dtype=bool), allowed], axis=1)
-        out = _attend(q, _with_columns_before(k, 7, gen), _with_columns_before(v, 7, gen), mask)
+        out = exact_attend(q, _with_columns_before(k, 7, gen), _with_columns_before(v, 7, gen), mask)
         assert all(torch.equal(out[r], alone[r]) for r in range(n)), dtype
     test_fixed_attention_matches_sdpa_to_rounding()
 

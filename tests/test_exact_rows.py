@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from conftest import ancestor_block, wide_llama
+from conftest import AttentionModule, ancestor_block, exact_attend, random_tree, wide_llama
 from specdraft.model.compat import cache_keyword
 from specdraft.model.exact_attention import (CHUNK, EXACT_NAME, ExactAttentionError, exact_attention,
                                        register_exact_backend)
@@ -33,12 +33,6 @@ WIDEST = 64
 def wide_model(dtype: torch.dtype):
     """The random 896-wide Llama of issue 43, in ``dtype``, on the exact attention."""
     return wide_llama(dtype, register_exact_backend())
-
-
-def _random_tree(n: int, seed: int) -> list[int]:
-    """Parents of a random tree of ``n`` nodes in topological order (node 0 the root), bushy and deep."""
-    rng = np.random.default_rng(seed)
-    return [-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, n)]
 
 
 def _depths(parents: Sequence[int]) -> list[int]:
@@ -122,7 +116,7 @@ def test_every_tree_width_gives_the_plain_step_rows(dtype: torch.dtype) -> None:
     rule = _rule(model)
     rng = np.random.default_rng(7)
     prompt = rng.integers(3, 512, PROMPT).tolist()
-    parents = _random_tree(WIDEST, seed=11)
+    parents = random_tree(WIDEST, seed=11)
     tokens = rng.integers(3, 512, WIDEST).tolist()
     reference = _plain_walks(model, prompt, tokens, parents, rule)
     depth = _depths(parents)
@@ -142,7 +136,7 @@ def test_rows_do_not_depend_on_other_requests_in_a_packed_forward() -> None:
     rule = _rule(model)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 512, n).tolist() for n in (PROMPT, 45)]
-    trees = [_random_tree(n, seed) for n, seed in ((9, 5), (6, 8))]
+    trees = [random_tree(n, seed) for n, seed in ((9, 5), (6, 8))]
     tokens = [rng.integers(3, 512, len(t)).tolist() for t in trees]
     reference = [_plain_walks(model, p, t, parents, rule) for p, t, parents in zip(prompts, tokens, trees)]
 
@@ -206,19 +200,6 @@ def test_prefill_in_chunks_gives_the_same_cache() -> None:
 # -- the attention alone -----------------------------------------------------------------------------
 
 
-class _Module(nn.Module):
-    def __init__(self, groups: int) -> None:
-        super().__init__()
-        self.num_key_value_groups = groups
-        self.eval()
-
-
-def _attend(q, k, v, allowed):
-    mask = None if allowed is None else torch.as_tensor(allowed)[None, None]
-    out, _ = exact_attention(_Module(q.shape[1] // k.shape[1]), q, k, v, mask)
-    return out[0]
-
-
 @pytest.mark.parametrize("heads,kv_heads,dim,cache_len", [(14, 2, 64, 130), (4, 4, 8, 5), (6, 1, 16, 200)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_attention_row_depends_only_on_its_visible_keys(heads: int, kv_heads: int, dim: int, cache_len: int,
@@ -235,20 +216,20 @@ def test_attention_row_depends_only_on_its_visible_keys(heads: int, kv_heads: in
             k = torch.randn(1, kv_heads, cache_len + n, dim, generator=gen).to(dtype)
             v = torch.randn(1, kv_heads, cache_len + n, dim, generator=gen).to(dtype)
             q = torch.randn(1, n, heads, dim, generator=gen).to(dtype).transpose(1, 2)
-            block = ancestor_block(_random_tree(n, seed=dim))
+            block = ancestor_block(random_tree(n, seed=dim))
             allowed = np.concatenate([np.ones((n, cache_len), dtype=bool), block], axis=1)
             alone = []
             for r in range(n):
                 cols = np.flatnonzero(allowed[r])
-                alone.append(_attend(q[:, :, r : r + 1], k[:, :, cols], v[:, :, cols], None)[0])
+                alone.append(exact_attend(q[:, :, r : r + 1], k[:, :, cols], v[:, :, cols], None)[0])
             for m in (1, 2, 3, 5, 24):
-                out = _attend(q[:, :, :m], k[:, :, : cache_len + m], v[:, :, : cache_len + m], allowed[:m, : cache_len + m])
+                out = exact_attend(q[:, :, :m], k[:, :, : cache_len + m], v[:, :, : cache_len + m], allowed[:m, : cache_len + m])
                 bad = [r for r in range(m) if not torch.equal(out[r], alone[r])]
                 assert not bad, f"{dtype}, {m} rows: rows {bad} differ from their single-row results"
             shifted = torch.cat([torch.randn(1, kv_heads, 7, dim, generator=gen).to(dtype), k], dim=2)
             shifted_v = torch.cat([torch.randn(1, kv_heads, 7, dim, generator=gen).to(dtype), v], dim=2)
             mask = np.concatenate([np.zeros((n, 7), dtype=bool), allowed], axis=1)
-            out = _attend(q, shifted, shifted_v, mask)
+            out = exact_attend(q, shifted, shifted_v, mask)
             assert all(torch.equal(out[r], alone[r]) for r in range(n)), f"{dtype}: a column offset changed rows"
     finally:
         torch.set_num_threads(saved)
@@ -264,9 +245,9 @@ def test_attention_matches_sdpa_to_rounding() -> None:
     allowed[:, 0] = True
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, None],
                                                                 enable_gqa=True).transpose(1, 2)[0]
-    got = _attend(q.float(), k.float(), v.float(), allowed)
+    got = exact_attend(q.float(), k.float(), v.float(), allowed)
     assert torch.allclose(got.double(), expected, atol=2e-6), float((got.double() - expected).abs().max())
-    causal = _attend(q[:, :, :3].float(), k[:, :, :3].float(), v[:, :, :3].float(), None)  # no mask: causal
+    causal = exact_attend(q[:, :, :3].float(), k[:, :, :3].float(), v[:, :, :3].float(), None)  # no mask: causal
     expected = torch.nn.functional.scaled_dot_product_attention(q[:, :, :3], k[:, :, :3], v[:, :, :3], is_causal=True,
                                                                 enable_gqa=True).transpose(1, 2)[0]
     assert torch.allclose(causal.double(), expected, atol=2e-6)
@@ -281,11 +262,11 @@ def test_attention_edge_cases() -> None:
     allowed = torch.ones(3, 2 * CHUNK + 5, dtype=torch.bool)
     allowed[0] = False
     allowed[2, 3:CHUNK] = False
-    out = _attend(q, k, k, allowed)
+    out = exact_attend(q, k, k, allowed)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     cols = allowed[2].nonzero()[:, 0]
-    assert torch.equal(out[2], _attend(q[:, :, 2:3], k[:, :, cols], k[:, :, cols], None)[0])
-    module = _Module(2)
+    assert torch.equal(out[2], exact_attend(q[:, :, 2:3], k[:, :, cols], k[:, :, cols], None)[0])
+    module = AttentionModule(2)
     with pytest.raises(ExactAttentionError, match="soft-capping"):
         exact_attention(module, q, k, k, None, softcap=30.0)
     with pytest.raises(ExactAttentionError, match="sinks"):
