@@ -11,7 +11,7 @@ is the decoder's own work:
   compact, commit, feed the sources back, draft, lay out the next input), median over the steps,
   with a fixed tree of 8, 32 or 64 nodes (``adaptive_budget=False``), greedy, default sources;
 * **first draft**: the first of those gaps, which also waits for whatever of the sources' prompt
-  indexing (``begin``, run on a worker thread while the prefill runs) is not done yet;
+  indexing (``begin``, which on a CPU runs at the first draft);
 * **added before the first token**: time from the call to the first committed token, minus the
   prefill forward;
 * **syncs / uploads per step**: the same decode on :class:`~specdraft.simulated_device.SimulatedDevice`

@@ -14,11 +14,12 @@ the token limit, and token ids outside the model's vocabulary raise, naming the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Sequence
 
 import torch
 
-from ..sources.base import Draft, DraftSource, Feedback, SideBlock, source_option
+from ..sources.base import Draft, DraftSource, Feedback, SideBlock, observes_late, source_option
 from ..tree import TokenTree
 from .readback import Readback, TopRows
 from .request import LiveRequest, PendingStep
@@ -72,8 +73,9 @@ class Drafter:
         return max([0] + [source_option(s, "warmup_steps") for s in self.sources])
 
     def begin(self, request: LiveRequest) -> None:
-        """The request's first draft: the sources read its prompt now, after its first token is
-        out (a request's first token never waits for them)."""
+        """The sources read the request's prompt: on a CPU at its first draft, after its first
+        token is out (the first token never waits for them); on an accelerator while the forward
+        that ends its prompt runs (:meth:`~specdraft.engine.step.Step.behind_forward`)."""
         prompt = request.prompt_context()
         for source in self.sources:
             source.begin(prompt)
@@ -119,17 +121,23 @@ class Drafter:
         return sides
 
     def feed_back(self, request: LiveRequest, step: PendingStep, tokens: list[int], logits: torch.Tensor,
-                  readback: Readback, top: TopRows | None) -> None:
+                  readback: Readback, top: TopRows | None, late: bool = False) -> None:
         """Tell every source what the step committed, with its side block's logits and argmax and,
-        for sources that asked (``top_k``), the top-k of every row."""
+        for sources that asked (``top_k``), the top-k of every row. With ``late``, the sources that
+        observe late (``observes_late``, no side block this step) are not told now: their
+        feedback waits in ``request.late`` for the next forward's launch."""
         after = request.context()
         for source, side, argmax, wants_top in zip(self.sources, step.side_slices, readback.side_argmax,
                                                    self.wants_top):
             side_logits = logits[side].to(torch.float32) if side is not None else None
             mine = top if wants_top else None
-            source.observe(Feedback(committed=list(tokens), context=after, side_logits=side_logits,
-                                    top_ids=mine.ids if mine is not None else None,
-                                    row_tokens=mine.row_tokens if mine is not None else None, side_argmax=argmax))
+            feedback = Feedback(committed=list(tokens), context=after, side_logits=side_logits,
+                                top_ids=mine.ids if mine is not None else None,
+                                row_tokens=mine.row_tokens if mine is not None else None, side_argmax=argmax)
+            if late and side is None and observes_late(source):
+                request.late.append(partial(source.observe, feedback))
+            else:
+                source.observe(feedback)
 
     def finish(self, request: LiveRequest, failed: bool) -> None:
         """End every begun source, or, when the request failed, ``abort`` those that can undo what it

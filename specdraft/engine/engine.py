@@ -51,6 +51,10 @@ class Engine:
         #: how each step chooses every tree row's token: "auto" (all rows at once on an
         #: accelerator, node by node on a CPU), "batched" or "walk"; see :meth:`batched_rows`
         self.row_choices: str = "auto"
+        #: whether the host work the next read does not need (the sources' late learning, their
+        #: prompt indexing) runs behind each forward: ``None`` = on an accelerator, whose forward
+        #: runs while the host goes on (on a CPU it would only hold the read back)
+        self.hide_host_work: bool | None = None
         self._busy = threading.Lock()
 
     @property
@@ -69,6 +73,13 @@ class Engine:
         """A batch of ``specs``, ``concurrency`` at a time; iterate it to run it. ``stats[i]``, if
         given, is filled with request ``i``'s statistics as it runs."""
         return Batch(self, specs, concurrency, stats, self.text, hold=lambda: self.held(concurrency))
+
+    @property
+    def hides_host_work(self) -> bool:
+        """See :attr:`hide_host_work`."""
+        if self.hide_host_work is None:
+            return self.runner.device.type != "cpu"
+        return bool(self.hide_host_work)
 
     def batched_rows(self, device: torch.device) -> bool:
         """Whether each step chooses every tree row's token on the device at once (one read per

@@ -144,6 +144,11 @@ class Batch:
             return
         request.finished = True
         try:
+            request.learn_late()  # the sources hear every step before the end
+        except Exception as exc:  # noqa: BLE001 - a source failing to learn fails this request alone
+            request.error = request.error or exc
+            failed = True
+        try:
             self.engine.drafter.finish(request, failed)
         except Exception as exc:  # noqa: BLE001 - a source failing to finish ends this request alone
             request.error = request.error or exc

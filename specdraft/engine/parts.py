@@ -16,7 +16,7 @@ from .widths import Widths
 class Parts(Protocol):
     """The model runner, the sources (through the drafter), the budget, the clock, the kernels
     context entered around each forward, the widths forwards are padded to, and where rows are
-    chosen."""
+    chosen, and whether host work hides behind the forward."""
 
     runner: ModelRunner
     drafter: Drafter
@@ -24,5 +24,8 @@ class Parts(Protocol):
     clock: Callable[[], float]
     kernels: Callable[[], ContextManager[Any]]
     padding: Widths | None
+    #: the forward runs while the host goes on (an accelerator): work the next read does not
+    #: need waits for the launch and runs behind it
+    hides_host_work: bool
 
     def batched_rows(self, device: torch.device) -> bool: ...

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 import torch
@@ -101,6 +101,8 @@ class LiveRequest:
     #: the prompt step's top-k rows, handed to the sources with the first tree step's
     pending_top: TopRows | None = None
     begun: list[DraftSource] = field(default_factory=list)
+    #: the sources' learning from its last step, held back to run behind the next forward
+    late: list[Callable[[], None]] = field(default_factory=list)
     #: its drafting time, and how many steps it still runs without drafting
     pause: DraftPause = field(default_factory=DraftPause)
     step: PendingStep | None = None
@@ -110,6 +112,12 @@ class LiveRequest:
     finished: bool = False
     error: BaseException | None = None
     cancelled: bool = False
+
+    def learn_late(self) -> None:
+        """Run the learning held back from the last step (``late``), in order."""
+        work, self.late = self.late, []
+        for learn in work:
+            learn()
 
     def fail(self, error: BaseException) -> None:
         """End the request with ``error`` (its sources will abort what it taught them)."""

@@ -43,7 +43,7 @@ def settle(engine: Parts, request: LiveRequest, logits: torch.Tensor, readback: 
             top = request.pending_top.then(top)
         request.pending_top = None
         try:
-            engine.drafter.feed_back(request, step, tokens, logits, readback, top)
+            engine.drafter.feed_back(request, step, tokens, logits, readback, top, late=engine.hides_host_work)
         except Exception as exc:  # noqa: BLE001 - a source that raises ends its request alone
             request.stats.new_tokens += len(tokens)
             request.fail(exc)

@@ -9,7 +9,9 @@
 3. **lay out**: each request's checked tree and side blocks become rows of the forward
    (:mod:`specdraft.engine.layout`); a request still prefilling sends a chunk of its prompt;
 4. **forward**: one forward of all rows over the KV store (:mod:`specdraft.model.runner`), with
-   everything the host sends in one upload;
+   everything the host sends in one upload; on an accelerator, what the read does not need (the
+   sources' learning from the last step, their indexing of a prompt that ends here) runs while
+   the forward does;
 5. **read back**: every request's choices, side-block argmax and top-k, read from the device at
    once (:mod:`specdraft.engine.readback`);
 6. **settle**: each request verifies its own rows, commits, keeps its accepted path in the cache,
@@ -87,6 +89,8 @@ class Step:
         if not members:
             return StepReport()
         output = self.forward(members, riders)
+        if self.engine.hides_host_work:
+            self.behind_forward(members)
         fetched = self.read_back(members, output)
         emitted = self.settle(members, output, fetched)
         return self.account(members, emitted, started)
@@ -201,6 +205,24 @@ class Step:
         request.draw, request.row_draws = request_draws(device, request.spec.seed, request.batched,
                                                         request.spec.settings.do_sample)
         request.step = prompt_step(request.root, len(self.engine.drafter.sources))
+
+    def behind_forward(self, members: Sequence[Member]) -> None:
+        """On an accelerator, while the forward runs: the sources learn what the last step taught
+        them (the feedback they observe late), and index the prompts that ended in this forward
+        (their first draft then finds them indexed). Neither is needed by the read that follows,
+        so neither waits between two forwards."""
+        for request in self.running:
+            try:
+                request.learn_late()
+            except Exception as exc:  # noqa: BLE001 - a source that raises ends its request alone
+                request.fail(exc)
+        for m in members:
+            request = m.request
+            if m.kind == "chunk" and not request.prefilling and not request.ending and self.engine.drafter.sources:
+                try:
+                    self.engine.drafter.begin(request)
+                except Exception as exc:  # noqa: BLE001
+                    request.fail(exc)
 
     # -- 5. read back ---------------------------------------------------------------------------
 

@@ -185,8 +185,8 @@ class DraftSource(Protocol):
         whose only state is per-request). A caller closing a stream early is not a failure: what
         was committed was verified, so it is kept and ``end`` is called.
 
-    Two optional attributes tune what the decoder does for a source; a source without them gets
-    ``0`` (so the runtime ``isinstance`` check only asks for the five members above them):
+    Three optional attributes tune what the decoder does for a source; a source without them gets
+    ``0`` or ``False`` (so the runtime ``isinstance`` check only asks for the five members above them):
 
     ``warmup_steps``
         steps the source needs before its drafts mean anything (Jacobi fills its window first);
@@ -195,6 +195,13 @@ class DraftSource(Protocol):
         ask for the model's top-``k`` next tokens at every row of each step's forward, delivered in
         :attr:`Feedback.top_ids` (Token Recycling drafts from them). The decoder takes one
         ``torch.topk`` per step for the largest ``k`` asked; sources that leave it at 0 cost nothing.
+    ``observes_late``
+        ``True`` when ``observe`` only learns: the next ``propose`` reads what it needs from its
+        context, not from the last feedback. On an accelerator the decoder then hands over a
+        step's feedback one step late, once the next forward is launched, so the learning runs
+        while the device computes instead of between its forwards. Feedbacks still come in step
+        order, each once, all before ``end`` or ``abort``; a step in which the source had a side
+        block is observed at once (its logits live in the forward's output buffers).
     """
 
     name: str
@@ -235,6 +242,15 @@ def source_option(source: Any, attribute: str) -> int:
         raise ValueError(f"draft source {getattr(source, 'name', source)!r} has {attribute}={value!r}; "
                          "it must be an int >= 0")
     return int(value)
+
+
+def observes_late(source: Any) -> bool:
+    """The optional ``observes_late`` flag of ``source`` (see :class:`DraftSource`), checked to be a bool."""
+    value = getattr(source, "observes_late", False)
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"draft source {getattr(source, 'name', source)!r} has observes_late={value!r}; "
+                         "it must be True or False")
+    return bool(value)
 
 
 State = TypeVar("State")

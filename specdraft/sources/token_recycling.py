@@ -351,6 +351,8 @@ class TokenRecycling(SourceBase[_Undo]):
             raise ValueError(f"k (candidates kept per token) must be an int > 0, got {k!r}")
         self.k = int(k)
         self.top_k = self.k
+        #: observe only writes the matrix; a draft reads its context and the matrix as it stands
+        self.observes_late = True
         self.name = name
         if isinstance(template, TreeTemplate):
             tree = template

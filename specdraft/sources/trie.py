@@ -242,6 +242,8 @@ class FrequencyTrie:
         self.insert_output = insert_output
         self.eliminate = eliminate
         self.name = name
+        #: observe only counts windows; a draft reads its context and the counts as they stand
+        self.observes_late = True
         self._lock = threading.RLock()
         self._view: pygtrie.Trie | None = None  # the pygtrie view of :attr:`trie`, made on demand
         self._view_version = -1

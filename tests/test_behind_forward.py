@@ -1,0 +1,189 @@
+"""Host work behind the forward: on an accelerator, what the next read does not need runs while
+the device computes.
+
+Two pieces of host work wait for the launch of a forward instead of running between forwards:
+the learning of sources that observe late (``observes_late``: the trie, Token Recycling), one
+step late, and the sources' indexing of a prompt, behind the forward that ends it. These tests
+pin the order (on the simulated device, where the engine hides host work as on a GPU, and on the
+CPU, where it does not), check that every feedback still arrives once, in order and before the
+end, that outputs do not change, and that a late observe that raises ends its request alone.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import reference_greedy, tiny_model
+from specdraft import Decoder
+from specdraft.simulated_device import SimulatedDevice
+from specdraft.sources.base import Draft, observes_late
+from specdraft.sources.registry import DEFAULT_SOURCES, make_sources
+from specdraft.sources.trie import FrequencyTrie
+
+PROMPT = [1, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6, 7]
+NEW = 12
+
+
+class Recorder:
+    """A source that proposes what followed the root's last earlier occurrence and logs every call,
+    with how many forwards had started at that moment. With ``fail_at``, its observe raises for
+    the first request it sees once that request has committed ``fail_at`` tokens."""
+
+    def __init__(self, name: str, log: list, forwards: list[int], late: bool, fail_at: int | None = None) -> None:
+        self.name = name
+        self.observes_late = late
+        self.log, self.forwards, self.fail_at = log, forwards, fail_at
+        self.observed: dict[int, list[int]] = {}
+        self.first_request: int | None = None
+
+    def _note(self, event: str, context) -> None:
+        self.log.append((self.name, event, context.request_id, len(context.tokens), self.forwards[0]))
+
+    def begin(self, context) -> None:
+        self._note("begin", context)
+        if self.first_request is None:
+            self.first_request = context.request_id
+
+    def propose(self, context, budget: int) -> Draft:
+        self._note("propose", context)
+        tokens = list(context.tokens)
+        for i in range(len(tokens) - 2, -1, -1):
+            if tokens[i] == tokens[-1]:
+                return Draft(branches=[tokens[i + 1 : i + 1 + budget]] if budget else [])
+        return Draft()
+
+    def observe(self, feedback) -> None:
+        self._note("observe", feedback.context)
+        seen = self.observed.setdefault(feedback.context.request_id, [])
+        seen.extend(feedback.committed)
+        if self.fail_at is not None and feedback.context.request_id == self.first_request \
+                and len(seen) >= self.fail_at:
+            raise RuntimeError(f"{self.name} fails after {len(seen)} tokens")
+
+    def end(self, context) -> None:
+        self._note("end", context)
+
+    def abort(self, context) -> None:
+        self._note("abort", context)
+
+
+def counting(model: torch.nn.Module) -> list[int]:
+    forwards = [0]
+
+    def started(*_):
+        forwards[0] += 1
+
+    model.register_forward_pre_hook(started)
+    return forwards
+
+
+def events(log: list, name: str) -> list[tuple[str, int, int]]:
+    return [(event, length, forwards) for who, event, _, length, forwards in log if who == name]
+
+
+def test_a_late_source_learns_behind_the_next_forward_on_an_accelerator() -> None:
+    model = copy.deepcopy(tiny_model("llama", "sdpa"))
+    forwards = counting(model)
+    sim = SimulatedDevice()
+    sim.adopt(model)
+    log: list = []
+    late, now = Recorder("late", log, forwards, True), Recorder("now", log, forwards, False)
+    with sim, sim.patched_generator():
+        dec = Decoder(model, None, sources=[late, now], max_tree_nodes=6, adaptive_budget=False)
+        assert dec.engine.hides_host_work
+        stream = dec.stream(PROMPT, max_new_tokens=NEW)
+        first = next(stream)
+        begun_before_first_token = [e for e in log if e[1] == "begin"]
+        out = first + [t for chunk in stream for t in chunk]
+    assert out == reference_greedy(tiny_model("llama", "sdpa"), PROMPT, NEW)
+    # the prompt is indexed behind the prefill, before the first token is read
+    assert len(begun_before_first_token) == 2 and all(e[4] == 1 for e in begun_before_first_token)
+    for name in ("late", "now"):
+        kinds = [e[0] for e in events(log, name)]
+        assert kinds[0] == "begin" and kinds[-1] == "end" and kinds.count("propose") == kinds.count("observe")
+    # the source that observes now hears each step before the next draft
+    now_events = events(log, "now")[1:-1]
+    assert [e[0] for e in now_events] == ["propose", "observe"] * (len(now_events) // 2)
+    # the late one hears step t after step t+1's draft and the launch of its forward, in order
+    late_events = events(log, "late")[1:-1]
+    proposes = [e for e in late_events if e[0] == "propose"]
+    observes = [e for e in late_events if e[0] == "observe"]
+    assert [e[1] for e in observes] == sorted(e[1] for e in observes)  # in step order
+    assert late.observed == now.observed  # every committed token heard, once
+    for step, observe in enumerate(observes[:-1]):
+        assert observe[2] == proposes[step + 1][2] + 1, late_events  # behind the next step's launch
+        assert late_events.index(observe) > late_events.index(proposes[step + 1])
+    assert observes[-1][2] == forwards[0]  # the last step's, at the end (no forward left to hide behind)
+
+
+def test_on_a_cpu_every_source_learns_at_once_and_indexes_after_the_first_token() -> None:
+    model = copy.deepcopy(tiny_model("llama", "sdpa"))
+    forwards = counting(model)
+    log: list = []
+    late = Recorder("late", log, forwards, True)
+    dec = Decoder(model, None, sources=[late], max_tree_nodes=6, adaptive_budget=False)
+    assert not dec.engine.hides_host_work
+    stream = dec.stream(PROMPT, max_new_tokens=NEW)
+    next(stream)
+    assert log == []  # nothing read the prompt before the first token
+    list(stream)
+    kinds = [e[0] for e in events(log, "late")]
+    assert kinds == ["begin"] + ["propose", "observe"] * ((len(kinds) - 2) // 2) + ["end"]
+
+
+@pytest.mark.parametrize("sources", [["trie"], ["recycle"], list(DEFAULT_SOURCES) + ["recycle"]])
+def test_learning_late_changes_no_output_alone_or_batched(sources: list[str]) -> None:
+    model = tiny_model("llama", "sdpa")
+    prompts = [PROMPT, PROMPT[3:] + [12, 5, 6], [2, 9, 9, 4, 9, 9, 4, 9]]
+    expected = [reference_greedy(model, p, NEW) for p in prompts]
+    for hide in (False, True):
+        dec = Decoder(model, None, sources=make_sources(sources), max_tree_nodes=8)
+        dec.engine.hide_host_work = hide
+        assert [dec.generate(p, max_new_tokens=NEW).token_ids for p in prompts] == expected
+        batch = dec.generate_batch(prompts, max_new_tokens=NEW, concurrency=3)
+        assert [o.token_ids for o in batch] == expected
+
+
+def test_learning_late_leaves_the_shared_trie_as_learning_at_once_does() -> None:
+    model = tiny_model("llama", "sdpa")
+    tries = []
+    for hide in (False, True):
+        trie = FrequencyTrie(decoding_length=8, branch_length=4)
+        dec = Decoder(model, None, sources=[trie], max_tree_nodes=8, adaptive_budget=False)
+        dec.engine.hide_host_work = hide
+        dec.generate_batch([PROMPT, PROMPT[4:], [3, 4, 3, 4, 3]], max_new_tokens=NEW, concurrency=2)
+        trie.check_invariants()
+        assert trie.active_requests == 0
+        tries.append(trie.snapshot())
+    assert tries[0] == tries[1] and tries[0]
+
+
+@pytest.mark.parametrize("fail_at", [3, NEW - 1])
+def test_a_late_observe_that_raises_ends_its_request_alone(fail_at: int) -> None:
+    """Raised behind a forward (``fail_at=3``) or at the request's end, when the last step's
+    feedback is delivered (``fail_at=NEW - 1``: the first token, from the prefill, is not observed): that request fails with the error, its sources abort,
+    and the other request of the batch completes as it would alone."""
+    model = tiny_model("llama", "sdpa")
+    other = [2, 9, 9, 4, 9, 9, 4, 9]
+    alone = Decoder(model, None, sources=[Recorder("bad", [], [0], True)], max_tree_nodes=6,
+                    adaptive_budget=False).generate(other, max_new_tokens=NEW).token_ids
+    log: list = []
+    bad = Recorder("bad", log, [0], True, fail_at=fail_at)
+    dec = Decoder(model, None, sources=[bad], max_tree_nodes=6, adaptive_budget=False)
+    dec.engine.hide_host_work = True
+    outputs = dec.generate_batch([PROMPT, other], max_new_tokens=NEW, concurrency=2)
+    assert isinstance(outputs[0].error, RuntimeError) and "bad fails" in str(outputs[0].error)
+    assert outputs[1].error is None and outputs[1].token_ids == alone
+    ends = [(e[1], e[2]) for e in log if e[1] in ("end", "abort")]
+    assert ("abort", bad.first_request) in ends and ("end", bad.first_request) not in ends
+
+
+def test_observes_late_must_be_a_bool() -> None:
+    source = FrequencyTrie()
+    assert observes_late(source) and not observes_late(object())
+    source.observes_late = 1
+    with pytest.raises(ValueError, match="observes_late=1.*True or False"):
+        observes_late(source)
