@@ -187,3 +187,17 @@ def test_observes_late_must_be_a_bool() -> None:
     source.observes_late = 1
     with pytest.raises(ValueError, match="observes_late=1.*True or False"):
         observes_late(source)
+
+
+def test_a_one_token_request_indexes_no_prompt() -> None:
+    """Its one token comes from the prompt step, so no draft will read the index."""
+    log: list = []
+    source = Recorder("late", log, [0], True)
+    dec = Decoder(tiny_model("llama", "sdpa"), None, sources=[source], max_tree_nodes=6, adaptive_budget=False)
+    dec.engine.hide_host_work = True
+    assert dec.generate(PROMPT, max_new_tokens=1).token_ids == reference_greedy(tiny_model("llama", "sdpa"), PROMPT, 1)
+    assert log == []
+    stream = dec.stream(PROMPT, max_new_tokens=2)
+    next(stream)
+    assert [e[1] for e in log] == ["begin"]  # indexed behind the prefill, before the first token
+    list(stream)

@@ -218,7 +218,9 @@ class Step:
                 request.fail(exc)
         for m in members:
             request = m.request
-            if m.kind == "chunk" and not request.prefilling and not request.ending and self.engine.drafter.sources:
+            drafts_later = request.spec.max_new_tokens > 1  # (one token comes from the prompt step alone)
+            if m.kind == "chunk" and not request.prefilling and not request.ending and drafts_later \
+                    and self.engine.drafter.sources:
                 try:
                     self.engine.drafter.begin(request)
                 except Exception as exc:  # noqa: BLE001
