@@ -201,3 +201,22 @@ def test_a_one_token_request_indexes_no_prompt() -> None:
     next(stream)
     assert [e[1] for e in log] == ["begin"]  # indexed behind the prefill, before the first token
     list(stream)
+
+
+def test_the_acceptance_walk_and_statistics_behind_the_forward_learn_what_they_learn_at_once() -> None:
+    """With a source that observes at once and a fixed tree wide enough for all it drafts, neither
+    the drafts nor the trees depend on what was learned when, so the tracker's learned rates and
+    the requests' statistics must come out the same whether they were learned between the
+    forwards or behind them."""
+    model = tiny_model("llama", "sdpa")
+    learned = []
+    for hide in (False, True):
+        dec = Decoder(model, None, sources=make_sources(["prompt"]), max_tree_nodes=64, adaptive_budget=False)
+        dec.engine.hide_host_work = hide
+        outputs = [dec.generate(p, max_new_tokens=NEW) for p in (PROMPT, PROMPT[2:], [4, 8, 4, 8, 4, 8])]
+        tracker = dec.engine.budget.acceptance
+        stats = [(o.stats.steps, o.stats.accept_lengths, o.stats.tree_sizes,
+                  {k: vars(v) for k, v in o.stats.per_source.items()}) for o in outputs]
+        assert all(sum(o.stats.accept_lengths) == len(o.token_ids) for o in outputs)
+        learned.append((list(tracker.long_run_ranks), list(tracker.long_run_sources), stats))
+    assert learned[0] == learned[1]

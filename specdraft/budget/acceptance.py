@@ -147,10 +147,20 @@ class AcceptanceTracker:
 
     def observe(self, request: RequestAcceptance, full: TokenTree, committed: Sequence[int], start: int) -> None:
         """A step of ``request`` drafted ``full`` (its full tree) and committed ``committed[start:]``
-        after its root (``committed`` is the request's whole sequence). Earlier walks still waiting
-        go on first."""
+        after its root (``committed`` is the request's whole sequence): :meth:`count_step`, then
+        :meth:`walk`."""
+        self.count_step(request, full, start)
+        self.walk(request, committed)
+
+    def count_step(self, request: RequestAcceptance, full: TokenTree, start: int) -> None:
+        """Count a tree step and queue its tree's walk from ``start``: what the next plan reads
+        (its opening rule counts tree steps), so it never waits."""
         request.tree_steps += 1
         request.walks.append(_Walk(full, start))
+
+    def walk(self, request: RequestAcceptance, committed: Sequence[int]) -> None:
+        """Walk every queued tree on along ``committed``, in step order: the learning, which may
+        run behind the next forward."""
         waiting = []
         for walk in request.walks:
             if self._advance(request, walk, committed):

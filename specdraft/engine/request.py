@@ -101,7 +101,8 @@ class LiveRequest:
     #: the prompt step's top-k rows, handed to the sources with the first tree step's
     pending_top: TopRows | None = None
     begun: list[DraftSource] = field(default_factory=list)
-    #: the sources' learning from its last step, held back to run behind the next forward
+    #: the learning from its last step (late sources, acceptance walk, statistics), held back to
+    #: run behind the next forward
     late: list[Callable[[], None]] = field(default_factory=list)
     #: its drafting time, and how many steps it still runs without drafting
     pause: DraftPause = field(default_factory=DraftPause)

@@ -6,10 +6,15 @@ node costs nothing (a CPU): both accept the longest path the model agrees with, 
 the model's own (:mod:`specdraft.verify`). The stop rules cut the step's tokens where plain
 decoding would have stopped; the cache keeps the root and the accepted path; the sources hear
 what was committed; the acceptance tracker learns, through the full tree, what the drafts would
-have achieved.
+have achieved. On an accelerator the learning that the next draft does not need (the sources
+that observe late, the acceptance walk, the statistics) waits in the request's ``late`` list
+and runs behind the next forward (:meth:`~specdraft.engine.step.Step.behind_forward`).
 """
 
 from __future__ import annotations
+
+from functools import partial
+from typing import Callable
 
 import torch
 
@@ -26,7 +31,8 @@ def settle(engine: Parts, request: LiveRequest, logits: torch.Tensor, readback: 
     step = request.step
     verdict = _verdict(request, step, logits, readback)
     tokens, done = request.spec.stop.cut(request.output, verdict.tokens)
-    record(request.stats, step.tree, verdict, len(tokens), engine.drafter.names)
+    later = request.late if engine.hides_host_work else None  # (see Step.behind_forward)
+    _now_or_later(later, partial(record, request.stats, step.tree, verdict, len(tokens), engine.drafter.names))
     if step.kind == "tree" and not done:
         engine.runner.store.keep(request.region, [0] + verdict.path)
     start = request.commit(tokens)
@@ -43,12 +49,14 @@ def settle(engine: Parts, request: LiveRequest, logits: torch.Tensor, readback: 
             top = request.pending_top.then(top)
         request.pending_top = None
         try:
-            engine.drafter.feed_back(request, step, tokens, logits, readback, top, late=engine.hides_host_work)
+            engine.drafter.feed_back(request, step, tokens, logits, readback, top, late=later is not None)
         except Exception as exc:  # noqa: BLE001 - a source that raises ends its request alone
             request.stats.new_tokens += len(tokens)
             request.fail(exc)
             return tokens
-        engine.budget.acceptance.observe(request.acceptance, step.full, request.committed, start)
+        acceptance = engine.budget.acceptance
+        acceptance.count_step(request.acceptance, step.full, start)
+        _now_or_later(later, partial(acceptance.walk, request.acceptance, request.committed))
         if step.drafted:
             budget = engine.budget
             request.pause.settled(len(tokens) - 1, budget.costs.seconds(1) if budget.chooses else None,
@@ -57,6 +65,14 @@ def settle(engine: Parts, request: LiveRequest, logits: torch.Tensor, readback: 
     request.stats.wall_time = engine.clock() - request.admitted
     request.ending = request.ending or done
     return tokens
+
+
+def _now_or_later(later: list[Callable[[], None]] | None, learn: Callable[[], None]) -> None:
+    """Run ``learn`` now, or queue it in ``later`` to run behind the next forward."""
+    if later is None:
+        learn()
+    else:
+        later.append(learn)
 
 
 def _verdict(request: LiveRequest, step: PendingStep, logits: torch.Tensor, readback: Readback) -> Verdict:

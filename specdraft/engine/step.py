@@ -10,8 +10,8 @@
    (:mod:`specdraft.engine.layout`); a request still prefilling sends a chunk of its prompt;
 4. **forward**: one forward of all rows over the KV store (:mod:`specdraft.model.runner`), with
    everything the host sends in one upload; on an accelerator, what the read does not need (the
-   sources' learning from the last step, their indexing of a prompt that ends here) runs while
-   the forward does;
+   learning from the last step, the sources' indexing of a prompt that ends here) runs while the
+   forward does;
 5. **read back**: every request's choices, side-block argmax and top-k, read from the device at
    once (:mod:`specdraft.engine.readback`);
 6. **settle**: each request verifies its own rows, commits, keeps its accepted path in the cache,
@@ -207,10 +207,11 @@ class Step:
         request.step = prompt_step(request.root, len(self.engine.drafter.sources))
 
     def behind_forward(self, members: Sequence[Member]) -> None:
-        """On an accelerator, while the forward runs: the sources learn what the last step taught
-        them (the feedback they observe late), and index the prompts that ended in this forward
-        (their first draft then finds them indexed). Neither is needed by the read that follows,
-        so neither waits between two forwards."""
+        """On an accelerator, while the forward runs: what the last step taught is learned (the
+        sources that observe late, the acceptance walk, the statistics: each request's ``late``
+        list, filled by its settling), and the sources index the prompts that ended in this
+        forward (their first draft then finds them indexed). The read that follows needs none of
+        it, so none of it waits between two forwards."""
         for request in self.running:
             try:
                 request.learn_late()
