@@ -78,7 +78,7 @@ def main() -> None:
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
+        (args.out / "results.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
         (args.out / "results.md").write_text("\n".join(lines) + "\n")
 
 
