@@ -282,6 +282,7 @@ class SoakConfig:
     invalid_sweep: bool = True  # start with every invalid kind once on each decoder
     adaptive_tree_nodes: int = 32
     fixed_tree_nodes: int = 8
+    hide_host_work: bool | None = None  # True: the accelerator's order (learning and ends behind the forward)
 
     @classmethod
     def test_scale(cls, **overrides: Any) -> "SoakConfig":
@@ -450,6 +451,8 @@ class Soak:
         self.ids_only = Decoder(self.model, sources=self.sources, max_tree_nodes=config.fixed_tree_nodes,
                                 adaptive_budget=False)
         self.alone = Decoder(self.model, self.tokenizer, sources=[], max_tree_nodes=0)  # seeded sampling's reference
+        for decoder in (self.with_text, self.ids_only):
+            decoder.engine.hide_host_work = config.hide_host_work
         self.pool: list[list[int]] = []  # recent prompts, for repeats
         self.report = SoakReport(config, eos_ids=list(self.eos_ids))
         self._greedy_seen = 0

@@ -107,6 +107,22 @@ def test_both_decoders_still_decode_exactly(soaked) -> None:
         assert single.token_ids == bs.reference_tokens(soak.model, prompts[0], 10)
 
 
+def test_the_soak_in_an_accelerators_order_finds_no_problem() -> None:
+    """The same checks with the host work an accelerator runs behind the forward moved there on
+    the CPU (``hide_host_work``): the late sources' learning, the acceptance walk and statistics,
+    the prompts' indexing, and the ends of finished requests all wait for a later forward."""
+    soak = bs.Soak(bs.SoakConfig.test_scale(requests=400, seed=11, hide_host_work=True))
+    assert soak.with_text.engine.hides_host_work and soak.ids_only.engine.hides_host_work
+    report = soak.run()
+    assert report.problems == [], "\n".join(report.problems[:20])
+    assert report.mismatches == 0
+    assert report.checks["greedy_finished"] >= 60 and report.checks["stream_pieces"] >= 30
+    assert report.counts["cancelled"] >= 5 and report.counts["failed"] >= 3
+    assert set(report.raised_by_where) == {"propose", "observe", "end"}
+    for source in soak.sources:
+        assert bs.live_states(source) == 0, source.name
+
+
 def test_the_harness_catches_a_wrong_output() -> None:
     """The checks are live: a decoder whose batches come back with one token changed is caught."""
     config = bs.SoakConfig.test_scale(requests=40, seed=3, invalid_sweep=False, invalid_share=0.0,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import reference_greedy, tiny_model
-from specdraft import Decoder
+from specdraft import BatchRequest, Decoder
 from specdraft.simulated_device import SimulatedDevice
 from specdraft.sources.base import Draft, observes_late
 from specdraft.sources.registry import DEFAULT_SOURCES, make_sources
@@ -220,3 +220,30 @@ def test_the_acceptance_walk_and_statistics_behind_the_forward_learn_what_they_l
         assert all(sum(o.stats.accept_lengths) == len(o.token_ids) for o in outputs)
         learned.append((list(tracker.long_run_ranks), list(tracker.long_run_sources), stats))
     assert learned[0] == learned[1]
+
+
+def test_a_finished_requests_sources_end_behind_the_next_forward() -> None:
+    """Its output is kept at once (with its last tokens); its sources' end waits for the next
+    forward of the requests still running, and comes before the call returns."""
+    model = copy.deepcopy(tiny_model("llama", "sdpa"))
+    forwards = counting(model)
+    log: list = []
+    source = Recorder("late", log, forwards, True)
+    dec = Decoder(model, None, sources=[source], max_tree_nodes=6, adaptive_budget=False)
+    dec.engine.hide_host_work = True
+    short, long = BatchRequest(PROMPT, max_new_tokens=4), BatchRequest(PROMPT[5:], max_new_tokens=NEW)
+    stream = dec.stream_batch([short, long], concurrency=2)
+    got: list[int] = []
+    for index, tokens in stream:
+        if index == 0:
+            got += tokens
+            if len(got) == 4:
+                assert stream.outputs[0] is not None and stream.outputs[0].token_ids == got
+                assert not [e for e in log if e[1] == "end"]  # not yet: behind the next forward
+    short_id = source.first_request
+    mine = [e for e in log if e[2] == short_id]
+    last_step = max(e[4] for e in mine if e[1] == "propose") + 1  # the forward of its last step
+    assert [e[4] for e in mine if e[1] == "end"] == [last_step + 1]
+    assert [o.token_ids for o in stream.result()] == [reference_greedy(tiny_model("llama", "sdpa"), p, n) for p, n
+                                                      in ((PROMPT, 4), (PROMPT[5:], NEW))]
+    assert {e[2] for e in log if e[1] == "end"} == {short_id, short_id + 1}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from contextlib import nullcontext
+from functools import partial
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 from ..sampling import NodeScorer, PenaltyPrefix
@@ -51,6 +52,8 @@ class Batch:
         self.outputs: list[BatchOutput | None] = [None] * len(self.specs)
         self.stats = BatchStats()
         self._cancel: set[int] = set()
+        #: ends of finished requests' sources waiting for the next forward (see :meth:`finish`)
+        self._ends: list[Callable[[], None]] = []
 
     def cancel(self, index: int) -> None:
         """End request ``index`` at the next step (or before it starts); the others go on."""
@@ -86,10 +89,11 @@ class Batch:
                         self.finish(request)
                 running = [r for r in running if not r.finished]
                 if running:
-                    report = Step(self.engine, running).run()
+                    report = Step(self.engine, running, self._ends).run()
+                    later = self._ends if self.engine.hides_host_work else None
                     for request in running:
                         if request.ending and not request.finished:
-                            self.finish(request, failed=request.error is not None)
+                            self.finish(request, failed=request.error is not None, later=later)
                     self._record(report, len(running))
                     yield from report.emitted
                     running = [r for r in running if not r.finished]
@@ -106,6 +110,9 @@ class Batch:
                                                   cancelled=closed)
             raise
         finally:
+            ends, self._ends[:] = list(self._ends), []
+            for end in ends:  # no forward left to hide them behind
+                end()
             self.stats.wall_time = clock() - started
 
     # -- a request's life ---------------------------------------------------------------------
@@ -138,11 +145,28 @@ class Batch:
             request.penalty = PenaltyPrefix(runner.vocab_size, runner.device, committed)
         return request
 
-    def finish(self, request: LiveRequest, failed: bool = False) -> None:
-        """End ``request``: finish (or, on failure, abort) its sources, free its region, keep its output."""
+    def finish(self, request: LiveRequest, failed: bool = False,
+               later: list[Callable[[], None]] | None = None) -> None:
+        """End ``request``: free its region, keep its output, and finish (or, on failure, abort) its
+        sources; given ``later``, the sources' part is queued there to run behind the next forward
+        (ending a source can take long: the trie takes a 16k-token prompt's windows back in tens
+        of milliseconds). A source that fails then still fails the request: its output's
+        ``error`` is set before the call's iteration ends."""
         if request.finished:
             return
         request.finished = True
+        self.engine.runner.store.release(request.region)
+        request.stats.wall_time = self.engine.clock() - request.admitted
+        tokens = list(request.output)
+        output = BatchOutput(tokens, self.text(tokens), request.stats, error=request.error, cancelled=request.cancelled)
+        self.outputs[request.index] = output
+        end = partial(self._end_sources, request, failed, output)
+        if later is None:
+            end()
+        else:
+            later.append(end)
+
+    def _end_sources(self, request: LiveRequest, failed: bool, output: BatchOutput) -> None:
         try:
             request.learn_late()  # the sources hear every step before the end
         except Exception as exc:  # noqa: BLE001 - a source failing to learn fails this request alone
@@ -152,11 +176,7 @@ class Batch:
             self.engine.drafter.finish(request, failed)
         except Exception as exc:  # noqa: BLE001 - a source failing to finish ends this request alone
             request.error = request.error or exc
-        self.engine.runner.store.release(request.region)
-        request.stats.wall_time = self.engine.clock() - request.admitted
-        output = request.output
-        self.outputs[request.index] = BatchOutput(list(output), self.text(output), request.stats,
-                                                  error=request.error, cancelled=request.cancelled)
+        output.error = request.error
 
     def _record(self, report, running: int) -> None:
         if not report.width:

@@ -26,7 +26,7 @@ its own settings and its own random draws.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 import torch
@@ -74,9 +74,12 @@ class Member:
 class Step:
     """See the module docstring; :meth:`run` is the whole step, read top to bottom."""
 
-    def __init__(self, parts: Parts, running: Sequence[LiveRequest]) -> None:
+    def __init__(self, parts: Parts, running: Sequence[LiveRequest],
+                 behind: list[Callable[[], None]] | None = None) -> None:
         self.engine = parts
         self.running = list(running)
+        #: other work waiting for this step's forward (the loop's ends of finished requests)
+        self.behind = behind if behind is not None else []
 
     def run(self) -> StepReport:
         """The step; a request that ends in it (a stop rule, or a failure: its ``error``) is left
@@ -209,14 +212,18 @@ class Step:
     def behind_forward(self, members: Sequence[Member]) -> None:
         """On an accelerator, while the forward runs: what the last step taught is learned (the
         sources that observe late, the acceptance walk, the statistics: each request's ``late``
-        list, filled by its settling), and the sources index the prompts that ended in this
-        forward (their first draft then finds them indexed). The read that follows needs none of
-        it, so none of it waits between two forwards."""
+        list, filled by its settling), the sources of requests that ended last step are ended
+        (``behind``), and the sources index the prompts that ended in this forward (their first
+        draft then finds them indexed). The read that follows needs none of it, so none of it
+        waits between two forwards."""
         for request in self.running:
             try:
                 request.learn_late()
             except Exception as exc:  # noqa: BLE001 - a source that raises ends its request alone
                 request.fail(exc)
+        work, self.behind[:] = list(self.behind), []
+        for job in work:
+            job()
         for m in members:
             request = m.request
             drafts_later = request.spec.max_new_tokens > 1  # (one token comes from the prompt step alone)
