@@ -51,9 +51,10 @@ class Engine:
         #: how each step chooses every tree row's token: "auto" (all rows at once on an
         #: accelerator, node by node on a CPU), "batched" or "walk"; see :meth:`batched_rows`
         self.row_choices: str = "auto"
-        #: whether the host work the next read does not need (the sources' late learning, their
-        #: prompt indexing) runs behind each forward: ``None`` = on an accelerator, whose forward
-        #: runs while the host goes on (on a CPU it would only hold the read back)
+        #: whether the host work the next read does not need (the learning from the last step, the
+        #: prompt indexing, the ends of finished requests' sources) runs behind each forward
+        #: (:meth:`~specdraft.engine.step.Step.behind_forward`): ``None`` = on an accelerator,
+        #: whose forward runs while the host goes on (on a CPU it would only hold the read back)
         self.hide_host_work: bool | None = None
         self._busy = threading.Lock()
 

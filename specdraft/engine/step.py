@@ -10,8 +10,8 @@
    (:mod:`specdraft.engine.layout`); a request still prefilling sends a chunk of its prompt;
 4. **forward**: one forward of all rows over the KV store (:mod:`specdraft.model.runner`), with
    everything the host sends in one upload; on an accelerator, what the read does not need (the
-   learning from the last step, the sources' indexing of a prompt that ends here) runs while the
-   forward does;
+   learning from the last step, the ends of finished requests' sources, the indexing of a prompt
+   that ends here) runs while the forward does;
 5. **read back**: every request's choices, side-block argmax and top-k, read from the device at
    once (:mod:`specdraft.engine.readback`);
 6. **settle**: each request verifies its own rows, commits, keeps its accepted path in the cache,
