@@ -452,7 +452,7 @@ class Soak:
                                 adaptive_budget=False)
         self.alone = Decoder(self.model, self.tokenizer, sources=[], max_tree_nodes=0)  # seeded sampling's reference
         for decoder in (self.with_text, self.ids_only):
-            decoder.engine.hide_host_work = config.hide_host_work
+            decoder.hide_host_work = config.hide_host_work
         self.pool: list[list[int]] = []  # recent prompts, for repeats
         self.report = SoakReport(config, eos_ids=list(self.eos_ids))
         self._greedy_seen = 0

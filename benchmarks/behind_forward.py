@@ -3,7 +3,7 @@
 On a GPU the step runs the sources' late learning (``observes_late``) and their prompt indexing
 between a forward's launch and its read (:meth:`specdraft.engine.step.Step.behind_forward`). On
 a CPU the forward runs in the calling thread, so nothing overlaps; this script forces the GPU
-order there (``Engine.hide_host_work = True``) to measure what moved: the time inside
+order there (``Decoder.hide_host_work = True``) to measure what moved: the time inside
 ``behind_forward`` per step, beside the host time between forwards, with and without the move
 (alternated, median of ``--repeats``), and the steps a 256-token answer took (the drafts miss one
 step of learning). The model is ``host_overhead.py``'s near-free one, greedy, a fixed tree.
@@ -58,7 +58,7 @@ def main() -> None:
                 for hide in (False, True):
                     dec = Decoder(model, None, sources=make_sources(sources), max_tree_nodes=args.nodes,
                                   adaptive_budget=False, cpu_kernels="stock")
-                    dec.engine.hide_host_work = hide
+                    dec.hide_host_work = hide
                     stats, behind[0] = GenerationStats(), 0.0
                     timer.reset()
                     list(dec.stream(prompt, max_new_tokens=args.new_tokens, stats=stats))

@@ -193,6 +193,19 @@ class Decoder:
         self.engine.row_choices = value
 
     @property
+    def hide_host_work(self) -> bool | None:
+        """Whether the host work a step's read does not need runs behind the forward: ``None``
+        (the default) on an accelerator, ``True`` or ``False`` to force it (see
+        :meth:`specdraft.engine.step.Step.behind_forward`). Outputs are the same either way."""
+        return self.engine.hide_host_work
+
+    @hide_host_work.setter
+    def hide_host_work(self, value: bool | None) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"hide_host_work must be True, False or None, got {value!r}")
+        self.engine.hide_host_work = value
+
+    @property
     def packed_weights(self) -> Any:
         """The packed linear weights the decoder swaps in around each forward (``None``: stock kernels)."""
         return self._packed

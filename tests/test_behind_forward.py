@@ -141,7 +141,7 @@ def test_learning_late_changes_no_output_alone_or_batched(sources: list[str]) ->
     expected = [reference_greedy(model, p, NEW) for p in prompts]
     for hide in (False, True):
         dec = Decoder(model, None, sources=make_sources(sources), max_tree_nodes=8)
-        dec.engine.hide_host_work = hide
+        dec.hide_host_work = hide
         assert [dec.generate(p, max_new_tokens=NEW).token_ids for p in prompts] == expected
         batch = dec.generate_batch(prompts, max_new_tokens=NEW, concurrency=3)
         assert [o.token_ids for o in batch] == expected
@@ -153,7 +153,7 @@ def test_learning_late_leaves_the_shared_trie_as_learning_at_once_does() -> None
     for hide in (False, True):
         trie = FrequencyTrie(decoding_length=8, branch_length=4)
         dec = Decoder(model, None, sources=[trie], max_tree_nodes=8, adaptive_budget=False)
-        dec.engine.hide_host_work = hide
+        dec.hide_host_work = hide
         dec.generate_batch([PROMPT, PROMPT[4:], [3, 4, 3, 4, 3]], max_new_tokens=NEW, concurrency=2)
         trie.check_invariants()
         assert trie.active_requests == 0
@@ -173,12 +173,21 @@ def test_a_late_observe_that_raises_ends_its_request_alone(fail_at: int) -> None
     log: list = []
     bad = Recorder("bad", log, [0], True, fail_at=fail_at)
     dec = Decoder(model, None, sources=[bad], max_tree_nodes=6, adaptive_budget=False)
-    dec.engine.hide_host_work = True
+    dec.hide_host_work = True
     outputs = dec.generate_batch([PROMPT, other], max_new_tokens=NEW, concurrency=2)
     assert isinstance(outputs[0].error, RuntimeError) and "bad fails" in str(outputs[0].error)
     assert outputs[1].error is None and outputs[1].token_ids == alone
     ends = [(e[1], e[2]) for e in log if e[1] in ("end", "abort")]
     assert ("abort", bad.first_request) in ends and ("end", bad.first_request) not in ends
+
+
+def test_the_decoder_switch_takes_a_bool_or_none() -> None:
+    dec = Decoder(tiny_model("llama", "sdpa"), None, sources=[], max_tree_nodes=4)
+    assert dec.hide_host_work is None and not dec.engine.hides_host_work
+    dec.hide_host_work = True
+    assert dec.engine.hides_host_work
+    with pytest.raises(ValueError, match="hide_host_work must be True, False or None, got 'yes'"):
+        dec.hide_host_work = "yes"
 
 
 def test_observes_late_must_be_a_bool() -> None:
@@ -194,7 +203,7 @@ def test_a_one_token_request_indexes_no_prompt() -> None:
     log: list = []
     source = Recorder("late", log, [0], True)
     dec = Decoder(tiny_model("llama", "sdpa"), None, sources=[source], max_tree_nodes=6, adaptive_budget=False)
-    dec.engine.hide_host_work = True
+    dec.hide_host_work = True
     assert dec.generate(PROMPT, max_new_tokens=1).token_ids == reference_greedy(tiny_model("llama", "sdpa"), PROMPT, 1)
     assert log == []
     stream = dec.stream(PROMPT, max_new_tokens=2)
@@ -212,7 +221,7 @@ def test_the_acceptance_walk_and_statistics_behind_the_forward_learn_what_they_l
     learned = []
     for hide in (False, True):
         dec = Decoder(model, None, sources=make_sources(["prompt"]), max_tree_nodes=64, adaptive_budget=False)
-        dec.engine.hide_host_work = hide
+        dec.hide_host_work = hide
         outputs = [dec.generate(p, max_new_tokens=NEW) for p in (PROMPT, PROMPT[2:], [4, 8, 4, 8, 4, 8])]
         tracker = dec.engine.budget.acceptance
         stats = [(o.stats.steps, o.stats.accept_lengths, o.stats.tree_sizes,
@@ -230,7 +239,7 @@ def test_a_finished_requests_sources_end_behind_the_next_forward() -> None:
     log: list = []
     source = Recorder("late", log, forwards, True)
     dec = Decoder(model, None, sources=[source], max_tree_nodes=6, adaptive_budget=False)
-    dec.engine.hide_host_work = True
+    dec.hide_host_work = True
     short, long = BatchRequest(PROMPT, max_new_tokens=4), BatchRequest(PROMPT[5:], max_new_tokens=NEW)
     stream = dec.stream_batch([short, long], concurrency=2)
     got: list[int] = []
