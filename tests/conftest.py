@@ -197,6 +197,29 @@ def exact_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed) -> 
     return out[0]
 
 
+def check_exact_attention_matches_sdpa() -> None:
+    """The exact attention (whichever layout is switched on) equals ``sdpa`` up to float32
+    rounding, for any mask (rows seeing scattered columns too) and without one (causal); a row
+    that sees nothing gets zeros. Shared by the host layout's tests, the fixed layout's and the
+    Triton kernels' (in the interpreter)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 14, 9, 64, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, 2, 300, 64, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, 2, 300, 64, generator=gen, dtype=torch.float64)
+    allowed = torch.rand(9, 300, generator=gen) < 0.7
+    allowed[:, 0] = True
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, None],
+                                                                enable_gqa=True).transpose(1, 2)[0]
+    got = exact_attend(q.float(), k.float(), v.float(), allowed)
+    assert torch.allclose(got.double(), expected, atol=2e-6), float((got.double() - expected).abs().max())
+    causal = exact_attend(q[:, :, :3].float(), k[:, :, :3].float(), v[:, :, :3].float(), None)  # no mask: causal
+    expected = torch.nn.functional.scaled_dot_product_attention(q[:, :, :3], k[:, :, :3], v[:, :, :3], is_causal=True,
+                                                                enable_gqa=True).transpose(1, 2)[0]
+    assert torch.allclose(causal.double(), expected, atol=2e-6)
+    allowed[4] = False
+    assert torch.equal(exact_attend(q.float(), k.float(), v.float(), allowed)[4], torch.zeros(14, 64))
+
+
 def wide_llama(dtype: torch.dtype, attn: str = "sdpa", layers: int = 2):
     """Issue 43's random 896-wide Llama (two layers, MLP 4864, 14 heads on 2 key/value heads,
     vocabulary 512) in ``dtype``: wide enough that a forward of several rows computes a row's

@@ -35,7 +35,8 @@ from specdraft.model.kv_store import KVStore
 from specdraft.model.static import Buckets, RerunGraph
 from specdraft.sources.registry import make_sources
 
-from conftest import AttentionModule, ancestor_block, exact_attend, random_tree, repetitive_prompt, wide_llama
+from conftest import (AttentionModule, ancestor_block, check_exact_attention_matches_sdpa, exact_attend, random_tree,
+                      repetitive_prompt, wide_llama)
 
 NEW = 40
 
@@ -121,24 +122,9 @@ def test_a_region_off_a_chunk_boundary_rounds_otherwise() -> None:
 
 
 def test_fixed_attention_matches_sdpa_to_rounding() -> None:
-    """The same attention as ``sdpa`` up to float32 rounding, for any mask (rows seeing scattered
-    columns too) and without one (causal); a row that sees nothing gets zeros."""
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 14, 9, 64, generator=gen, dtype=torch.float64)
-    k = torch.randn(1, 2, 300, 64, generator=gen, dtype=torch.float64)
-    v = torch.randn(1, 2, 300, 64, generator=gen, dtype=torch.float64)
-    allowed = torch.rand(9, 300, generator=gen) < 0.7
-    allowed[:, 0] = True
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, None],
-                                                                enable_gqa=True).transpose(1, 2)[0]
-    got = exact_attend(q.float(), k.float(), v.float(), allowed)
-    assert torch.allclose(got.double(), expected, atol=2e-6), float((got.double() - expected).abs().max())
-    causal = exact_attend(q[:, :, :3].float(), k[:, :, :3].float(), v[:, :, :3].float(), None)
-    expected = torch.nn.functional.scaled_dot_product_attention(q[:, :, :3], k[:, :, :3], v[:, :, :3], is_causal=True,
-                                                                enable_gqa=True).transpose(1, 2)[0]
-    assert torch.allclose(causal.double(), expected, atol=2e-6)
-    allowed[4] = False
-    assert torch.equal(exact_attend(q.float(), k.float(), v.float(), allowed)[4], torch.zeros(14, 64))
+    """The same attention as ``sdpa`` up to float32 rounding, for any mask and without one
+    (causal); a row that sees nothing gets zeros."""
+    check_exact_attention_matches_sdpa()
 
 
 def test_fixed_layout_reads_nothing_back_from_the_device() -> None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from conftest import AttentionModule, ancestor_block, exact_attend, random_tree, wide_llama
+from conftest import AttentionModule, ancestor_block, check_exact_attention_matches_sdpa, exact_attend, random_tree, wide_llama
 from specdraft.model.compat import cache_keyword
 from specdraft.model.exact_attention import (CHUNK, EXACT_NAME, ExactAttentionError, exact_attention,
                                        register_exact_backend)
@@ -237,20 +237,7 @@ def test_attention_row_depends_only_on_its_visible_keys(heads: int, kv_heads: in
 
 def test_attention_matches_sdpa_to_rounding() -> None:
     """Same attention as transformers' sdpa up to float32 rounding (the order of additions differs)."""
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 14, 9, 64, generator=gen, dtype=torch.float64)
-    k = torch.randn(1, 2, 300, 64, generator=gen, dtype=torch.float64)
-    v = torch.randn(1, 2, 300, 64, generator=gen, dtype=torch.float64)
-    allowed = torch.rand(9, 300, generator=gen) < 0.7
-    allowed[:, 0] = True
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, None],
-                                                                enable_gqa=True).transpose(1, 2)[0]
-    got = exact_attend(q.float(), k.float(), v.float(), allowed)
-    assert torch.allclose(got.double(), expected, atol=2e-6), float((got.double() - expected).abs().max())
-    causal = exact_attend(q[:, :, :3].float(), k[:, :, :3].float(), v[:, :, :3].float(), None)  # no mask: causal
-    expected = torch.nn.functional.scaled_dot_product_attention(q[:, :, :3], k[:, :, :3], v[:, :, :3], is_causal=True,
-                                                                enable_gqa=True).transpose(1, 2)[0]
-    assert torch.allclose(causal.double(), expected, atol=2e-6)
+    check_exact_attention_matches_sdpa()
 
 
 def test_attention_edge_cases() -> None:
