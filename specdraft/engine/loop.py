@@ -26,7 +26,7 @@ from ..sampling import NodeScorer, PenaltyPrefix
 from ..stats import GenerationStats, SourceStats
 from .outputs import BatchOutput, BatchStats
 from .parts import Parts
-from .request import LiveRequest, RequestSpec, request_ids
+from .request import LiveRequest, RequestSpec, request_ids, run_queued
 from .step import Emitted, Step
 
 #: Cache rows a request's region holds beyond prompt + new tokens + tree: room for side blocks.
@@ -110,9 +110,7 @@ class Batch:
                                                   cancelled=closed)
             raise
         finally:
-            ends, self._ends[:] = list(self._ends), []
-            for end in ends:  # no forward left to hide them behind
-                end()
+            run_queued(self._ends)  # no forward left to hide them behind
             self.stats.wall_time = clock() - started
 
     # -- a request's life ---------------------------------------------------------------------

@@ -36,6 +36,15 @@ request_ids = itertools.count(1)
 StepKind = Literal["prompt", "tree"]
 
 
+def run_queued(jobs: list[Callable[[], None]]) -> None:
+    """Run the work queued in ``jobs`` (host work waiting for a forward), in order, and empty the
+    list first, so that a job that raises leaves nothing behind to run twice."""
+    work = list(jobs)
+    jobs.clear()
+    for job in work:
+        job()
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     """One request, checked and resolved: prompt ids, sampling settings, stop rule and seed."""
@@ -116,9 +125,7 @@ class LiveRequest:
 
     def learn_late(self) -> None:
         """Run the learning held back from the last step (``late``), in order."""
-        work, self.late = self.late, []
-        for learn in work:
-            learn()
+        run_queued(self.late)
 
     def fail(self, error: BaseException) -> None:
         """End the request with ``error`` (its sources will abort what it taught them)."""

@@ -37,7 +37,7 @@ from .drafting import Proposal
 from .parts import Parts
 from .layout import tree_rows
 from .readback import ReadPlan, ReadSlots
-from .request import LiveRequest, PendingStep, path_tokens, prompt_step
+from .request import LiveRequest, PendingStep, path_tokens, prompt_step, run_queued
 from .row_draws import request_draws
 from .settle import settle
 from .topk import top_k_ids
@@ -221,9 +221,7 @@ class Step:
                 request.learn_late()
             except Exception as exc:  # noqa: BLE001 - a source that raises ends its request alone
                 request.fail(exc)
-        work, self.behind[:] = list(self.behind), []
-        for job in work:
-            job()
+        run_queued(self.behind)
         for m in members:
             request = m.request
             drafts_later = request.spec.max_new_tokens > 1  # (one token comes from the prompt step alone)
