@@ -14,9 +14,10 @@
 #
 # Stages of `bench` (STAGES, comma-separated; the default runs all, in this order):
 #   main      specdraft bench, HumanEval 10 and MT-Bench 10 x 128: eager generate, compiled
-#             static-cache generate, our plain decoding, our default (GPU default: exact off) and
-#             our default without drafting pauses (MAIN_METHODS overrides the list)
-#   exact     the same prompts in exact mode: our plain decoding and our default (identity and price)
+#             static-cache generate, our plain decoding and our default (GPU default: exact off),
+#             each also in exact mode (@exact: its price and identity in the same process), and
+#             the default with Token Recycling added (MAIN_METHODS overrides the list)
+#   exact     the same prompts with --exact for every method (only when named in STAGES)
 #   batch     --concurrency 1,8 on HumanEval 8 x 64 (batched generate against our batched decoding)
 #   edits     the code-edit set, 6 x 256
 # Everything lands in benchmarks/results/gpu-<gpu>-<date>-<commit>/ there, and, packed after every
@@ -105,7 +106,7 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     fi
     stage() {  # stage NAME SECONDS COMMAND...: run it if chosen and time is left, under its limit
         local name=$1 limit=$2; shift 2
-        [[ ",${STAGES:-main,exact,batch,edits}," == *",$name,"* ]] || return 0
+        [[ ",${STAGES:-main,batch,edits}," == *",$name,"* ]] || return 0
         local left=$(( deadline - $(date +%s) ))
         if (( left < 30 )); then say "stage $name skipped: ${left} s left"; return 0; fi
         (( limit > left )) && limit=$left
@@ -116,15 +117,16 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     }
     common=(--model "$model" --dtype bfloat16 --device "${DEVICE:-cuda}" --no-plot -q)
     count=${LIMIT:-10}
-    stage main 260 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" --no-exact \
-        --methods "${MAIN_METHODS:-baseline,generate-static,plain,default,default@nopause}" --out "$results/main"
+    stage main 300 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" --no-exact \
+        --methods "${MAIN_METHODS:-baseline,generate-static,plain,plain@exact,default,default@exact,prompt+trie+ngram+suffix+recycle}" \
+        --out "$results/main"
     stage exact 120 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" --exact \
         --methods plain,default --out "$results/exact"
     stage batch 100 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval --limit "$(( count < 8 ? count : 8 ))" --max-new-tokens 64 \
         --concurrency 1,8 --out "$results/batch"
     "$PY" benchmarks/code_edit.py --jsonl "$KEEP/code_edits.jsonl" >/dev/null 2>&1
     stage edits 150 "$PY" -m specdraft bench "${common[@]}" --dataset "$KEEP/code_edits.jsonl" --limit "$(( count < 6 ? count : 6 ))" \
-        --max-new-tokens 256 --no-exact --methods baseline,generate-static,plain,default --out "$results/edits"
+        --max-new-tokens 256 --no-exact --methods "${EDIT_METHODS:-baseline,plain,default}" --out "$results/edits"
     say "done: $results"
     pack
     ;;

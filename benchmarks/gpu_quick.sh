@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A five-minute GPU check that needs no checkpoint: the CUDA suite (exactness, CUDA graphs) on tiny
-# models, the exact attention's price in CUDA graphs (benchmarks/exact_attention_price.py: sdpa,
-# the Triton kernels, the torch layout, per width and store size), then the step profile of benchmarks/gpu_steps.py on random weights of the 0.5B model's
-# shape (forward ms per width, plain and tree steps with CUDA graphs and eagerly, syncs per step).
+# models, the step profile of benchmarks/gpu_steps.py on random weights of the 0.5B model's shape
+# (forward ms per width, plain and tree steps with CUDA graphs and eagerly, syncs per step), then
+# the exact attention's price in CUDA graphs (benchmarks/exact_attention_price.py: sdpa, the
+# Triton kernels, the torch layout, per width and store size).
 # Writes into OUT_DIR (default: benchmarks/results/gpu-quick-<date>).
 #
 #   bash benchmarks/gpu_quick.sh [OUT_DIR]
@@ -17,7 +18,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
     | tee -a "$out/gpu.txt"
 timeout "${CUDA_SUITE_SECONDS:-150}" "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/ 2>&1 \
     | tee "$out/pytest-cuda.txt"
-timeout "${PRICE_SECONDS:-120}" "$PY" benchmarks/exact_attention_price.py --device cuda --out "$out/exact-attention-price" \
-    2>&1 | tail -n 25 | tee "$out/exact-attention-price.txt"
 timeout "${STEPS_SECONDS:-200}" "$PY" benchmarks/gpu_steps.py --shapes qwen2.5-0.5b --contexts 1024 --nodes 8,32 \
     --repeats 2 --new-tokens 128 --out "$out" 2>&1 | tee "$out/steps.txt"
+timeout "${PRICE_SECONDS:-120}" "$PY" benchmarks/exact_attention_price.py --device cuda --out "$out/exact-attention-price" \
+    2>&1 | tail -n 25 | tee "$out/exact-attention-price.txt"

@@ -32,8 +32,11 @@ the decoder runs the library's default, ``cpu_kernels="auto"`` (each forward wid
 cheapest exact path measured on this machine, see :mod:`specdraft.kernel_costs`); ``@stock``
 runs ``cpu_kernels="stock"``, ``@packed`` ``"packed"`` (oneDNN-packed linear weights) and
 ``@fbgemm`` ``"fbgemm"`` (exact float16 weights on FBGEMM; see :mod:`specdraft.cpu_kernels`);
-one budget suffix and one kernel suffix may be given together (``default@fixed@packed``). ``baseline``
-and ``hf-prompt-lookup`` always run stock ``model.generate``.
+``@exact`` runs the method in exact mode (``Decoder(exact=True)``) whatever ``--exact`` says, so
+one run times exact mode against the default mode in the same process (``plain,plain@exact``);
+its "vs plain" reference is ``plain@exact``. One budget suffix, one kernel suffix and ``@exact``
+may be given together (``default@fixed@packed@exact``). ``baseline`` and ``hf-prompt-lookup``
+always run stock ``model.generate``.
 
 **State across prompts.** Each method object is built once per dataset and keeps its draft
 sources for the whole run, as a server would: a source that learns across requests (the
@@ -163,7 +166,7 @@ def valid_method_names() -> str:
     return (f"{BASELINE}, {HF_PROMPT_LOOKUP}, {STATIC_GENERATE}, {DEFAULT}, {PLAIN}, or {PREFIX}<sources joined by +> "
             f"with sources from: {sources} (each NAME or NAME[key=value,...]); add {FIXED_SUFFIX} to one of ours to "
             f"switch its adaptive budget off, {' or '.join(KERNEL_SUFFIXES)} to run it on those CPU kernels instead of "
-            f"{DEFAULT_KERNELS!r}")
+            f"{DEFAULT_KERNELS!r}, {EXACT_SUFFIX} to run it in exact mode")
 
 
 #: Suffix of a method name that turns the adaptive tree budget off (``default@fixed``,
@@ -179,15 +182,22 @@ PACKED_SUFFIX = "@packed"
 KERNEL_SUFFIXES = {"@stock": "stock", PACKED_SUFFIX: "packed", "@fbgemm": "fbgemm"}
 #: What a method without a kernel suffix runs: the library's default.
 DEFAULT_KERNELS = "auto"
+#: Suffix of a method name that runs our decoder in exact mode whatever ``--exact`` says (``default@exact``).
+EXACT_SUFFIX = "@exact"
 
 
-def _split_suffixes(name: str) -> tuple[str, str, str]:
-    """``(base, budget, cpu_kernels)`` of a method name with its budget suffix (``@fixed``,
-    ``@nopause``) and kernel suffix, in any order (``budget`` is ``"adaptive"`` and ``cpu_kernels``
-    :data:`DEFAULT_KERNELS` without one)."""
+def _split_suffixes(name: str) -> tuple[str, str, str, bool]:
+    """``(base, budget, cpu_kernels, exact)`` of a method name with its budget suffix (``@fixed``,
+    ``@nopause``), kernel suffix and ``@exact``, in any order (``budget`` is ``"adaptive"``,
+    ``cpu_kernels`` :data:`DEFAULT_KERNELS` and ``exact`` False without one)."""
     name = name.strip()
-    budget, kernels = "adaptive", DEFAULT_KERNELS
+    budget, kernels, exact = "adaptive", DEFAULT_KERNELS, False
     while True:
+        if name.endswith(EXACT_SUFFIX):
+            if exact:
+                raise MethodError(f"method {name + EXACT_SUFFIX!r} names {EXACT_SUFFIX} twice")
+            name, exact = name[: -len(EXACT_SUFFIX)].strip(), True
+            continue
         suffix = next((s for s in BUDGET_SUFFIXES if name.endswith(s)), None)
         if suffix is not None:
             if budget != "adaptive":
@@ -197,7 +207,7 @@ def _split_suffixes(name: str) -> tuple[str, str, str]:
             continue
         suffix = next((s for s in KERNEL_SUFFIXES if name.endswith(s)), None)
         if suffix is None:
-            return name, budget, kernels
+            return name, budget, kernels, exact
         if kernels != DEFAULT_KERNELS:
             raise MethodError(f"method {name + _kernel_suffix(kernels)!r} names two CPU kernels; give at most one of "
                               f"{list(KERNEL_SUFFIXES)}")
@@ -215,21 +225,23 @@ def _kernel_suffix(kernels: str) -> str:
 
 
 def plain_reference(name: str) -> str:
-    """The ``plain`` method on the same kernels as our method ``name`` (``plain``, ``plain@packed``, ...)."""
-    return PLAIN + _kernel_suffix(_split_suffixes(name)[2])
+    """The ``plain`` method on the same kernels and in the same mode as our method ``name``
+    (``plain``, ``plain@packed``, ``plain@exact``, ...)."""
+    _, _, kernels, exact = _split_suffixes(name)
+    return PLAIN + _kernel_suffix(kernels) + (EXACT_SUFFIX if exact else "")
 
 
 def _canonical(name: str) -> str:
-    name, budget, kernels = _split_suffixes(name)
-    if budget != "adaptive" or kernels != DEFAULT_KERNELS:
+    name, budget, kernels, exact = _split_suffixes(name)
+    if budget != "adaptive" or kernels != DEFAULT_KERNELS or exact:
         base = _canonical(name)
         for flag, suffix in ((budget != "adaptive", _budget_suffix(budget)),
-                             (kernels != DEFAULT_KERNELS, _kernel_suffix(kernels))):
+                             (kernels != DEFAULT_KERNELS, _kernel_suffix(kernels)), (exact, EXACT_SUFFIX)):
             if flag and base in (BASELINE, HF_PROMPT_LOOKUP, STATIC_GENERATE):
                 raise MethodError(f"{suffix} applies to our decoder's methods, not to {base!r}")
         if budget != "adaptive" and base == PLAIN:
             raise MethodError(f"{_budget_suffix(budget)} means nothing for {PLAIN!r}, which checks no drafts")
-        return base + _budget_suffix(budget) + _kernel_suffix(kernels)
+        return base + _budget_suffix(budget) + _kernel_suffix(kernels) + (EXACT_SUFFIX if exact else "")
     if name in (BASELINE, HF_PROMPT_LOOKUP, STATIC_GENERATE, DEFAULT, PLAIN):
         return name
     from specdraft.source_spec import SourceSpecError, parse_source_spec, split_top_level
@@ -491,8 +503,9 @@ class SpecdraftMethod:
 
 def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32, exact: bool | None = None
                  ) -> Method:
-    """A method object for a canonical name (see :func:`parse_methods`); ``exact`` is every one
-    of our decoders' ``Decoder(exact=...)`` (``None``: the library's default)."""
+    """A method object for a canonical name (see :func:`parse_methods`); ``exact`` is
+    ``Decoder(exact=...)`` for each of our methods without ``@exact`` (``None``: the library's
+    default)."""
     if name == BASELINE:
         return PlainGenerate(name, model, {"do_sample": False}, "model.generate(do_sample=False)")
     if name == HF_PROMPT_LOOKUP:
@@ -503,8 +516,9 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32
                               'model.generate(do_sample=False, cache_implementation="static")')
     from specdraft.source_spec import split_top_level
 
-    base, budget, kernels = _split_suffixes(name)
-    suffix = _budget_suffix(budget) + _kernel_suffix(kernels)
+    base, budget, kernels, exact_suffix = _split_suffixes(name)
+    suffix = _budget_suffix(budget) + _kernel_suffix(kernels) + (EXACT_SUFFIX if exact_suffix else "")
+    exact = True if exact_suffix else exact
     if base == PLAIN:
         return SpecdraftMethod(PLAIN + suffix, model, tokenizer, [], 0, adaptive_budget=True, cpu_kernels=kernels,
                                exact=exact)
