@@ -1,0 +1,204 @@
+"""Where a tree step's host time goes on the critical path of an accelerator, phase by phase.
+
+On a GPU the host and the device overlap except between the step's one read of step ``t`` and the
+launch of step ``t + 1``: settling (verify, commit, keep the accepted path, the sources' early
+learning), drafting, planning, laying out the rows, packing the one upload. That stretch is
+what the device waits for, so it is what makes a tree step dearer than a plain one. This script
+runs the accelerator's order on the CPU and times each phase of :class:`specdraft.engine.step.Step`
+by wrapping its methods (exclusive times, nested calls subtracted), with a near-free model
+(``host_overhead.py``'s) so the forward hides nothing:
+
+* ``hide_host_work = True`` (the learning the read does not need runs in ``behind_forward``),
+  ``row_choices = "batched"`` (every row's choice is made at once and read in one read), and the
+  GPU's fixed-width static forwards (:mod:`specdraft.model.static`, run eagerly here: no graphs);
+* **critical path** = settle + account + the loop between steps + draft + plan + lay out + the
+  host part of the forward (the plan of rows and the packing of the upload);
+* **device** parts are timed apart: the static forward itself (cache moves, mask, model; one
+  graph replay on a GPU), and the read, whose time on a CPU is mostly the rows' argmax (kernels
+  launched behind the forward on a GPU); ``behind`` is the work run behind the forward.
+
+Each figure is the median over a run's steps (the first two left out) of ms per step, then the
+median over ``--repeats`` runs; the critical-path total is the median of each step's sum.
+
+    python benchmarks/host_critical_path.py --out DIR          # contexts 1k, 4k; trees of 8 and 32
+    python benchmarks/host_critical_path.py --profile 1024,32  # cProfile of one cell's steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import hashlib
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_overhead import machine, near_free_model, repetitive_context  # noqa: E402
+
+from specdraft import Decoder  # noqa: E402
+from specdraft.engine import step as step_module  # noqa: E402
+from specdraft.model import runner as runner_module  # noqa: E402
+from specdraft.model import static as static_module  # noqa: E402
+from specdraft.model.static import Buckets  # noqa: E402
+from specdraft.sources.registry import DEFAULT_SOURCES, make_sources  # noqa: E402
+from specdraft.stats import GenerationStats  # noqa: E402
+
+#: phases on the critical path of an accelerator (between the read and the next launch)
+CRITICAL = ("settle", "account", "loop", "draft", "plan", "lay_out", "forward_host")
+#: phases that overlap the device or are device work on an accelerator
+OTHER = ("device_forward", "read", "behind")
+PHASES = CRITICAL + OTHER
+
+
+class PhaseClock:
+    """Exclusive time per phase for each step: a wrapped call's time less its wrapped callees'."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self._stack: list[list[Any]] = []
+        self._step_end: float | None = None
+
+    def wrap(self, owner: Any, attribute: str, phase: str) -> Callable[[], None]:
+        """Time ``owner.attribute`` as ``phase``; returns what undoes it."""
+        original = getattr(owner, attribute)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            frame = [phase, time.perf_counter(), 0.0]
+            self._stack.append(frame)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._stack.pop()
+                spent = time.perf_counter() - frame[1]
+                if self.steps:
+                    current = self.steps[-1]
+                    current[phase] = current.get(phase, 0.0) + spent - frame[2]
+                if self._stack:
+                    self._stack[-1][2] += spent
+
+        setattr(owner, attribute, timed)
+        return lambda: setattr(owner, attribute, original)
+
+    def wrap_step(self) -> Callable[[], None]:
+        """Open a record at each ``Step.run``; the time since the last one ended is the loop's."""
+        original = step_module.Step.run
+
+        @functools.wraps(original)
+        def run(step_self):
+            started = time.perf_counter()
+            record = {"loop": started - self._step_end} if self._step_end is not None else {}
+            self.steps.append(record)
+            try:
+                return original(step_self)
+            finally:
+                self._step_end = time.perf_counter()
+
+        step_module.Step.run = run
+        return lambda: setattr(step_module.Step, "run", original)
+
+    def reset(self) -> None:
+        self.steps, self._stack, self._step_end = [], [], None
+
+
+def install(clock: PhaseClock) -> list[Callable[[], None]]:
+    """Time the step's phases with ``clock``; returns what undoes each wrapping."""
+    Step = step_module.Step
+    undo = [clock.wrap_step()]
+    for name, phase in (("draft", "draft"), ("plan", "plan"), ("lay_out", "lay_out"), ("forward", "forward_host"),
+                        ("behind_forward", "behind"), ("read_back", "read"), ("settle", "settle"),
+                        ("account", "account")):
+        undo.append(clock.wrap(Step, name, phase))
+    undo.append(clock.wrap(runner_module.ModelRunner, "forward", "forward_host"))
+    undo.append(clock.wrap(static_module.StaticForwards, "run", "device_forward"))
+    return undo
+
+
+def make_decoder(model, nodes: int, accelerator_order: bool) -> Decoder:
+    """The default sources on a fixed tree of ``nodes``, in the accelerator's order if asked."""
+    dec = Decoder(model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=nodes,
+                  adaptive_budget=False, cpu_kernels="stock")
+    if accelerator_order:
+        dec.hide_host_work = True
+        dec.row_choices = "batched"
+        dec.runner.use_static(capture=False)  # the GPU's fixed widths and static buffers, run eagerly
+        dec.engine.padding = Buckets()
+    return dec
+
+
+def one_run(model, clock: PhaseClock, prompt: list[int], nodes: int, new_tokens: int,
+            accelerator_order: bool) -> dict[str, Any]:
+    """One decode of ``new_tokens``: each phase's median ms per step, the steps, a hash of the output."""
+    dec = make_decoder(model, nodes, accelerator_order)
+    stats = GenerationStats()
+    clock.reset()
+    tokens = list(dec.stream(prompt, max_new_tokens=new_tokens, stats=stats))
+    steps = [s for s in clock.steps if "draft" in s][2:]
+    per_phase = {p: statistics.median(s.get(p, 0.0) for s in steps) * 1e3 for p in PHASES}
+    per_phase["critical"] = statistics.median(sum(s.get(p, 0.0) for p in CRITICAL) for s in steps) * 1e3
+    per_phase["host_total"] = statistics.median(
+        sum(s.get(p, 0.0) for p in PHASES if p != "device_forward") for s in steps) * 1e3
+    return {"ms": per_phase, "steps": stats.steps, "output": hashlib.sha1(str(tokens).encode()).hexdigest()[:12]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="1024,4096")
+    parser.add_argument("--nodes", default="8,32")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cpu-order", action="store_true", help="the CPU's order (no static widths, walk, nothing behind)")
+    parser.add_argument("--profile", default=None, help="CONTEXT,NODES: print a cProfile of that cell instead")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    model = near_free_model(max(contexts) * 2 + 1024)
+    accelerator = not args.cpu_order
+    if args.profile:
+        context, nodes = (int(v) for v in args.profile.split(","))
+        prompt = repetitive_context(context)
+        dec = make_decoder(model, nodes, accelerator)
+        stream = dec.stream(prompt, max_new_tokens=args.new_tokens)
+        for _ in range(3):
+            next(stream)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in stream:
+            pass
+        profiler.disable()
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats("specdraft", 60)
+        return
+    clock = PhaseClock()
+    install(clock)
+    rows = []
+    for context in contexts:
+        prompt = repetitive_context(context)
+        for nodes in [int(n) for n in args.nodes.split(",")]:
+            runs = [one_run(model, clock, prompt, nodes, args.new_tokens, accelerator) for _ in range(args.repeats)]
+            ms = {p: round(statistics.median(r["ms"][p] for r in runs), 4) for p in runs[0]["ms"]}
+            row = {"context": context, "nodes": nodes, "ms_per_step": ms, "steps": [r["steps"] for r in runs],
+                   "output_sha1": sorted({r["output"] for r in runs})}
+            rows.append(row)
+            print(f"context {context:>5} nodes {nodes:>2}: critical {ms['critical']:.3f} ms  host total "
+                  f"{ms['host_total']:.3f}  | " + "  ".join(f"{p} {ms[p]:.3f}" for p in PHASES), flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(
+            {"config": machine(), "accelerator_order": accelerator, "new_tokens": args.new_tokens,
+             "repeats": args.repeats, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
