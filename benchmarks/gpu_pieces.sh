@@ -66,10 +66,6 @@ bench)
     out_dir=${OUT:-$KEEP/out}
     mkdir -p "$out_dir"
     deadline=$(( started + ${SECONDS_LEFT:-540} ))
-    # the background checks share the GPU: wait for them (at most WAIT s; the step profile takes
-    # about 4 minutes after the suite's 1), then stop them
-    for _ in $(seq "${WAIT:-90}"); do [[ -e "$KEEP/quick.done" ]] && break; sleep 1; done
-    pkill -f gpu_quick.sh 2>/dev/null; pkill -f gpu_steps.py 2>/dev/null; pkill -f "pytest -m cuda" 2>/dev/null
     gpu=$("$PY" -c "
 import re, torch
 name = torch.cuda.get_device_name() if torch.cuda.is_available() else ''
@@ -104,6 +100,15 @@ from specdraft.models import load_model
 model, tokenizer = load_model(sys.argv[1], dtype='bfloat16', progress=False)
 model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gguf" "$model" 2>&1 | grep -v "it/s\]" | tail -3
     fi
+    # the background checks share the GPU: once the checkpoint is ready (its conversion runs on the
+    # CPU), wait for them until the exact attention's price begins (at most WAIT s: the step
+    # profile takes about 3 minutes after the suite's 2), then stop them
+    for _ in $(seq "${WAIT:-90}"); do
+        [[ -e "$KEEP/quick.done" || -e "$KEEP/quick/exact-attention-price.txt" ]] && break; sleep 1
+    done
+    pkill -f gpu_quick.sh 2>/dev/null; pkill -f gpu_steps.py 2>/dev/null; pkill -f "pytest -m cuda" 2>/dev/null
+    pkill -f exact_attention_price.py 2>/dev/null
+    mkdir -p "$results/quick"; cp -r "$KEEP/quick/." "$results/quick/" 2>/dev/null; pack
     stage() {  # stage NAME SECONDS COMMAND...: run it if chosen and time is left, under its limit
         local name=$1 limit=$2; shift 2
         [[ ",${STAGES:-main,batch,edits}," == *",$name,"* ]] || return 0
