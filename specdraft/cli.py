@@ -27,7 +27,7 @@ from .bench.runner import first_difference
 from .kernels.cpu_kernels import CPU_KERNELS
 from .prompts import encode_prompt
 from .sources import registry
-from .sources.registry import DEFAULT_SOURCES, SOURCES, make_sources
+from .sources.registry import DEFAULT_SOURCES, GPU_DEFAULT_SOURCES, SOURCES, make_sources
 
 __all__ = ["SOURCES", "UsageError", "build_parser", "main", "make_sources", "parse_source_names"]
 
@@ -119,7 +119,8 @@ def _add_exact_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                         help="exact mode: speculation gives the very tokens of our plain decoding in every dtype "
                              "(forwards padded to row-invariant widths, exact attention); default: on for bfloat16 "
-                             "and float16 on a CPU, off otherwise")
+                             "and float16 on a CPU and for bfloat16 on CUDA (where its Triton kernels run), off "
+                             "otherwise")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,9 +146,10 @@ def _add_generate_command(sub: Any) -> None:
     prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE ('-' = stdin)")
     gen.add_argument("--chat", action="store_true",
                      help="wrap the prompt as a user message in the tokenizer's chat template")
-    gen.add_argument("--sources", default=",".join(DEFAULT_SOURCES), metavar="NAMES",
+    gen.add_argument("--sources", default=None, metavar="NAMES",
                      help=f"comma-separated draft sources, each NAME or NAME[key=value,...] with the source's constructor "
-                          f"arguments (jacobi[window=3,ngram=4]); allowed: {', '.join(SOURCES)} (default: %(default)s)")
+                          f"arguments (jacobi[window=3,ngram=4]); allowed: {', '.join(SOURCES)} (default: "
+                          f"{','.join(DEFAULT_SOURCES)}; on a CUDA GPU {','.join(GPU_DEFAULT_SOURCES)})")
     gen.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="N",
                      help="stop after N new tokens (or at end of sequence) (default: %(default)s)")
     gen.add_argument("--max-tree-nodes", type=_int_at_least(0), default=32, metavar="N",
@@ -316,7 +318,7 @@ def _summary(stats: dict[str, Any]) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """``specdraft generate``: check every argument before the (slow) model load."""
-    source_names = parse_source_names(args.sources)
+    source_names = parse_source_names(args.sources) if args.sources is not None else None
     options = _sampling_kwargs(args)
     prompt_text = _read_prompt(args)
 
@@ -326,8 +328,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdraft.models import load_model
 
     torch.set_num_threads(args.threads)
-    sources = make_sources(source_names)
     model, tokenizer = load_model(args.model, dtype=args.dtype, progress=not args.quiet, device=args.device)
+    if source_names is None:
+        source_names = list(registry.default_source_names(model.device))
+    sources = make_sources(source_names)
     from specdraft.decoder import Decoder  # imported late: it is the newest module
 
     prompt_ids = _encode_prompt(tokenizer, prompt_text, args.chat)

@@ -23,7 +23,7 @@ from .kernels.attention_cost import attention_seconds
 from .kernels.exact_rows import load_or_probe
 from .kernels.kernel_costs import choose_kernels
 from .model.attention import ATTENTION_CHOICES, select_attention
-from .model.exact_attention import CHUNK
+from .model.exact_attention import CHUNK, check_exact_runs_on
 from .model.runner import ModelRunner
 from .sampling import resolve_settings
 from .sources.base import DraftSource
@@ -108,7 +108,8 @@ class Decoder:
         self.exact: bool = exact_default(model, attention) if exact is None else exact
         #: the draft sources (a list the engine reads: a source added or removed here takes part
         #: from the next request on)
-        self.sources: list[DraftSource] = list(sources) if sources is not None else default_sources()
+        self.sources: list[DraftSource] = (list(sources) if sources is not None
+                                           else default_sources(getattr(model, "device", None)))
         if len(self.sources) > 62:
             raise ValueError(f"at most 62 sources can be combined, got {len(self.sources)}")
         for s in self.sources:
@@ -120,6 +121,8 @@ class Decoder:
         self.tokenizer = tokenizer
         self.max_tree_nodes = max_tree_nodes
         previous = getattr(model.config, "_attn_implementation", None)
+        if self.exact:
+            check_exact_runs_on(getattr(model, "device", torch.device("cpu")))
         self.attention = select_attention(model, "exact" if self.exact else attention)
         runner = ModelRunner(model)
         #: the CPU kernels per forward width and their measured costs (see :mod:`specdraft.kernels.kernel_costs`)

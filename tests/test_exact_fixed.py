@@ -15,6 +15,7 @@ build there.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -33,10 +34,11 @@ from specdraft.kernels.exact_rows import load_or_probe
 from specdraft.model.exact_attention import CHUNK, exact_attention
 from specdraft.model.kv_store import KVStore
 from specdraft.model.static import Buckets, RerunGraph
+from specdraft.simulated_device import SimulatedDevice
 from specdraft.sources.registry import make_sources
 
 from conftest import (AttentionModule, ancestor_block, check_exact_attention_matches_sdpa, exact_attend, random_tree,
-                      repetitive_prompt, wide_llama)
+                      repetitive_prompt, tiny_model, wide_llama)
 
 NEW = 40
 
@@ -235,32 +237,73 @@ def test_exact_mode_on_a_simulated_gpu_reads_once_per_step() -> None:
         assert sim.counts.uploads <= out.stats.steps, sim.counts.log
 
 
-def test_triton_that_cannot_run_falls_back_once_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the kernels' very first call fails, the torch layout runs from then on, with a warning
-    and the reason in ``TRITON_NOTE``; a failure after the kernels ran raises instead (switching
-    layouts mid-way would change the rounding of what is being decoded)."""
+def test_triton_that_cannot_run_is_found_once_and_exact_mode_on_cuda_refuses_without_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether the Triton kernels run on a device is asked once (one small call) and the reason
+    kept; on CUDA without them exact attention refuses, naming why, since its torch layout is not
+    row-invariant on cuBLAS (measured on an H100); ``TRITON = False`` runs that layout on purpose;
+    a kernel that fails mid-run raises rather than switching layouts."""
     import specdraft.model.exact_triton as kernel
 
     monkeypatch.setattr(exact, "TRITON", None)
     monkeypatch.setattr(exact, "TRITON_NOTE", {})
-    monkeypatch.setattr(exact, "_TRITON_RAN", set())
-    monkeypatch.setattr(exact, "_uses_triton", lambda device: str(device) not in exact.TRITON_NOTE)
+    monkeypatch.setattr(exact, "_TRITON_RUNS", {})
+    monkeypatch.setattr(kernel, "available", lambda: True)
+    calls = []
 
     def broken(*args, **kwargs):
+        calls.append(1)
         raise RuntimeError("no kernel here")
 
     monkeypatch.setattr(kernel, "attend", broken)
+    assert not exact.triton_runs_on(torch.device("cpu")) and not calls  # no CUDA device: nothing to try
+    cuda = torch.device("cuda", 0)
+    assert not exact.triton_runs_on(cuda) and not exact.triton_runs_on(cuda)
+    assert list(exact.TRITON_NOTE) == ["cuda:0"] and exact.TRITON_NOTE["cuda:0"]  # asked once, and why
+    with pytest.raises(exact.ExactAttentionError, match="not row-invariant.*cannot run here"):
+        exact.check_exact_runs_on(cuda)
+    exact.check_exact_runs_on(torch.device("cpu"))
+    exact.TRITON = False
+    exact.check_exact_runs_on(cuda)
+    exact.TRITON = True
     gen = torch.Generator().manual_seed(2)
     q, k = torch.randn(1, 4, 3, 8, generator=gen), torch.randn(1, 2, 70, 8, generator=gen)
-    with pytest.warns(RuntimeWarning, match="no kernel here"):
-        first = exact_attend(q, k, k, None)
-    assert exact.TRITON_NOTE == {"cpu": "RuntimeError: no kernel here"}
-    exact.TRITON = False
-    assert torch.equal(first, exact_attend(q, k, k, None))  # the torch layout's rows
-    exact.TRITON, exact.TRITON_NOTE = None, {}
-    exact._TRITON_RAN.add("cpu")
-    with pytest.raises(exact.ExactAttentionError, match="after running"):
+    with pytest.raises(exact.ExactAttentionError, match="Triton kernels of exact attention failed.*no kernel here"):
         exact_attend(q, k, k, None)
+
+
+def test_exact_mode_is_the_default_for_bfloat16_on_cuda_where_the_triton_kernels_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default follows the measured price: bfloat16 and float16 on a CPU; bfloat16 on CUDA
+    where the kernels run (free on an H100); never float32; and a decoder asked for exact mode on
+    CUDA without the kernels refuses before its first forward."""
+    from specdraft.engine.widths import exact_default
+
+    class Placed:
+        def __init__(self, device: str, dtype: torch.dtype) -> None:
+            self.device, self.dtype = torch.device(device), dtype
+
+    monkeypatch.setattr(exact, "TRITON", None)
+    monkeypatch.setattr(exact, "_TRITON_RUNS", {"cuda:0": False})
+    monkeypatch.setattr(exact, "TRITON_NOTE", {"cuda:0": "RuntimeError: no driver"})
+    model = copy.deepcopy(tiny_model("llama", "sdpa")).to(torch.bfloat16)
+    sim = SimulatedDevice()
+    sim.adopt(model)
+    with sim:
+        assert not Decoder(model, None).exact
+        with pytest.raises(exact.ExactAttentionError, match="no driver"):
+            Decoder(model, None, exact=True)
+    monkeypatch.setattr(exact, "_TRITON_RUNS", {"cuda:0": True})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert exact_default(Placed("cpu", torch.bfloat16), "auto") and exact_default(Placed("cpu", torch.float16), "auto")
+    assert exact_default(Placed("cuda:0", torch.bfloat16), "auto")
+    assert not exact_default(Placed("cuda:0", torch.bfloat16), "sdpa")
+    assert not exact_default(Placed("cuda:0", torch.float16), "auto")
+    assert not exact_default(Placed("cpu", torch.float32), "auto")
+    assert not exact_default(Placed("cuda:0", torch.float32), "auto")
+    monkeypatch.setattr(exact, "_TRITON_RUNS", {"cuda:0": False})
+    assert not exact_default(Placed("cuda:0", torch.bfloat16), "auto")
+
 
 # -- the same, in the Triton kernel ----------------------------------------------------------------
 

@@ -22,13 +22,14 @@ from conftest import reference_greedy, tiny_model
 from specdraft import Decoder
 from specdraft.kernels.exact_rows import load_or_probe
 from specdraft.simulated_device import DeviceMixError, SimulatedDevice
-from specdraft.sources.registry import DEFAULT_SOURCES, SOURCES, make_sources
+from specdraft.sources.registry import DEFAULT_SOURCES, GPU_DEFAULT_SOURCES, SOURCES, make_sources
 
 PROMPT = [1, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6, 7]
 NEW = 14
 SAMPLING = dict(do_sample=True, seed=3, temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.2)
-#: every source alone, and the default mix
-MIXES = {name: [name] for name in SOURCES} | {"default": list(DEFAULT_SOURCES)}
+#: every source alone, and the default mixes (the CPU's and the GPU's)
+MIXES = {name: [name] for name in SOURCES} | {"default": list(DEFAULT_SOURCES),
+                                              "gpu-default": list(GPU_DEFAULT_SOURCES)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,6 +86,18 @@ def test_the_adopted_model_reports_the_device() -> None:
 # -- the decoder on it -----------------------------------------------------------------------------
 
 
+def test_a_decoder_on_the_gpu_takes_the_gpu_default_sources() -> None:
+    """Without sources a decoder takes its device's default combination: on CUDA the default and
+    Token Recycling (measured best there), on the CPU the default alone."""
+    model, sim = simulated("llama", "sdpa")
+    with sim:
+        on_gpu = Decoder(model, None)
+    assert [s.name for s in on_gpu.sources] == list(GPU_DEFAULT_SOURCES) and "recycle" in GPU_DEFAULT_SOURCES
+    assert [s.name for s in Decoder(tiny_model("llama", "sdpa"), None).sources] == list(DEFAULT_SOURCES)
+
+
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_greedy_on_the_device_reads_once_per_step_and_matches_generate(mix: str, attn: str) -> None:
@@ -139,10 +152,14 @@ def test_a_cpu_generator_fails_on_the_device(monkeypatch) -> None:
             dec.generate(PROMPT, max_new_tokens=NEW, **SAMPLING)
 
 
-def test_exact_mode_on_the_device_pads_to_buckets_reads_once_per_step_and_matches_the_cpu() -> None:
+def test_exact_mode_on_the_device_pads_to_buckets_reads_once_per_step_and_matches_the_cpu(monkeypatch) -> None:
     """Exact mode on a GPU runs every decode forward at a bucket width where the probed rule holds
     (the static buffers of the GPU step): the same tokens as exact mode on the CPU, single and
-    batched, one read and at most one upload per step."""
+    batched, one read and at most one upload per step. (The simulated device's tensors live on the
+    CPU, where Triton cannot run: its exact attention is the torch layout, on purpose.)"""
+    import specdraft.model.exact_attention as exact
+
+    monkeypatch.setattr(exact, "TRITON", False)
     cpu_model = copy.deepcopy(tiny_model("llama", "sdpa")).to(torch.bfloat16)
     expected = Decoder(copy.deepcopy(cpu_model), None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=12,
                        adaptive_budget=False, exact=True)

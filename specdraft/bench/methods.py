@@ -18,8 +18,9 @@ Names (``--methods``):
     (and in the default list) without touching this file. The prefix may be left out:
     ``prompt+trie`` means ``specdraft:prompt+trie``.
 ``default``
-    the library's one default combination, :data:`specdraft.sources.registry.DEFAULT_SOURCES`
-    (what ``Decoder()`` uses when no sources are given).
+    the library's default combination for the model's device (what ``Decoder()`` uses there when
+    no sources are given): :data:`specdraft.sources.registry.DEFAULT_SOURCES`, and on CUDA
+    :data:`~specdraft.sources.registry.GPU_DEFAULT_SOURCES`.
 ``plain``
     our :class:`~specdraft.decoder.Decoder` with no draft sources and ``max_tree_nodes=0``: plain
     one-token decoding through our own loop. Next to ``plain@packed`` it separates what a kernel
@@ -144,11 +145,12 @@ def _library_sources() -> dict[str, Callable[..., Any]]:
     return registry.SOURCES
 
 
-def default_source_names() -> list[str]:
-    """The sources of the ``default`` method: the library's one default combination."""
+def default_source_names(device: Any = None) -> list[str]:
+    """The sources of the ``default`` method: the library's default combination for a model on
+    ``device`` (what ``Decoder()`` uses there when no sources are given)."""
     from specdraft.sources import registry
 
-    return list(registry.DEFAULT_SOURCES)
+    return list(registry.default_source_names(device))
 
 
 def default_method_names() -> list[str]:
@@ -525,7 +527,8 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32
     options = dict(adaptive_budget=budget != "fixed", drafting_pauses=budget == "adaptive", cpu_kernels=kernels,
                    exact=exact)
     if base == DEFAULT:
-        sources = split_top_level(_canonical("+".join(default_source_names()))[len(PREFIX):], "+")
+        sources = split_top_level(_canonical("+".join(default_source_names(getattr(model, "device", None))))
+                                  [len(PREFIX):], "+")
         return SpecdraftMethod(DEFAULT + suffix, model, tokenizer, sources, max_tree_nodes, **options)
     canonical = _canonical(base)
     return SpecdraftMethod(canonical + suffix, model, tokenizer, split_top_level(canonical[len(PREFIX):], "+"),

@@ -51,13 +51,29 @@ class RowWidths:
 
 
 def exact_default(model: Any, attention: str) -> bool:
-    """Exact mode by default: on for bfloat16 and float16 models on a CPU with the default
-    attention, where it costs a few percent (measured in ``benchmarks/results/exact-price-*``);
-    off for float32 (exact there already against ``model.generate``, and padding a plain step to
-    several rows costs up to 70% on MKL's kernels) and on accelerators (not measured yet)."""
+    """Exact mode by default where it is measured to cost at most 5% of the speed, with the
+    default attention:
+
+    * bfloat16 and float16 on a CPU: a few percent (``benchmarks/results/exact-price-*``);
+    * bfloat16 on CUDA where exact attention's Triton kernels run: nothing measurable on an H100
+      (``benchmarks/results/gpu-h100-2026-11-27-7a7546a``: exact plain decoding ran at 1.04-1.06x
+      the speed of plain decoding, median per prompt, and exact speculation at 1.08-1.17x the
+      default's), since every decode forward is one replayed graph at a bucket width either way.
+
+    Off for float32 (exact there already against ``model.generate``, and padding a plain step to
+    several rows costs up to 70% on MKL's kernels), for float16 on CUDA and on other accelerators
+    (not measured)."""
+    if attention != "auto":
+        return False
     dtype = getattr(model, "dtype", torch.float32)
     device = getattr(model, "device", torch.device("cpu"))
-    return attention == "auto" and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+    if device.type == "cpu":
+        return dtype in (torch.bfloat16, torch.float16)
+    if device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.is_available():
+        from ..model.exact_attention import triton_runs_on
+
+        return triton_runs_on(device)
+    return False
 
 
 def exact_buckets(rule: RowRule) -> tuple[int, ...]:

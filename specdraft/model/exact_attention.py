@@ -77,7 +77,6 @@ masks for it, as for ``sdpa``.
 from __future__ import annotations
 
 import threading
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -442,31 +441,66 @@ def _exact_fixed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
 
 
 #: Whether the fixed shapes run as Triton kernels (:mod:`specdraft.model.exact_triton`):
-#: ``None`` on CUDA where Triton is installed and its first call works; ``True``/``False`` force it.
+#: ``None`` on CUDA where Triton is installed and its kernels run (:func:`triton_runs_on`);
+#: ``True``/``False`` force it.
 TRITON: bool | None = None
 
-#: Per device, why the Triton kernel does not run there (its first call failed).
+#: Per device, why the Triton kernels do not run there (their first call failed).
 TRITON_NOTE: dict[str, str] = {}
 
-_TRITON_RAN: set[str] = set()
+#: Per device, whether the Triton kernels ran there (:func:`triton_runs_on`'s answers).
+_TRITON_RUNS: dict[str, bool] = {}
+
+#: Why the torch layout is refused on CUDA, for error messages.
+CUDA_NEEDS_TRITON = ("on CUDA exact attention runs as Triton kernels: the same rows as torch operations are not "
+                     "row-invariant there (cuBLAS picks its matrix kernels by shape; measured on an H100, rows of a "
+                     "32-row forward differed from their one-row results), so exact mode cannot keep its promise "
+                     "without them; install triton (it comes with torch's CUDA wheels) or use exact=False")
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether exact attention's Triton kernels run on ``device``: a CUDA device, Triton installed,
+    and one small call that works (made once per device, so a GPU or driver that Triton does not
+    support is found before the first real forward; :data:`TRITON_NOTE` says why not)."""
+    device = torch.device(device)
+    key = str(device)
+    if key not in _TRITON_RUNS:
+        from . import exact_triton
+
+        runs = False
+        if device.type == "cuda" and exact_triton.available() and key not in TRITON_NOTE:
+            try:
+                probe = torch.zeros(1, 1, 1, 64, device=device, dtype=torch.bfloat16)
+                exact_triton.attend(probe, probe, probe, *_row_order(None, 1, 1, 1, CHUNK, device), 0.125)
+                torch.cuda.synchronize(device)
+                runs = True
+            except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here: say why, once
+                TRITON_NOTE[key] = f"{type(exc).__name__}: {exc}"
+        _TRITON_RUNS[key] = runs
+    return _TRITON_RUNS[key]
+
+
+def check_exact_runs_on(device: torch.device) -> None:
+    """Raise :class:`ExactAttentionError` where exact attention cannot keep its promise on
+    ``device``: CUDA without working Triton kernels (:data:`CUDA_NEEDS_TRITON`). Called when a
+    decoder turns exact mode on, so the error comes before the first forward."""
+    device = torch.device(device)
+    if TRITON is None and device.type == "cuda" and not triton_runs_on(device):
+        note = TRITON_NOTE.get(str(device))
+        raise ExactAttentionError(CUDA_NEEDS_TRITON + (f" (the Triton kernels cannot run here: {note})" if note else ""))
 
 
 def _uses_triton(device: torch.device) -> bool:
     if TRITON is not None:
         return TRITON
-    if device.type != "cuda" or str(device) in TRITON_NOTE:
-        return False
-    from . import exact_triton
-
-    return exact_triton.available()
+    return device.type == "cuda" and triton_runs_on(device)
 
 
 def _exact_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                  scale: float, columns: int) -> torch.Tensor | None:
-    """:func:`exact_attention` in the Triton kernel: ``[B, q, H, D]`` float32, or ``None`` where the
-    kernel's very first call on the device failed (the torch layout runs from then on, so one
-    process rounds one way; :data:`TRITON_NOTE` says why). A failure after a first success raises:
-    switching layouts mid-way would change the rounding of what is being decoded."""
+                  scale: float, columns: int) -> torch.Tensor:
+    """:func:`exact_attention` in the Triton kernels: ``[B, q, H, D]`` float32. A failure raises:
+    there is no other exact layout on CUDA (:data:`CUDA_NEEDS_TRITON`), and switching layouts
+    mid-way elsewhere would change the rounding of what is being decoded."""
     from . import exact_triton
 
     batch, _, q_len, _ = query.shape
@@ -475,17 +509,10 @@ def _exact_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     order, count = _ROW_ORDERS.get(mask, (batch, q_len, kv_len, columns, device),
                                    lambda: _row_order(mask, batch, q_len, kv_len, columns, query.device))
     try:  # the kernels' launch alone: the layout above is torch's, and its errors are not the kernels'
-        out = exact_triton.attend(query, key, value, order, count, scale)
-    except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here falls back, and says why
-        if device in _TRITON_RAN or TRITON:
-            raise ExactAttentionError(f"the Triton kernel of exact attention failed on {device} after running "
-                                      f"({type(exc).__name__}: {exc}); set exact_attention.TRITON = False") from exc
-        TRITON_NOTE[device] = f"{type(exc).__name__}: {exc}"
-        warnings.warn(f"exact attention: its Triton kernels cannot run on {device} ({TRITON_NOTE[device]}); the "
-                      "same rows run as torch operations instead, which cost more", RuntimeWarning, stacklevel=2)
-        return None
-    _TRITON_RAN.add(device)
-    return out
+        return exact_triton.attend(query, key, value, order, count, scale)
+    except Exception as exc:  # noqa: BLE001 - say which path failed and what to do
+        raise ExactAttentionError(f"the Triton kernels of exact attention failed on {device} ({type(exc).__name__}: "
+                                  f"{exc}); use exact=False") from exc
 
 
 def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -516,8 +543,10 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                                   f"{tuple(attention_mask.shape)}")
     if uses_fixed_shapes(query.device):
         columns = -(-kv_len // CHUNK) * CHUNK
-        out = _exact_triton(query, key, value, attention_mask, scale, columns) if _uses_triton(query.device) else None
-        if out is None:
+        if _uses_triton(query.device):
+            out = _exact_triton(query, key, value, attention_mask, scale, columns)
+        else:
+            check_exact_runs_on(query.device)  # (TRITON = False: the torch layout on purpose, anywhere)
             out = _exact_fixed(query, key, value, attention_mask, scale, groups, columns)
         return out.to(query.dtype), None
     layout = _LAYOUTS.get(attention_mask, batch, q_len, kv_len, query.device)
