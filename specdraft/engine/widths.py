@@ -57,7 +57,7 @@ def exact_default(model: Any, attention: str) -> bool:
     * bfloat16 and float16 on a CPU: a few percent (``benchmarks/results/exact-price-*``);
     * bfloat16 on CUDA where exact attention's Triton kernels run: nothing measurable on an H100
       (``benchmarks/results/gpu-h100-2026-11-27-7a7546a``: exact plain decoding ran at 1.04-1.06x
-      the speed of plain decoding, median per prompt, and exact speculation at 1.08-1.17x the
+      the speed of plain decoding, median per prompt, and exact speculation at 1.08-1.16x the
       default's), since every decode forward is one replayed graph at a bucket width either way.
 
     Off for float32 (exact there already against ``model.generate``, and padding a plain step to
