@@ -33,6 +33,8 @@ def tree_rows(tree: TokenTree, sides: Sequence[SideBlock | None]) -> Rows:
     """The rows of ``tree`` and ``sides`` (see the module docstring)."""
     n = len(tree)
     total = n + sum(len(s.tokens) for s in sides if s is not None)
+    if total == n:  # no side block this step (the common case): the tree's own mask is the block
+        return Rows(list(tree.tokens), tree.position_offsets(), tree.ancestor_mask(), [None] * len(sides))
     block = np.zeros((total, total), dtype=bool)
     block[:n, :n] = tree.ancestor_mask()
     tokens = list(tree.tokens)

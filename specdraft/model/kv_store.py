@@ -104,6 +104,7 @@ class _StoreLayer(DynamicLayer):
             self.value_buffer[..., :held, :].copy_(old_v[..., :held, :])
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
+        self._store._buffers = None  # the buffers moved
 
     def move(self, source: torch.Tensor, destination: torch.Tensor) -> None:
         """Copy rows ``source`` to rows ``destination`` (gathered first, so ranges may overlap)."""
@@ -133,6 +134,9 @@ class KVStore(DynamicCache):
         self.align = 1
         #: accepted rows to move (source, destination) before the next forward writes
         self._moves: tuple[list[int], list[int]] = ([], [])
+        #: (layers, rows every layer's buffer holds, the buffers' addresses), remembered until a
+        #: buffer is reallocated: each step asks both, and a walk of every layer costs microseconds
+        self._buffers: tuple[int, int, tuple[int, ...]] | None = None
 
     # -- the Cache API the model calls -----------------------------------------------------
 
@@ -220,15 +224,22 @@ class KVStore(DynamicCache):
     def begin_forward(self, writes: Writes | None) -> None:
         self.writes = writes
 
+    def _held(self) -> tuple[int, int, tuple[int, ...]]:
+        """(layers, rows every layer's buffer holds, the buffers' addresses); see :attr:`_buffers`."""
+        held = self._buffers
+        if held is None or held[0] != len(self.layers):
+            buffers = [layer.key_buffer for layer in self.layers]
+            rows = min((b.shape[-2] if b is not None else -1 for b in buffers), default=-1)
+            held = self._buffers = (len(buffers), rows, tuple(b.data_ptr() if b is not None else 0 for b in buffers))
+        return held
+
     def needs_growth(self) -> bool:
         """Whether the next write will reallocate the buffers (a region past their end)."""
-        return any(layer.key_buffer is None or layer.key_buffer.shape[-2] < self.capacity for layer in self.layers) \
-            or not self.layers
+        return not self.layers or self._held()[1] < self.capacity
 
     def layout_key(self) -> tuple:
         """Where the buffers are: a captured graph that wrote elsewhere must be captured again."""
-        return (self.capacity, *(layer.key_buffer.data_ptr() if layer.key_buffer is not None else 0
-                                 for layer in self.layers))
+        return (self.capacity, *self._held()[2])
 
     @torch.inference_mode()
     def compact_now(self) -> None:

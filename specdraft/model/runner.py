@@ -136,6 +136,8 @@ class ModelRunner:
         self.store = KVStore()
         #: the store's region for pad rows (see :meth:`forward`), made at the first padded forward
         self._scratch: Region | None = None
+        #: the pad rows' positions and block per number of pad rows (see :meth:`_pad_segment`)
+        self._pad_arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         #: decode forwards at fixed widths over static buffers (:meth:`use_static`); ``None``: eager
         self.static: StaticForwards | None = None
 
@@ -234,7 +236,7 @@ class ModelRunner:
         for seg in segments:
             seg.region.pending = len(seg.tokens)
         scratch.pending = 0
-        return ForwardOutput(_logits_for_decoding(logits), plan.logit_spans, static.fields["ids"][: plan.total],
+        return ForwardOutput(_logits_for_decoding(logits), plan.logit_spans, static.views(plan.total)[0]["ids"],
                              plan.id_spans, rider_tensors)
 
     def _scratch_region(self, rows: int) -> Region:
@@ -249,7 +251,10 @@ class ModelRunner:
     def _pad_segment(self, rows: int) -> Segment:
         """``rows`` pad rows in the store's scratch region: token 0 at position 0, each seeing itself."""
         scratch = self._scratch_region(rows)
-        return Segment(scratch, [0] * rows, np.zeros(rows, dtype=np.int64), np.eye(rows, dtype=bool), [])
+        arrays = self._pad_arrays.get(rows)
+        if arrays is None:  # made once per width (read only): a step pads to one of a few widths
+            arrays = self._pad_arrays[rows] = (np.zeros(rows, dtype=np.int64), np.eye(rows, dtype=bool))
+        return Segment(scratch, [0] * rows, arrays[0], arrays[1], [])
 
     def _needs_no_mask(self, segments: Sequence[Segment]) -> bool:
         """Whether the model's own causal attention is already right: one request at row 0, with no
@@ -283,17 +288,20 @@ class ModelRunner:
                 "model with attn_implementation='sdpa' (or use a newer transformers release) to decode it in batches")
 
 
+#: The per-row fields of a forward's plan, in the order of the rows of :attr:`_Plan.table` (the
+#: static buffers take them in this order, in one copy).
+PLAN_FIELDS = ("ids", "positions", "write", "region_start", "region_length", "segment")
+
+
 @dataclass
 class _Plan:
-    """A forward's rows laid out on the host: what :meth:`ModelRunner.forward` uploads."""
+    """A forward's rows laid out on the host: what :meth:`ModelRunner.forward` uploads. The
+    per-row fields are the rows of one ``[len(PLAN_FIELDS), rows]`` table (:data:`PLAN_FIELDS`),
+    filled segment by segment with one slice assignment each: this runs between a step's read and
+    the next launch, where every small numpy call counts."""
 
-    ids: np.ndarray
-    positions: np.ndarray
-    write_columns: np.ndarray
+    table: np.ndarray
     keep_rows: np.ndarray
-    region_start: np.ndarray
-    region_length: np.ndarray
-    segment: np.ndarray
     tree_rows: np.ndarray
     tree_block: np.ndarray
     spans: list[tuple[int, int, int, int]]
@@ -302,23 +310,43 @@ class _Plan:
     width: int
 
     @property
+    def ids(self) -> np.ndarray:
+        return self.table[0]
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self.table[1]
+
+    @property
+    def write_columns(self) -> np.ndarray:
+        return self.table[2]
+
+    @property
+    def region_start(self) -> np.ndarray:
+        return self.table[3]
+
+    @property
+    def region_length(self) -> np.ndarray:
+        return self.table[4]
+
+    @property
+    def segment(self) -> np.ndarray:
+        return self.table[5]
+
+    @property
     def total(self) -> int:
-        return len(self.ids)
+        return self.table.shape[1]
 
     @classmethod
     def of(cls, segments: Sequence[Segment], max_positions: int | None) -> "_Plan":
         total = sum(len(s.tokens) for s in segments)
-        ids = np.empty(total, dtype=np.int64)
-        positions = np.empty(total, dtype=np.int64)
-        write_columns = np.empty(total, dtype=np.int64)
-        region_start = np.empty(total, dtype=np.int64)
-        region_length = np.empty(total, dtype=np.int64)
-        segment_of_row = np.empty(total, dtype=np.int64)
-        keep_rows: list[int] = []
-        tree_rows: list[np.ndarray] = []
+        table = np.empty((len(PLAN_FIELDS), total), dtype=np.int64)
+        ids, positions, write_columns = table[0], table[1], table[2]
+        keep_rows: list[np.ndarray] = []
         blocks: list[np.ndarray] = []
         spans, logit_spans, id_spans = [], [], []
         width = at = kept = 0
+        all_trees = True
         for index, seg in enumerate(segments):
             q, region = len(seg.tokens), seg.region
             if region.released:
@@ -333,24 +361,32 @@ class _Plan:
             ids[rows] = seg.tokens
             positions[rows] = seg.positions
             write_columns[rows] = np.arange(first, first + q)
-            region_start[rows] = region.start
-            region_length[rows] = region.length
-            segment_of_row[rows] = index
+            table[3:, rows] = ((region.start,), (region.length,), (index,))
             if seg.block is not None:
-                tree_rows.append(np.arange(at, at + q))
                 blocks.append(np.asarray(seg.block, dtype=bool))
-            keep_rows.extend(at + int(r) for r in seg.logit_rows)
-            logit_spans.append(slice(kept, kept + len(seg.logit_rows)))
-            kept += len(seg.logit_rows)
+            else:
+                all_trees = False
+            logit_rows = seg.logit_rows
+            if isinstance(logit_rows, range) and logit_rows.step == 1:
+                keep_rows.append(np.arange(at + logit_rows.start, at + logit_rows.stop, dtype=np.int64))
+            elif len(logit_rows):
+                keep_rows.append(np.asarray(logit_rows, dtype=np.int64) + at)
+            logit_spans.append(slice(kept, kept + len(logit_rows)))
+            kept += len(logit_rows)
             id_spans.append(rows)
             spans.append((at, at + q, region.start, first + q))
             width = max(width, first + q)
             at += q
         if max_positions is not None and int(positions.max()) >= max_positions:
             raise ValueError(f"position {int(positions.max())} exceeds the model's context of {max_positions} tokens")
-        tree = np.concatenate(tree_rows) if tree_rows else np.zeros(0, dtype=np.int64)
-        return cls(ids, positions, write_columns, np.asarray(keep_rows, dtype=np.int64), region_start, region_length,
-                   segment_of_row, tree, _block_diagonal(blocks), spans, logit_spans, id_spans, width)
+        if all_trees:
+            tree = np.arange(total, dtype=np.int64)
+        else:
+            tree = np.concatenate([np.arange(s, e, dtype=np.int64) for (s, e, _, _), seg in zip(spans, segments)
+                                   if seg.block is not None] or [np.zeros(0, dtype=np.int64)])
+        keep = keep_rows[0] if len(keep_rows) == 1 else np.concatenate(keep_rows) if keep_rows \
+            else np.zeros(0, dtype=np.int64)
+        return cls(table, keep, tree, _block_diagonal(blocks), spans, logit_spans, id_spans, width)
 
     def pad_kept(self, rows: int) -> None:
         """Compute logits for ``rows`` rows (the last rows of the forward are added to those kept)."""
@@ -368,6 +404,8 @@ class _Plan:
 
 
 def _block_diagonal(blocks: list[np.ndarray]) -> np.ndarray:
+    if len(blocks) == 1:
+        return blocks[0]
     n = sum(len(b) for b in blocks)
     out = np.zeros((n, n), dtype=bool)
     at = 0

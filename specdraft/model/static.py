@@ -33,8 +33,14 @@ WIDTHS = (1, 8, 16, 32, 64)
 #: int64 values the riders of one step may take (a larger step runs eagerly).
 RIDER_CAPACITY = 1 << 14
 
-_FIELDS = ("ids", "positions", "write", "keep", "region_start", "region_length", "segment", "move_from", "move_to",
+#: The static buffer's int64 rows: first the plan's table (:data:`~specdraft.model.runner.PLAN_FIELDS`,
+#: in its order, so one copy moves it), then the rows to keep, the cache moves and the tree rows.
+_FIELDS = ("ids", "positions", "write", "region_start", "region_length", "segment", "keep", "move_from", "move_to",
            "tree_rows")
+_TABLE_ROWS = slice(0, 6)
+_KEEP = 6
+_MOVES = slice(7, 9)
+_TREE_ROWS = 9
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,11 @@ class StaticForwards:
         self.host = torch.zeros(size, dtype=torch.uint8)
         if device.type == "cuda" and torch.cuda.is_available():
             self.host = self.host.pin_memory()
+        # numpy views of the host buffer, made once (each step writes through them)
+        self._host_bytes = self.host.numpy()
+        self._host_ints = self._host_bytes[: self._ints].view(np.int64).reshape(len(_FIELDS), w)
+        self._host_block = self._host_bytes[self._ints : self._ints + self._bools].view(np.bool_).reshape(w, w)
+        self._arange = np.arange(w, dtype=np.int64)
         ints = self.buffer[: self._ints].view(torch.int64).view(len(_FIELDS), w)
         self.fields = {name: ints[i] for i, name in enumerate(_FIELDS)}
         self.block = self.buffer[self._ints : self._ints + self._bools].view(torch.bool).view(w, w)
@@ -81,6 +92,7 @@ class StaticForwards:
         #: what a capture makes: :class:`CudaGraph`, or :class:`RerunGraph` to exercise capture on a CPU
         self._graph_kind = graph_kind or CudaGraph
         self._graphs: dict[int, Any] = {}
+        self._views: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
         self._store_key: tuple | None = None
 
     @property
@@ -99,27 +111,22 @@ class StaticForwards:
     def pack(self, plan: Any, moves: tuple[list[int], list[int]], scratch_row: int, riders: Sequence[np.ndarray]
              ) -> list[torch.Tensor]:
         """Write the step's inputs into the host buffer and copy them up in one transfer; returns
-        the riders on the device. Unused move slots move the scratch row onto itself."""
-        w, n = self.max_width, plan.total
-        host = self.host.numpy()
-        ints = host[: self._ints].view(np.int64).reshape(len(_FIELDS), w)
-        values = {"ids": plan.ids, "positions": plan.positions, "write": plan.write_columns, "keep": plan.keep_rows,
-                  "region_start": plan.region_start, "region_length": plan.region_length, "segment": plan.segment,
-                  "tree_rows": np.arange(n)}
-        for i, name in enumerate(_FIELDS):
-            ints[i, :] = 0
-            if name in values:
-                ints[i, : len(values[name])] = values[name]
+        the riders on the device. Unused move slots move the scratch row onto itself. Only the
+        first ``plan.total`` entries of a row field are written: a forward of that width reads
+        no further (the move slots, read whole, are all written)."""
+        n = plan.total
+        ints, block = self._host_ints, self._host_block
+        ints[_TABLE_ROWS, :n] = plan.table  # ids, positions, write, region start and length, segment
+        ints[_KEEP, :n] = plan.keep_rows
+        ints[_TREE_ROWS, :n] = self._arange[:n]
         sources, destinations = moves
-        if len(sources) > w:
-            raise ValueError(f"{len(sources)} cache moves do not fit the {w} slots of the static buffers")
-        ints[_FIELDS.index("move_from"), :] = scratch_row
-        ints[_FIELDS.index("move_to"), :] = scratch_row
-        ints[_FIELDS.index("move_from"), : len(sources)] = sources
-        ints[_FIELDS.index("move_to"), : len(destinations)] = destinations
-        block = host[self._ints : self._ints + self._bools].view(np.bool_).reshape(w, w)
-        block[:] = False
+        if len(sources) > self.max_width:
+            raise ValueError(f"{len(sources)} cache moves do not fit the {self.max_width} slots of the static buffers")
+        ints[_MOVES] = scratch_row
+        if sources:
+            ints[_MOVES, : len(sources)] = (sources, destinations)
         block[:n, :n] = plan.tree_block
+        host = self._host_bytes
         at, out = self._ints + self._bools, []
         shapes = []
         for rider in riders:
@@ -136,11 +143,7 @@ class StaticForwards:
             store: KVStore) -> torch.Tensor:
         """The logits ``[width, vocab]`` of a forward of ``width`` rows over the packed inputs:
         the captured graph replayed, or ``forward`` run eagerly."""
-        # the moves are the last step's (as many as it accepted, whatever this forward's width):
-        # every slot, unused ones moving the scratch row onto itself
-        inputs = {name: buffer if name in ("move_from", "move_to") else buffer[:width]
-                  for name, buffer in self.fields.items()}
-        block = self.block[:width, :width]
+        inputs, block = self.views(width)
         key = store.layout_key()
         if key != self._store_key:  # the store's buffers moved: graphs hold old addresses
             self._graphs.clear()
@@ -152,6 +155,17 @@ class StaticForwards:
         if width in self._graphs:
             return self._graphs[width].replay()
         return forward(inputs, block)
+
+    def views(self, width: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The inputs of a forward of ``width`` rows: views of the static buffers, made once per
+        width (the buffers never move, and a replayed graph needs none of them)."""
+        views = self._views.get(width)
+        if views is None:
+            # the moves are the last step's (as many as it accepted, whatever this forward's width):
+            # every slot, unused ones moving the scratch row onto itself
+            views = self._views[width] = ({name: buffer if name in ("move_from", "move_to") else buffer[:width]
+                                          for name, buffer in self.fields.items()}, self.block[:width, :width])
+        return views
 
     def _capture(self, width: int, fn: Callable[[], torch.Tensor], store: KVStore) -> None:
         """Capture ``fn`` as a graph of this width; where capture fails, forwards of this width stay
