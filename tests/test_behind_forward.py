@@ -2,8 +2,8 @@
 the device computes.
 
 Two pieces of host work wait for the launch of a forward instead of running between forwards:
-the learning of sources that observe late (``observes_late``: the trie, Token Recycling), one
-step late, and the sources' indexing of a prompt, behind the forward that ends it. These tests
+the learning of sources that observe late (``observes_late``: the trie, Token Recycling, and the
+n-gram model and suffix trees, whose drafts catch up by themselves), one step late, and the sources' indexing of a prompt, behind the forward that ends it. These tests
 pin the order (on the simulated device, where the engine hides host work as on a GPU, and on the
 CPU, where it does not), check that every feedback still arrives once, in order and before the
 end, that outputs do not change, and that a late observe that raises ends its request alone.
@@ -134,7 +134,7 @@ def test_on_a_cpu_every_source_learns_at_once_and_indexes_after_the_first_token(
     assert kinds == ["begin"] + ["propose", "observe"] * ((len(kinds) - 2) // 2) + ["end"]
 
 
-@pytest.mark.parametrize("sources", [["trie"], ["recycle"], list(DEFAULT_SOURCES) + ["recycle"]])
+@pytest.mark.parametrize("sources", [["trie"], ["recycle"], ["ngram"], ["suffix"], list(DEFAULT_SOURCES) + ["recycle"]])
 def test_learning_late_changes_no_output_alone_or_batched(sources: list[str]) -> None:
     model = tiny_model("llama", "sdpa")
     prompts = [PROMPT, PROMPT[3:] + [12, 5, 6], [2, 9, 9, 4, 9, 9, 4, 9]]
@@ -145,6 +145,26 @@ def test_learning_late_changes_no_output_alone_or_batched(sources: list[str]) ->
         assert [dec.generate(p, max_new_tokens=NEW).token_ids for p in prompts] == expected
         batch = dec.generate_batch(prompts, max_new_tokens=NEW, concurrency=3)
         assert [o.token_ids for o in batch] == expected
+
+
+def test_the_ngram_model_and_suffix_trees_learn_late_and_their_drafts_catch_up_alone() -> None:
+    """Their ``observe`` only catches their counts up with the context, and a draft does that
+    itself: so they observe late, and a step without a draft (a paused one, or the budget's 0)
+    learns behind the next forward. Drafts from a source that was never fed back read the whole
+    context and equal those of one fed every step."""
+    from specdraft.sources.base import Context, Feedback
+
+    for name in ("ngram", "suffix"):
+        fed, unfed = make_sources([name, name])
+        assert observes_late(fed) and observes_late(unfed)
+        tokens = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
+        for source in (fed, unfed):
+            source.begin(Context(tokens[:4], 4, 1))
+        for n in range(5, len(tokens) + 1):
+            context = Context(tokens[:n], 4, 1)
+            fed.observe(Feedback(committed=[tokens[n - 1]], context=context))
+        context = Context(tokens, 4, 1)
+        assert fed.propose(context, 8).branches == unfed.propose(context, 8).branches
 
 
 def test_learning_late_leaves_the_shared_trie_as_learning_at_once_does() -> None:

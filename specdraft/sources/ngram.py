@@ -424,6 +424,9 @@ class MultiLevelNGram:
         self.max_followers = max_followers
         self.max_requests = max_requests
         self.name = name
+        #: observe only catches the counts up with the context; a draft catches them up itself
+        #: (so on an accelerator a step without a draft learns behind the next forward)
+        self.observes_late = True
         self._lock = threading.Lock()
         self._requests: OrderedDict[int, _Request] = OrderedDict()
         self._shared_model = self._new_model() if shared else None

@@ -159,6 +159,9 @@ class SuffixTree(SourceBase[_Request]):
         self.max_cached_requests = max_cached_requests
         self.tree = tree
         self.name = name
+        #: observe only catches the trees up with the context; a draft catches them up itself
+        #: (so on an accelerator a step without a draft learns behind the next forward)
+        self.observes_late = True
         self._lock = threading.Lock()
         self._global = SuffixTrie(max_depth)
         self._cached: OrderedDict[int, None] = OrderedDict()  # the finished responses' ids, oldest first
