@@ -332,7 +332,11 @@ class SuffixTrie:
         positions: list[Position] = []
         for m in range(1, len(ctx) + 1):
             pos = self._locate(ctx, len(ctx) - m)
-            if pos is None:
+            if pos is None or self._ends_here(pos):
+                # No longer suffix can draft either: each of its occurrences ends where one of
+                # this suffix's does, none of which goes on (the context's own occurrence, at the
+                # end of its live sequence, is the usual one). Its draft would score 0, which never
+                # wins, so the search stops here rather than locate and expand the rest.
                 break
             positions.append(pos)
         best = SuffixDraft()
@@ -345,6 +349,15 @@ class SuffixTrie:
                 draft.match_length = m
                 best = draft
         return best
+
+    def _ends_here(self, pos: Position) -> bool:
+        """Whether nothing continues the position: a leaf at the end of its sequence or at the
+        trie's depth, or a node without children (what :meth:`_continuations` would find no
+        continuation of, whatever the threshold)."""
+        ref, depth = pos
+        if depth >= 0:
+            return depth >= min(self.max_depth, len(self._leaf_seq[ref]) - self._leaf_start[ref])
+        return not self._children[ref]
 
     def _continuations(self, pos: Position, prob: float, min_token_prob: float,
                   tree: bool) -> Iterator[tuple[float, int, Position]]:
