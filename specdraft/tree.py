@@ -132,7 +132,24 @@ class TokenTree:
                         continue
                     push(heap, (child_neg, child_key, int(branch[depth]), index, passing, ((source, 0),), 1 << source))
             else:
-                _push_groups(heap, passing, depth, index, neg, rate_of)
+                group = _one_group(passing, depth)
+                if group is None:
+                    _push_groups(heap, passing, depth, index, neg, rate_of)
+                elif group:  # every branch through the node goes on with one token (sources agreeing)
+                    k, token, through, proposers, bits = group
+                    miss = 1.0  # the noisy-or of _push_groups, in its order
+                    for source, rank in proposers:
+                        miss *= 1.0 - rate_of(source, depth + 1, rank)
+                    q = 1.0 - miss
+                    q = _RATE_FLOOR if q < _RATE_FLOOR else _RATE_CEIL if q > _RATE_CEIL else q
+                    child_neg, child_key = neg - log(q), (k << 32) | (depth + 1)
+                    if not heap or child_neg < heap[0][0] or (child_neg == heap[0][0] and child_key < heap[0][1]):
+                        index = select(token, index, depth + 1, bits, proposers)
+                        depth, neg, passing = depth + 1, child_neg, through
+                        if len(tokens) > max_nodes:
+                            break
+                        continue
+                    push(heap, (child_neg, child_key, token, index, through, proposers, bits))
             if not heap or len(tokens) > max_nodes:
                 break
             # select the most valuable node of the frontier
@@ -240,6 +257,33 @@ def _memoized(rate: RateFn) -> Callable[[int, int, int], float]:
         return r
 
     return rate_of
+
+
+def _one_group(passing: list, depth: int) -> tuple | None:
+    """The one child of a node when every branch ``passing`` through it that goes on carries the
+    same next token, as :func:`_push_groups` would make it: ``(k, token, entries through it,
+    proposers, source bits)``; ``()`` when no branch goes on; ``None`` when the branches part
+    (then :func:`_push_groups` groups them). Sources often agree, and this skips the grouping."""
+    token = None
+    through: list = []
+    proposers: list[tuple[int, int]] = []
+    bits = 0
+    for entry in passing:
+        branch = entry[2]
+        if len(branch) <= depth:
+            continue
+        if token is None:
+            token = branch[depth]
+        elif branch[depth] != token:
+            return None
+        source = entry[1]
+        if not bits >> source & 1:
+            proposers.append((source, 0))  # each source's first entry through the child: rank 0
+            bits |= 1 << source
+        through.append(entry)
+    if token is None:
+        return ()
+    return through[0][0], int(token), through, tuple(proposers), bits
 
 
 def _push_groups(heap: list, passing: list, depth: int, index: int, neg: float,

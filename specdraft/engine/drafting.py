@@ -100,10 +100,11 @@ class Drafter:
         draft = source.propose(context, budget)
         side = draft.side_block
         for tokens in [*draft.branches, side.tokens if side is not None else []]:
-            bad = [t for t in tokens if not 0 <= int(t) < self.vocab_size]
-            if bad:
-                raise ValueError(f"draft source {source.name!r} proposed token ids {bad[:5]} outside the model's "
-                                 f"vocabulary [0, {self.vocab_size})")
+            if not _in_vocabulary(tokens, self.vocab_size):
+                bad = [t for t in tokens if not 0 <= int(t) < self.vocab_size]
+                if bad:
+                    raise ValueError(f"draft source {source.name!r} proposed token ids {bad[:5]} outside the "
+                                     f"model's vocabulary [0, {self.vocab_size})")
         if budget == 0 or depth_limit < 1:
             return Draft(side_block=side)
         return Draft(branches=[list(b[:depth_limit]) for b in draft.branches if len(b)], side_block=side)
@@ -155,6 +156,14 @@ class Drafter:
         request.begun = []
         if error is not None and not failed:
             raise error
+
+
+def _in_vocabulary(tokens, vocab_size: int) -> bool:
+    """Whether every id of ``tokens`` is in ``[0, vocab_size)``, read through ``int`` as the token
+    by token check reads them (so the same ids raise), by builtins rather than a Python loop: it
+    runs for every branch of every step."""
+    ids = list(map(int, tokens))
+    return not ids or (0 <= min(ids) and max(ids) < vocab_size)
 
 
 def _unique_names(names: list[str]) -> list[str]:
