@@ -22,6 +22,11 @@ median over ``--repeats`` runs; the critical-path total is the median of each st
 
     python benchmarks/host_critical_path.py --out DIR          # contexts 1k, 4k; trees of 8 and 32
     python benchmarks/host_critical_path.py --profile 1024,32  # cProfile of one cell's steps
+    python benchmarks/host_critical_path.py --merge B1,B2,B3 A1,A2,A3 --out DIR  # before/after
+
+Before and after are measured by running this script from one checkout against two trees of the
+library (``PYTHONPATH`` pointing at the other one), alternately, each run with ``--out``; the
+merge takes each figure's median over the runs of each side.
 """
 
 from __future__ import annotations
@@ -150,6 +155,39 @@ def one_run(model, clock: PhaseClock, prompt: list[int], nodes: int, new_tokens:
     return {"ms": per_phase, "steps": stats.steps, "output": hashlib.sha1(str(tokens).encode()).hexdigest()[:12]}
 
 
+def merge_runs(before: list[Path], after: list[Path], out: Path) -> None:
+    """Each cell's figures, median over the runs of each side (folders written by ``--out``)."""
+
+    def side(folders: list[Path]) -> tuple[dict[tuple[int, int], dict[str, Any]], list[dict[str, Any]]]:
+        cells: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        configs = []
+        for folder in folders:
+            data = json.loads((folder / "results.json").read_text())
+            configs.append(data["config"])
+            for row in data["rows"]:
+                cells.setdefault((row["context"], row["nodes"]), []).append(row)
+        merged = {}
+        for key, rows in cells.items():
+            merged[key] = {"ms_per_step": {p: round(statistics.median(r["ms_per_step"][p] for r in rows), 4)
+                                           for p in rows[0]["ms_per_step"]},
+                           "runs": len(rows), "steps": sorted({s for r in rows for s in r["steps"]}),
+                           "output_sha1": sorted({h for r in rows for h in r["output_sha1"]})}
+        return merged, configs
+
+    old, old_configs = side(before)
+    new, new_configs = side(after)
+    cells = [{"context": c, "nodes": n, "before": old[(c, n)], "after": new[(c, n)]} for c, n in sorted(set(old) & set(new))]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(
+        {"critical_phases": list(CRITICAL), "other_phases": list(OTHER), "cells": cells,
+         "before_runs": old_configs, "after_runs": new_configs}, indent=1) + "\n")
+    for cell in cells:
+        b, a = cell["before"]["ms_per_step"], cell["after"]["ms_per_step"]
+        print(f"context {cell['context']:>5} nodes {cell['nodes']:>2}: critical {b['critical']:.3f} -> {a['critical']:.3f} ms"
+              f"  host total {b['host_total']:.3f} -> {a['host_total']:.3f}  same output: "
+              f"{cell['before']['output_sha1'] == cell['after']['output_sha1']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="1024,4096")
@@ -158,8 +196,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cpu-order", action="store_true", help="the CPU's order (no static widths, walk, nothing behind)")
     parser.add_argument("--profile", default=None, help="CONTEXT,NODES: print a cProfile of that cell instead")
+    parser.add_argument("--merge", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
+                        help="instead of measuring: join runs (comma-separated --out folders per side) into --out")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.merge:
+        merge_runs([Path(p) for p in args.merge[0].split(",")], [Path(p) for p in args.merge[1].split(",")],
+                   args.out or Path("."))
+        return
     torch.set_num_threads(1)
     contexts = [int(c) for c in args.contexts.split(",")]
     model = near_free_model(max(contexts) * 2 + 1024)
