@@ -22,6 +22,7 @@ median over ``--repeats`` runs; the critical-path total is the median of each st
 
     python benchmarks/host_critical_path.py --out DIR          # contexts 1k, 4k; trees of 8 and 32
     python benchmarks/host_critical_path.py --profile 1024,32  # cProfile of one cell's steps
+    python benchmarks/host_critical_path.py --device cuda      # on a GPU: its own static widths and graphs
     python benchmarks/host_critical_path.py --merge B1,B2,B3 A1,A2,A3 --out DIR  # before/after
 
 Before and after are measured by running this script from one checkout against two trees of the
@@ -129,14 +130,16 @@ def install(clock: PhaseClock) -> list[Callable[[], None]]:
 
 
 def make_decoder(model, nodes: int, accelerator_order: bool) -> Decoder:
-    """The default sources on a fixed tree of ``nodes``, in the accelerator's order if asked."""
+    """The default sources on a fixed tree of ``nodes``, in the accelerator's order if asked (on a
+    GPU that is the decoder's own: static widths, captured graphs, work behind the forward)."""
     dec = Decoder(model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=nodes,
                   adaptive_budget=False, cpu_kernels="stock")
     if accelerator_order:
         dec.hide_host_work = True
         dec.row_choices = "batched"
-        dec.runner.use_static(capture=False)  # the GPU's fixed widths and static buffers, run eagerly
-        dec.engine.padding = Buckets()
+        if model.device.type == "cpu":
+            dec.runner.use_static(capture=False)  # the GPU's fixed widths and static buffers, run eagerly
+            dec.engine.padding = Buckets()
     return dec
 
 
@@ -194,6 +197,7 @@ def main() -> None:
     parser.add_argument("--nodes", default="8,32")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="where the near-free model runs (cuda: the host work a GPU waits for)")
     parser.add_argument("--cpu-order", action="store_true", help="the CPU's order (no static widths, walk, nothing behind)")
     parser.add_argument("--profile", default=None, help="CONTEXT,NODES: print a cProfile of that cell instead")
     parser.add_argument("--merge", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
@@ -206,7 +210,7 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     contexts = [int(c) for c in args.contexts.split(",")]
-    model = near_free_model(max(contexts) * 2 + 1024)
+    model = near_free_model(max(contexts) * 2 + 1024).to(args.device)
     accelerator = not args.cpu_order
     if args.profile:
         context, nodes = (int(v) for v in args.profile.split(","))
