@@ -14,9 +14,10 @@
 #
 # Stages of `bench` (STAGES, comma-separated; the default runs all, in this order):
 #   main      specdraft bench, HumanEval 10 and MT-Bench 10 x 128: eager generate, compiled
-#             static-cache generate, our plain decoding and our default (GPU default: exact off),
-#             each also in exact mode (@exact: its price and identity in the same process), and
-#             the default with Token Recycling added (MAIN_METHODS overrides the list)
+#             static-cache generate, our plain decoding and our default (the GPU's defaults:
+#             exact mode on in bfloat16, Token Recycling among the sources), each also without
+#             exact mode (@noexact: its price in the same process), and the CPU's default
+#             sources (MAIN_METHODS overrides the list)
 #   exact     the same prompts with --exact for every method (only when named in STAGES)
 #   batch     --concurrency 1,8 on HumanEval 8 x 64 (batched generate against our batched decoding)
 #   edits     the code-edit set, 6 x 256
@@ -122,8 +123,8 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     }
     common=(--model "$model" --dtype bfloat16 --device "${DEVICE:-cuda}" --no-plot -q)
     count=${LIMIT:-10}
-    stage main 300 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" --no-exact \
-        --methods "${MAIN_METHODS:-baseline,generate-static,plain,plain@exact,default,default@exact,prompt+trie+ngram+suffix+recycle}" \
+    stage main 300 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" \
+        --methods "${MAIN_METHODS:-baseline,generate-static,plain,plain@noexact,default,default@noexact,prompt+trie+ngram+suffix}" \
         --out "$results/main"
     stage exact 120 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" --exact \
         --methods plain,default --out "$results/exact"
@@ -131,7 +132,7 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
         --concurrency 1,8 --out "$results/batch"
     "$PY" benchmarks/code_edit.py --jsonl "$KEEP/code_edits.jsonl" >/dev/null 2>&1
     stage edits 150 "$PY" -m specdraft bench "${common[@]}" --dataset "$KEEP/code_edits.jsonl" --limit "$(( count < 6 ? count : 6 ))" \
-        --max-new-tokens 256 --no-exact --methods "${EDIT_METHODS:-baseline,plain,default}" --out "$results/edits"
+        --max-new-tokens 256 --methods "${EDIT_METHODS:-baseline,generate-static,plain,default}" --out "$results/edits"
     say "done: $results"
     pack
     ;;

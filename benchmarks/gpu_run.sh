@@ -41,8 +41,9 @@ step "pytest -m cuda"
 step "exact attention's price"
 "$PY" benchmarks/exact_attention_price.py --device cuda --out "$out/exact-attention-price" || true
 
-# the default with Token Recycling too: whether wide trees, cheap on a GPU, earn it a place in the GPU default
-methods=baseline,generate-static,hf-prompt-lookup,plain,default,default@nopause,specdraft:prompt+trie+ngram+suffix+recycle
+# the GPU's defaults (exact mode in bfloat16, Token Recycling among the sources), each beside the
+# same without exact mode (its price in the same process) and the CPU's default sources
+methods=baseline,generate-static,hf-prompt-lookup,plain,plain@noexact,default,default@noexact,prompt+trie+ngram+suffix
 step "bench: HumanEval 10, MT-Bench 10"
 "$PY" -m specdraft bench --model "$model" --dtype bfloat16 --device cuda --dataset humaneval,mtbench --limit 10 \
     --methods "$methods" --out "$out/bench" --no-plot -q

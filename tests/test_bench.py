@@ -468,22 +468,28 @@ def test_fixed_suffix_turns_the_adaptive_budget_off():
 
 
 def test_exact_suffix_times_exact_mode_beside_the_default_mode_in_one_run(tiny, prompt_file: Path) -> None:
-    """``@exact`` runs one method in exact mode whatever ``--exact`` says, and its "identical to
-    plain" reference is exact plain decoding: the comparison exact mode's promise is about."""
+    """``@exact`` / ``@noexact`` run one method with exact mode on / off whatever ``--exact`` says,
+    and its "identical to plain" reference is plain decoding in the same mode: the comparison
+    exact mode's promise is about."""
     from specdraft.bench.methods import build_methods, parse_methods, plain_reference
 
     model, tokenizer = tiny
-    names = parse_methods("plain,plain@exact,prompt@exact,prompt")
-    assert names == ["baseline", "plain", "plain@exact", "specdraft:prompt@exact", "specdraft:prompt"]
+    names = parse_methods("plain,plain@exact,prompt@exact,prompt,prompt@noexact")
+    assert names == ["baseline", "plain", "plain@exact", "specdraft:prompt@exact", "specdraft:prompt",
+                     "specdraft:prompt@noexact"]
     assert plain_reference("specdraft:prompt@exact") == "plain@exact" and plain_reference("default") == "plain"
     assert parse_methods("default@exact@fixed") == ["baseline", "default@fixed@exact"]
     with pytest.raises(MethodError, match="@exact applies to our decoder"):
         parse_methods("generate-static@exact")
-    with pytest.raises(MethodError, match="names @exact twice"):
-        parse_methods("plain@exact@exact")
+    with pytest.raises(MethodError, match="names exact mode twice"):
+        parse_methods("plain@exact@noexact")
+    assert parse_methods("plain@noexact") == ["baseline", "plain@noexact"]
+    assert plain_reference("default@noexact") == "plain@noexact"
+    methods = build_methods(names, model, tokenizer, 8, exact=True)
+    assert [getattr(m, "exact", None) for m in methods] == [None, True, True, True, True, False]
     methods = build_methods(names, model, tokenizer, 8, exact=False)
-    assert [getattr(m, "exact", None) for m in methods] == [None, False, True, True, False]
-    assert [m.decoder.exact for m in methods[1:]] == [False, True, True, False]
+    assert [getattr(m, "exact", None) for m in methods] == [None, False, True, True, False, False]
+    assert [m.decoder.exact for m in methods[1:]] == [False, True, True, False, False]
     summary = summarize(run_benchmark(model, records(tiny, prompt_file), methods, 6, progress=False))
     assert summary["methods"]["specdraft:prompt@exact"]["plain_reference"] == "plain@exact"
     assert summary["methods"]["specdraft:prompt"]["plain_reference"] == "plain"

@@ -33,9 +33,10 @@ the decoder runs the library's default, ``cpu_kernels="auto"`` (each forward wid
 cheapest exact path measured on this machine, see :mod:`specdraft.kernel_costs`); ``@stock``
 runs ``cpu_kernels="stock"``, ``@packed`` ``"packed"`` (oneDNN-packed linear weights) and
 ``@fbgemm`` ``"fbgemm"`` (exact float16 weights on FBGEMM; see :mod:`specdraft.cpu_kernels`);
-``@exact`` runs the method in exact mode (``Decoder(exact=True)``) whatever ``--exact`` says, so
-one run times exact mode against the default mode in the same process (``plain,plain@exact``);
-its "vs plain" reference is ``plain@exact``. One budget suffix, one kernel suffix and ``@exact``
+``@exact`` runs the method in exact mode (``Decoder(exact=True)``) and ``@noexact`` without it
+(``exact=False``), whatever ``--exact`` says, so one run times both modes in the same process
+(``plain,plain@exact``, or ``plain,plain@noexact`` where exact mode is the default); its "vs plain"
+reference is ``plain`` with the same suffix. One budget suffix, one kernel suffix and one of these
 may be given together (``default@fixed@packed@exact``). ``baseline`` and ``hf-prompt-lookup``
 always run stock ``model.generate``.
 
@@ -168,7 +169,7 @@ def valid_method_names() -> str:
     return (f"{BASELINE}, {HF_PROMPT_LOOKUP}, {STATIC_GENERATE}, {DEFAULT}, {PLAIN}, or {PREFIX}<sources joined by +> "
             f"with sources from: {sources} (each NAME or NAME[key=value,...]); add {FIXED_SUFFIX} to one of ours to "
             f"switch its adaptive budget off, {' or '.join(KERNEL_SUFFIXES)} to run it on those CPU kernels instead of "
-            f"{DEFAULT_KERNELS!r}, {EXACT_SUFFIX} to run it in exact mode")
+            f"{DEFAULT_KERNELS!r}, {' or '.join(EXACT_SUFFIXES)} to run it with exact mode on or off")
 
 
 #: Suffix of a method name that turns the adaptive tree budget off (``default@fixed``,
@@ -184,21 +185,24 @@ PACKED_SUFFIX = "@packed"
 KERNEL_SUFFIXES = {"@stock": "stock", PACKED_SUFFIX: "packed", "@fbgemm": "fbgemm"}
 #: What a method without a kernel suffix runs: the library's default.
 DEFAULT_KERNELS = "auto"
-#: Suffix of a method name that runs our decoder in exact mode whatever ``--exact`` says (``default@exact``).
-EXACT_SUFFIX = "@exact"
+#: Suffixes of a method name that run our decoder in exact mode, or without it, whatever
+#: ``--exact`` says (``default@exact``, ``default@noexact``) -> ``Decoder(exact=...)``.
+EXACT_SUFFIXES = {"@exact": True, "@noexact": False}
 
 
-def _split_suffixes(name: str) -> tuple[str, str, str, bool]:
+def _split_suffixes(name: str) -> tuple[str, str, str, bool | None]:
     """``(base, budget, cpu_kernels, exact)`` of a method name with its budget suffix (``@fixed``,
-    ``@nopause``), kernel suffix and ``@exact``, in any order (``budget`` is ``"adaptive"``,
-    ``cpu_kernels`` :data:`DEFAULT_KERNELS` and ``exact`` False without one)."""
+    ``@nopause``), kernel suffix and exact-mode suffix, in any order (``budget`` is
+    ``"adaptive"``, ``cpu_kernels`` :data:`DEFAULT_KERNELS` and ``exact`` ``None`` without one)."""
     name = name.strip()
-    budget, kernels, exact = "adaptive", DEFAULT_KERNELS, False
+    budget, kernels, exact = "adaptive", DEFAULT_KERNELS, None
     while True:
-        if name.endswith(EXACT_SUFFIX):
-            if exact:
-                raise MethodError(f"method {name + EXACT_SUFFIX!r} names {EXACT_SUFFIX} twice")
-            name, exact = name[: -len(EXACT_SUFFIX)].strip(), True
+        suffix = next((s for s in EXACT_SUFFIXES if name.endswith(s)), None)
+        if suffix is not None:
+            if exact is not None:
+                raise MethodError(f"method {name + _exact_suffix(exact)!r} names exact mode twice; give at most one "
+                                  f"of {list(EXACT_SUFFIXES)}")
+            name, exact = name[: -len(suffix)].strip(), EXACT_SUFFIXES[suffix]
             continue
         suffix = next((s for s in BUDGET_SUFFIXES if name.endswith(s)), None)
         if suffix is not None:
@@ -216,6 +220,11 @@ def _split_suffixes(name: str) -> tuple[str, str, str, bool]:
         name, kernels = name[: -len(suffix)].strip(), KERNEL_SUFFIXES[suffix]
 
 
+def _exact_suffix(exact: bool | None) -> str:
+    """The method-name suffix of ``Decoder(exact=exact)`` (empty for ``None``: the run's ``--exact``)."""
+    return next((s for s, e in EXACT_SUFFIXES.items() if e is exact), "")
+
+
 def _budget_suffix(budget: str) -> str:
     """The method-name suffix of a budget (empty for the adaptive one)."""
     return next((s for s, b in BUDGET_SUFFIXES.items() if b == budget), "")
@@ -230,20 +239,21 @@ def plain_reference(name: str) -> str:
     """The ``plain`` method on the same kernels and in the same mode as our method ``name``
     (``plain``, ``plain@packed``, ``plain@exact``, ...)."""
     _, _, kernels, exact = _split_suffixes(name)
-    return PLAIN + _kernel_suffix(kernels) + (EXACT_SUFFIX if exact else "")
+    return PLAIN + _kernel_suffix(kernels) + _exact_suffix(exact)
 
 
 def _canonical(name: str) -> str:
     name, budget, kernels, exact = _split_suffixes(name)
-    if budget != "adaptive" or kernels != DEFAULT_KERNELS or exact:
+    if budget != "adaptive" or kernels != DEFAULT_KERNELS or exact is not None:
         base = _canonical(name)
         for flag, suffix in ((budget != "adaptive", _budget_suffix(budget)),
-                             (kernels != DEFAULT_KERNELS, _kernel_suffix(kernels)), (exact, EXACT_SUFFIX)):
+                             (kernels != DEFAULT_KERNELS, _kernel_suffix(kernels)),
+                             (exact is not None, _exact_suffix(exact))):
             if flag and base in (BASELINE, HF_PROMPT_LOOKUP, STATIC_GENERATE):
                 raise MethodError(f"{suffix} applies to our decoder's methods, not to {base!r}")
         if budget != "adaptive" and base == PLAIN:
             raise MethodError(f"{_budget_suffix(budget)} means nothing for {PLAIN!r}, which checks no drafts")
-        return base + _budget_suffix(budget) + _kernel_suffix(kernels) + (EXACT_SUFFIX if exact else "")
+        return base + _budget_suffix(budget) + _kernel_suffix(kernels) + _exact_suffix(exact)
     if name in (BASELINE, HF_PROMPT_LOOKUP, STATIC_GENERATE, DEFAULT, PLAIN):
         return name
     from specdraft.source_spec import SourceSpecError, parse_source_spec, split_top_level
@@ -518,9 +528,9 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32
                               'model.generate(do_sample=False, cache_implementation="static")')
     from specdraft.source_spec import split_top_level
 
-    base, budget, kernels, exact_suffix = _split_suffixes(name)
-    suffix = _budget_suffix(budget) + _kernel_suffix(kernels) + (EXACT_SUFFIX if exact_suffix else "")
-    exact = True if exact_suffix else exact
+    base, budget, kernels, named_exact = _split_suffixes(name)
+    suffix = _budget_suffix(budget) + _kernel_suffix(kernels) + _exact_suffix(named_exact)
+    exact = exact if named_exact is None else named_exact
     if base == PLAIN:
         return SpecdraftMethod(PLAIN + suffix, model, tokenizer, [], 0, adaptive_budget=True, cpu_kernels=kernels,
                                exact=exact)
