@@ -110,17 +110,26 @@ class TokenTree:
         # reading the branches in turns would first meet it (a unique key, so the heap never
         # compares further). Heap items: (-log value, tie-break, token, parent, entries through
         # it, proposers, source bits).
-        rate_of = _memoized(prior_rate if rate is None else rate)
+        rate_fn = prior_rate if rate is None else rate
+        memo: dict[tuple[int, int, int], float] = {}  # rate per (source, depth, rank), one merge's
+        rate_of = _memoized(rate_fn, memo)
         log, push, pop = math.log, heapq.heappush, heapq.heappop
         tokens, select = tree.tokens, tree._select
         heap: list[tuple[float, int, int, int, list, tuple, int]] = []
         # expand the node just selected (the root first): push its children, unless the tree is full
         index, depth, neg, passing = 0, 0, 0.0, _entries(branches_per_source)
+        # ``run``: how many more depths every entry of ``passing`` (several, selected together as
+        # one agreeing group) goes on with one same token; there the group is the same each time
+        # (its entries, proposers and bits), so it is made without asking every entry again
+        run, run_proposers, run_bits = 0, (), 0
         while True:
             if len(passing) == 1:  # one branch's tail (the common case): one child, no grouping
                 k, source, branch = passing[0]
                 if len(branch) > depth:
-                    r = rate_of(source, depth + 1, 0)
+                    key = (source, depth + 1, 0)
+                    r = memo.get(key)
+                    if r is None:
+                        r = memo[key] = rate_fn(source, depth + 1, 0)
                     q = _RATE_FLOOR if r < _RATE_FLOOR else _RATE_CEIL if r > _RATE_CEIL else r
                     child_neg, child_key = neg - log(q), (k << 32) | (depth + 1)
                     if not heap or child_neg < heap[0][0] or (child_neg == heap[0][0] and child_key < heap[0][1]):
@@ -132,20 +141,31 @@ class TokenTree:
                         continue
                     push(heap, (child_neg, child_key, int(branch[depth]), index, passing, ((source, 0),), 1 << source))
             else:
-                group = _one_group(passing, depth)
+                if run:  # what _one_group would find: every entry goes on with the first one's token
+                    run -= 1
+                    group = (passing[0][0], int(passing[0][2][depth]), passing, run_proposers, run_bits)
+                else:
+                    group = _one_group(passing, depth)
                 if group is None:
                     _push_groups(heap, passing, depth, index, neg, rate_of)
                 elif group:  # every branch through the node goes on with one token (sources agreeing)
                     k, token, through, proposers, bits = group
                     miss = 1.0  # the noisy-or of _push_groups, in its order
+                    child_depth = depth + 1
                     for source, rank in proposers:
-                        miss *= 1.0 - rate_of(source, depth + 1, rank)
+                        key = (source, child_depth, rank)
+                        r = memo.get(key)
+                        if r is None:
+                            r = memo[key] = rate_fn(source, child_depth, rank)
+                        miss *= 1.0 - r
                     q = 1.0 - miss
                     q = _RATE_FLOOR if q < _RATE_FLOOR else _RATE_CEIL if q > _RATE_CEIL else q
-                    child_neg, child_key = neg - log(q), (k << 32) | (depth + 1)
+                    child_neg, child_key = neg - log(q), (k << 32) | child_depth
                     if not heap or child_neg < heap[0][0] or (child_neg == heap[0][0] and child_key < heap[0][1]):
-                        index = select(token, index, depth + 1, bits, proposers)
-                        depth, neg, passing = depth + 1, child_neg, through
+                        index = select(token, index, child_depth, bits, proposers)
+                        if through is not passing and len(through) > 1:
+                            run, run_proposers, run_bits = _agreeing(through, child_depth), proposers, bits
+                        depth, neg, passing = child_depth, child_neg, through
                         if len(tokens) > max_nodes:
                             break
                         continue
@@ -156,6 +176,7 @@ class TokenTree:
             neg, key, token, parent, passing, proposers, bits = pop(heap)
             depth = key & 0xFFFFFFFF
             index = select(token, parent, depth, bits, proposers)
+            run = 0
             if len(tokens) > max_nodes:
                 break
         return tree
@@ -245,9 +266,11 @@ def _entries(branches_per_source: Sequence[Sequence[Sequence[int]]]) -> list[tup
     return entries
 
 
-def _memoized(rate: RateFn) -> Callable[[int, int, int], float]:
-    """``rate`` remembered per (source, depth, rank) for one merge (the merge asks again and again)."""
-    memo: dict[tuple[int, int, int], float] = {}
+def _memoized(rate: RateFn, memo: dict[tuple[int, int, int], float] | None = None) -> Callable[[int, int, int], float]:
+    """``rate`` remembered per (source, depth, rank) in ``memo`` for one merge (the merge asks
+    again and again)."""
+    if memo is None:
+        memo = {}
 
     def rate_of(source: int, depth: int, rank: int) -> float:
         key = (source, depth, rank)
@@ -284,6 +307,37 @@ def _one_group(passing: list, depth: int) -> tuple | None:
     if token is None:
         return ()
     return through[0][0], int(token), through, tuple(proposers), bits
+
+
+def _agreeing(entries: list, depth: int) -> int:
+    """How many depths from ``depth`` on every one of ``entries`` goes on, all with the same token
+    (0 when one ends or they part at ``depth``, or a branch is not a list: then each depth is
+    grouped by :func:`_one_group`). Compared by slices, not token by token."""
+    first = entries[0][2]
+    if first.__class__ is not list:
+        return 0
+    stop = len(first)
+    for entry in entries:
+        branch = entry[2]
+        if branch.__class__ is not list:
+            return 0
+        if len(branch) < stop:
+            stop = len(branch)
+    if stop <= depth:
+        return 0
+    ref = first[depth:stop]
+    for entry in entries:
+        other = entry[2][depth:stop]
+        if other != ref:
+            same = 0
+            for mine, theirs in zip(ref, other):
+                if theirs != mine:  # as _one_group compares: the entry's token against the first one's
+                    break
+                same += 1
+            if not same:
+                return 0
+            stop, ref = depth + same, ref[:same]
+    return stop - depth
 
 
 def _push_groups(heap: list, passing: list, depth: int, index: int, neg: float,

@@ -135,3 +135,39 @@ def test_calibrated_merge_keeps_the_prefix_property(drafts, budget, history) -> 
            (full.tokens[:n], full.parents[:n], full.depth[:n], full.sources[:n], full.proposers[:n])
     cut = full.prefix(budget)
     assert (cut.tokens, cut.parents, cut.sources) == (tree.tokens, tree.parents, tree.sources)
+
+
+def _agreeing_drafts(seed: int) -> list[list[list[int]]]:
+    """Several sources' branches that mostly copy one sequence (as sources that agree do), some cut
+    short, some changed at a token, some going on past it."""
+    rng = np.random.default_rng(seed)
+    base = [int(t) for t in rng.integers(0, 5, size=int(rng.integers(0, 25)))]
+    drafts = []
+    for _ in range(int(rng.integers(1, 6))):
+        branches = []
+        for _ in range(int(rng.integers(0, 4))):
+            branch = base[: int(rng.integers(0, len(base) + 1))]
+            if branch and rng.random() < 0.4:
+                branch[int(rng.integers(len(branch)))] = int(rng.integers(0, 5))
+            branches.append(branch + [int(t) for t in rng.integers(0, 5, size=int(rng.integers(0, 4)))])
+        drafts.append(branches)
+    return drafts
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_merge_of_agreeing_branches_is_the_same_whatever_their_sequence_type(seed) -> None:
+    # a stretch where every branch through a node goes on with one same token is read by slices
+    # when the branches are lists; tuples are grouped depth by depth: both must build one tree
+    drafts = _agreeing_drafts(seed)
+    rates = {}
+
+    def rate(source, depth, rank):
+        return rates.setdefault((source, depth, rank), [0.9, 0.5, 0.2, 1.0, 0.0][(source * 7 + depth * 3 + rank + seed) % 5])
+
+    for budget in (1, 8, 32, 64):
+        for rate_fn in (None, rate):
+            a = TokenTree.from_drafts(3, drafts, budget, rate_fn)
+            b = TokenTree.from_drafts(3, [[tuple(x) for x in branches] for branches in drafts], budget, rate_fn)
+            assert (a.tokens, a.parents, a.depth, a.sources, a.proposers) == \
+                (b.tokens, b.parents, b.depth, b.sources, b.proposers)
+            assert [a.children(i) for i in range(len(a))] == [b.children(i) for i in range(len(b))]
