@@ -501,3 +501,39 @@ def test_same_drafts_as_arctic_inference_when_it_is_installed() -> None:
                                  min_token_prob=0.13, use_tree_spec=True)
         assert mine.score == pytest.approx(other.score, rel=1e-5), trial
         assert sorted(mine.probs) == pytest.approx(sorted(other.probs), rel=1e-5), trial
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_speculate_from_a_sequences_open_states_equals_locating_from_the_root(seed) -> None:
+    # SuffixTree drafts with ``seq_id`` (the context's suffixes read from where its own sequence
+    # ends); the draft must be the one that locating every suffix from the root gives, with other
+    # sequences growing, closing and being removed around it
+    import random
+
+    from specdraft.sources.suffix_trie import SuffixTrie
+
+    rng = random.Random(seed)
+    vocab = rng.choice([2, 3, 6])
+    trie = SuffixTrie(rng.choice([2, 4, 8, 24]))
+    seqs: dict[int, list[int]] = {}
+    for step in range(300):
+        action = rng.random()
+        if action < 0.1 or not seqs:
+            seqs[step] = [rng.randrange(vocab) for _ in range(rng.randrange(0, 5))]
+            trie.add(step, seqs[step])
+        elif action < 0.15 and len(seqs) > 1:
+            gone = rng.choice(list(seqs))
+            (trie.remove if rng.random() < 0.5 else trie.close)(gone)
+            del seqs[gone]
+        else:
+            sid = rng.choice(list(seqs))
+            new = [rng.randrange(vocab) for _ in range(rng.randrange(1, 3))]
+            seqs[sid] += new
+            trie.extend(sid, new)
+            prefix = [rng.randrange(vocab) for _ in range(rng.randrange(0, 30))]
+            context = prefix + seqs[sid]
+            for args in ((8, 1.0, 0.0, 0.1, True), (3, 2.0, 1.0, 0.0, False), (24, 1.0, 0.0, 0.0, True)):
+                a = trie.speculate(context, *args)
+                b = trie.speculate(context, *args, seq_id=sid)
+                assert (a.tokens, a.parents, a.probs, a.score, a.match_length) == \
+                    (b.tokens, b.parents, b.probs, b.score, b.match_length)

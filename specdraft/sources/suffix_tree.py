@@ -186,12 +186,14 @@ class SuffixTree(SourceBase[_Request]):
             return Draft()
         state = self._sync(context)
         cap = min(self.max_spec_tokens, budget)
-        tail = [int(t) for t in context.tokens[-self.max_depth :]]
+        tail = context.tokens[-self.max_depth :]  # (read by speculate only where it must locate)
         args = (cap, self.max_spec_factor, self.max_spec_offset, self.min_token_prob, self.tree)
-        best = state.local.speculate(tail, *args)
+        # both trees hold the context's own end (the request's sequence, its response), so its
+        # suffixes are found from where those sequences end rather than each from the root
+        best = state.local.speculate(tail, *args, seq_id=0)
         if self.max_cached_requests:
             with self._lock:
-                other = self._global.speculate(tail, *args)
+                other = self._global.speculate(tail, *args, seq_id=state.response)
             if other.score > best.score:
                 best = other
         return Draft(best.branches())

@@ -318,7 +318,8 @@ class SuffixTrie:
         return 1 if pos[1] >= 0 else self._count[pos[0]]
 
     def speculate(self, context: Sequence[int], max_spec_tokens: int, max_spec_factor: float = 1.0,
-                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1, tree: bool = True) -> SuffixDraft:
+                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1, tree: bool = True,
+                  seq_id: int | None = None) -> SuffixDraft:
         """The best-scoring draft over every context suffix that occurs (Sec. 3 of the paper).
 
         For each match length ``p`` a draft of at most ``min(max_spec_tokens, floor(max_spec_factor
@@ -327,11 +328,29 @@ class SuffixTrie:
         win (a draft of ``k`` tokens scores at most ``k``), which gives the same answer as trying
         them all. ``tree=False`` follows only the most frequent child (a single path, the mode
         vLLM uses).
+
+        ``seq_id``: an open sequence of the trie that ``context`` ends with (its tokens are the
+        context's last ones). Its suffixes' positions are then read from its open states, which
+        :meth:`extend` keeps, instead of each being located from the root; the draft is the same.
         """
-        ctx = [int(t) for t in context[-(self.max_depth - 1) :]] if self.max_depth > 1 else []
+        states = self._open.get(seq_id, ()) if seq_id is not None else ()
+        known = len(states)  # suffixes of 1 .. known tokens: where the sequence's own ones end
+        longest = min(len(context), self.max_depth - 1)
+        # the context's tokens are read only to locate suffixes longer than the sequence's own
+        ctx = [int(t) for t in context[len(context) - longest :]] if longest > known else []
+        leaf_node = self._leaf_node
         positions: list[Position] = []
-        for m in range(1, len(ctx) + 1):
-            pos = self._locate(ctx, len(ctx) - m)
+        for m in range(1, longest + 1):
+            if m <= known:
+                ref = states[m - 1]
+                if ref >= 0:
+                    pos = (ref, -1)
+                elif leaf_node[~ref] == _ATTACHED:
+                    pos = (~ref, m)
+                else:
+                    pos = (leaf_node[~ref], -1)
+            else:
+                pos = self._locate(ctx, len(ctx) - m)
             if pos is None or self._ends_here(pos):
                 # No longer suffix can draft either: each of its occurrences ends where one of
                 # this suffix's does, none of which goes on (the context's own occurrence, at the
