@@ -675,3 +675,49 @@ def test_cli_registry_builds_the_trie():
 
     (source,) = make_sources(parse_source_names("trie"))
     assert isinstance(source, FrequencyTrie)
+
+
+def _select_by_heap(store, start: int, k: int):
+    """The selection as a plain best-first search: every child pushed, the best popped."""
+    import heapq
+
+    w = store.prompt_weight
+    key = lambda c: (-(store.out[c] + w * store.prompt[c]), -store.stamp[c], c)  # noqa: E731
+    heap = [key(c) + (-1,) for c in store.children[start].values()]
+    heapq.heapify(heap)
+    selected = []
+    while heap and len(selected) < k:
+        f, _, c, parent = heapq.heappop(heap)
+        selected.append((store.token[c], -f, store.depth[c], parent))
+        for d in (store.children[c] or {}).values():
+            heapq.heappush(heap, key(d) + (len(selected) - 1,))
+    return selected
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_selection_takes_an_only_child_at_once_as_the_plain_search_would(seed) -> None:
+    # select takes a node's only child without the heap when it beats the frontier: the selection
+    # must be the plain best-first one, ties (equal counts and stamps) included
+    from types import SimpleNamespace
+
+    from specdraft.sources.trie_select import select
+
+    rng = random.Random(seed)
+    n = rng.randrange(1, 60)
+    store = SimpleNamespace(prompt_weight=rng.choice([0.0, 0.5, 2.0]), out=[], prompt=[], stamp=[], token=[],
+                            depth=[], children=[])
+    for i in range(n):
+        store.out.append(rng.choice([0, 1, 2, rng.randrange(10)]))
+        store.prompt.append(rng.choice([0, 1]))
+        store.stamp.append(rng.choice([0, 1, rng.randrange(50)]))
+        store.token.append(rng.randrange(20))
+        store.depth.append(0)
+        store.children.append(None)
+        if i:
+            parent = rng.randrange(max(0, i - 3), i) if rng.random() < 0.8 else rng.randrange(i)
+            store.children[parent] = store.children[parent] or {}
+            store.children[parent][rng.randrange(10**6)] = i
+            store.depth[i] = store.depth[parent] + 1
+    store.children[0] = store.children[0] or {}
+    for k in (1, 2, 8, 32, 100):
+        assert select(store, 0, k) == _select_by_heap(store, 0, k)

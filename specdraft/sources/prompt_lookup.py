@@ -36,7 +36,7 @@ class _TailIndex:
         """Index every window ``tokens[i : i + n]`` with ``i + n <= end`` not indexed yet."""
         if end <= self.indexed:
             return
-        fresh = [int(t) for t in tokens[max(0, self.indexed - max_ngram + 1) : end]]
+        fresh = list(map(int, tokens[max(0, self.indexed - max_ngram + 1) : end]))
         offset = max(0, self.indexed - max_ngram + 1)
         starts = self.starts
         for stop in range(self.indexed + 1, end + 1):  # windows ending at ``stop`` (exclusive)
@@ -104,7 +104,7 @@ class PromptLookup(SourceBase[_TailIndex]):
         # a match must end before the root (the tail matching itself says nothing)
         index.extend(tokens, length - 1, self.min_ngram, self.max_ngram)
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            starts = index.starts.get(tuple(int(t) for t in tokens[length - n :]))
+            starts = index.starts.get(tuple(map(int, tokens[length - n :])))
             if starts is None:
                 continue
             found = (starts,) if starts.__class__ is int else reversed(starts)
@@ -119,7 +119,7 @@ class PromptLookup(SourceBase[_TailIndex]):
             if len(branches) >= self.max_branches or budget <= 0:
                 break
             begin = start + n
-            cont = tuple(int(t) for t in tokens[begin : begin + min(self.num_tokens, budget)])
+            cont = tuple(map(int, tokens[begin : begin + min(self.num_tokens, budget)]))
             if cont and cont not in seen and not any(s[: len(cont)] == cont for s in seen):
                 seen.add(cont)
                 branches.append(list(cont))

@@ -63,18 +63,28 @@ def select(store: NodeStore, start: int, k: int) -> list[Selected]:
                                                   store.depth)
     heap = [(-(out[c] + w * prompt[c]), -stamp[c], c, -1) for c in children[start].values()]  # type: ignore[union-attr]
     heapq.heapify(heap)
-    push, pop = heapq.heappush, heapq.heappop
+    push, pop, pushpop = heapq.heappush, heapq.heappop, heapq.heappushpop
     selected: list[Selected] = []
-    while heap:
-        f, _, c, parent = pop(heap)
+    # Items are unique (a node is in them once), so which item each pop gives depends on the set
+    # in the heap alone: a node's only child is taken at once when it beats the frontier, and
+    # pushed and popped in one call when it does not (a trie's subtrees are mostly chains).
+    item = pop(heap) if heap else None
+    while item is not None:
+        f, _, c, parent = item
         index = len(selected)
         selected.append((token[c], -f, depth[c], parent))
         if index + 1 >= k:
             break
         kids = children[c]
+        if kids is not None and len(kids) == 1:
+            for d in kids.values():
+                child = (-(out[d] + w * prompt[d]), -stamp[d], d, index)
+            item = child if not heap or child < heap[0] else pushpop(heap, child)
+            continue
         if kids is not None:
             for d in kids.values():
                 push(heap, (-(out[d] + w * prompt[d]), -stamp[d], d, index))
+        item = pop(heap) if heap else None
     return selected
 
 
