@@ -21,10 +21,7 @@ Measured, per model shape:
   the GPU's busy time per step (CUDA events around each forward), the idle rest, and the
   synchronizing calls per step outside and inside the forward
   (``torch.cuda.set_sync_debug_mode``);
-* the adaptive default, sampling, and ``generate_batch`` (8 requests) for completeness;
-* our plain decoding and the adaptive default on a prompt of random tokens, where no source finds
-  anything to draft (chat, where the budget keeps steps plain): what the sources, the drafting
-  pauses and the bookkeeping cost a step there.
+* the adaptive default, sampling, and ``generate_batch`` (8 requests) for completeness.
 
     python benchmarks/gpu_steps.py --shapes qwen2.5-0.5b,qwen2.5-7b --out DIR
 """
@@ -268,12 +265,6 @@ def run_shape(shape: str, device: str, dtype: torch.dtype, new: int, contexts: l
         decoders["default, fixed 32, eager"] = lambda: eager(Decoder(
             model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=32, adaptive_budget=False))
         decoders["default, adaptive"] = lambda: Decoder(model, None)
-        # text with nothing to copy (chat, where the budget keeps steps plain): what the default's
-        # sources, pauses and bookkeeping cost a step next to our plain decoding on the same prompt
-        decoders["plain, nothing to draft"] = lambda: Decoder(model, None, sources=[], max_tree_nodes=0)
-        decoders["default, nothing to draft"] = lambda: Decoder(model, None)
-        unrepeated = torch.randint(3, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(1))
-        prompt_of = {name: unrepeated.tolist() for name in decoders if "nothing to draft" in name}
         sampling = dict(do_sample=True, seed=0, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
         timed_generate(model, prompt[:64], 8)  # warm-up
         built = {name: make() for name, make in decoders.items()}
@@ -290,7 +281,7 @@ def run_shape(shape: str, device: str, dtype: torch.dtype, new: int, contexts: l
             for name, dec in built.items():
                 sync()
                 t = time.perf_counter()
-                out = dec.generate(prompt_of.get(name, prompt), max_new_tokens=new)
+                out = dec.generate(prompt, max_new_tokens=new)
                 sync()
                 seconds[name].append(time.perf_counter() - t)
                 outputs[name] = out
@@ -300,7 +291,7 @@ def run_shape(shape: str, device: str, dtype: torch.dtype, new: int, contexts: l
               flush=True)
         for name, dec in list(built.items()) + [("default, sampling", built["default, adaptive"])]:
             options = sampling if "sampling" in name else {}
-            probed = decoder_row(probe, dec, prompt_of.get(name, prompt), new, **options)
+            probed = decoder_row(probe, dec, prompt, new, **options)
             tokens = probed.pop("token_ids")
             row = dict(probed)
             if name in seconds:
@@ -308,9 +299,8 @@ def run_shape(shape: str, device: str, dtype: torch.dtype, new: int, contexts: l
                 ms = statistics.median(seconds[name]) * 1e3
                 row.update(ms_per_token=ms / len(out.token_ids), ms_per_step=ms / out.stats.steps,
                            tokens_per_step=out.stats.mean_accepted, speedup_vs_generate=hf * len(out.token_ids) / ms)
-                if name not in prompt_of:
-                    same = next((i for i, (a, b) in enumerate(zip(out.token_ids, reference)) if a != b), None)
-                    row["first_difference_from_generate"] = same
+                same = next((i for i, (a, b) in enumerate(zip(out.token_ids, reference)) if a != b), None)
+                row["first_difference_from_generate"] = same
             else:
                 row["speedup_vs_generate"] = hf / row["ms_per_token"]
                 row["repeat_gives_same_tokens"] = tokens == decoder_row(probe, dec, prompt, new, **options)["token_ids"]
