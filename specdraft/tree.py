@@ -110,9 +110,7 @@ class TokenTree:
         # reading the branches in turns would first meet it (a unique key, so the heap never
         # compares further). Heap items: (-log value, tie-break, token, parent, entries through
         # it, proposers, source bits).
-        rate_fn = prior_rate if rate is None else rate
-        memo: dict[tuple[int, int, int], float] = {}  # rate per (source, depth, rank), one merge's
-        rate_of = _memoized(rate_fn, memo)
+        rate_of = _memoized(prior_rate if rate is None else rate)
         log, push, pop = math.log, heapq.heappush, heapq.heappop
         tokens, select = tree.tokens, tree._select
         heap: list[tuple[float, int, int, int, list, tuple, int]] = []
@@ -123,53 +121,37 @@ class TokenTree:
         # (its entries, proposers and bits), so it is made without asking every entry again
         run, run_proposers, run_bits = 0, (), 0
         while True:
-            if len(passing) == 1:  # one branch's tail (the common case): one child, no grouping
+            # the node's one child, when it has one: (k, token, entries through it, proposers,
+            # source bits, rate); it is selected at once if it beats the whole frontier
+            child = None
+            if len(passing) == 1:  # one branch's tail (the common case): its own rate, no grouping
                 k, source, branch = passing[0]
                 if len(branch) > depth:
-                    key = (source, depth + 1, 0)
-                    r = memo.get(key)
-                    if r is None:
-                        r = memo[key] = rate_fn(source, depth + 1, 0)
-                    q = _RATE_FLOOR if r < _RATE_FLOOR else _RATE_CEIL if r > _RATE_CEIL else r
-                    child_neg, child_key = neg - log(q), (k << 32) | (depth + 1)
-                    if not heap or child_neg < heap[0][0] or (child_neg == heap[0][0] and child_key < heap[0][1]):
-                        # it beats the whole frontier: select it now (what a push and a pop would do)
-                        index = select(int(branch[depth]), index, depth + 1, 1 << source, ((source, 0),))
-                        depth, neg = depth + 1, child_neg
-                        if len(tokens) > max_nodes:
-                            break
-                        continue
-                    push(heap, (child_neg, child_key, int(branch[depth]), index, passing, ((source, 0),), 1 << source))
+                    child = (k, int(branch[depth]), passing, ((source, 0),), 1 << source,
+                             _clipped(rate_of(source, depth + 1, 0)))
             else:
                 if run:  # what _one_group would find: every entry goes on with the first one's token
                     run -= 1
                     group = (passing[0][0], int(passing[0][2][depth]), passing, run_proposers, run_bits)
                 else:
                     group = _one_group(passing, depth)
-                if group is None:
+                if group is None:  # the branches part: a child per next token
                     _push_groups(heap, passing, depth, index, neg, rate_of)
                 elif group:  # every branch through the node goes on with one token (sources agreeing)
-                    k, token, through, proposers, bits = group
-                    miss = 1.0  # the noisy-or of _push_groups, in its order
-                    child_depth = depth + 1
-                    for source, rank in proposers:
-                        key = (source, child_depth, rank)
-                        r = memo.get(key)
-                        if r is None:
-                            r = memo[key] = rate_fn(source, child_depth, rank)
-                        miss *= 1.0 - r
-                    q = 1.0 - miss
-                    q = _RATE_FLOOR if q < _RATE_FLOOR else _RATE_CEIL if q > _RATE_CEIL else q
-                    child_neg, child_key = neg - log(q), (k << 32) | child_depth
-                    if not heap or child_neg < heap[0][0] or (child_neg == heap[0][0] and child_key < heap[0][1]):
-                        index = select(token, index, child_depth, bits, proposers)
-                        if through is not passing and len(through) > 1:
-                            run, run_proposers, run_bits = _agreeing(through, child_depth), proposers, bits
-                        depth, neg, passing = child_depth, child_neg, through
-                        if len(tokens) > max_nodes:
-                            break
-                        continue
-                    push(heap, (child_neg, child_key, token, index, through, proposers, bits))
+                    child = (*group, _noisy_or(rate_of, group[3], depth + 1))
+            if child is not None:
+                k, token, through, proposers, bits, q = child
+                child_neg, child_key = neg - log(q), (k << 32) | (depth + 1)
+                if not heap or child_neg < heap[0][0] or (child_neg == heap[0][0] and child_key < heap[0][1]):
+                    # it beats the whole frontier: select it now (what a push and a pop would do)
+                    index = select(token, index, depth + 1, bits, proposers)
+                    if through is not passing and len(through) > 1:
+                        run, run_proposers, run_bits = _agreeing(through, depth + 1), proposers, bits
+                    depth, neg, passing = depth + 1, child_neg, through
+                    if len(tokens) > max_nodes:
+                        break
+                    continue
+                push(heap, (child_neg, child_key, token, index, through, proposers, bits))
             if not heap or len(tokens) > max_nodes:
                 break
             # select the most valuable node of the frontier
@@ -266,11 +248,9 @@ def _entries(branches_per_source: Sequence[Sequence[Sequence[int]]]) -> list[tup
     return entries
 
 
-def _memoized(rate: RateFn, memo: dict[tuple[int, int, int], float] | None = None) -> Callable[[int, int, int], float]:
-    """``rate`` remembered per (source, depth, rank) in ``memo`` for one merge (the merge asks
-    again and again)."""
-    if memo is None:
-        memo = {}
+def _memoized(rate: RateFn) -> Callable[[int, int, int], float]:
+    """``rate`` remembered per (source, depth, rank) for one merge (the merge asks again and again)."""
+    memo: dict[tuple[int, int, int], float] = {}
 
     def rate_of(source: int, depth: int, rank: int) -> float:
         key = (source, depth, rank)
@@ -363,10 +343,21 @@ def _push_groups(heap: list, passing: list, depth: int, index: int, neg: float,
         group[1].append(entry)
     child_depth = depth + 1
     for token, (k, through, proposers, bits) in groups.items():
-        miss = 1.0
-        for source, rank in proposers:
-            miss *= 1.0 - rate_of(source, child_depth, rank)
-        q = 1.0 - miss  # clipped to (0, 1): a log of 0 is undefined, a rate of 1 would tie a node with its parent
-        q = _RATE_FLOOR if q < _RATE_FLOOR else _RATE_CEIL if q > _RATE_CEIL else q
+        q = _noisy_or(rate_of, proposers, child_depth)
         heapq.heappush(heap, (neg - math.log(q), (k << 32) | child_depth, int(token), index, through,
                               tuple(proposers), bits))
+
+
+def _noisy_or(rate_of: Callable[[int, int, int], float], proposers: Sequence[tuple[int, int]], depth: int) -> float:
+    """The rate of a node at ``depth`` that ``proposers`` ((source, rank) pairs) all propose: the
+    noisy-or of their rates (agreement being evidence), :func:`_clipped`."""
+    miss = 1.0
+    for source, rank in proposers:
+        miss *= 1.0 - rate_of(source, depth, rank)
+    return _clipped(1.0 - miss)
+
+
+def _clipped(q: float) -> float:
+    """A node's rate clipped to (0, 1): a log of 0 is undefined, a rate of 1 would tie a node with
+    its parent."""
+    return _RATE_FLOOR if q < _RATE_FLOOR else _RATE_CEIL if q > _RATE_CEIL else q
