@@ -36,7 +36,7 @@ from .exact_attention import EXACT_NAME
 from .kv_store import KVStore, Region, Writes
 from .masks import RowLayout, layer_masks
 from .packed_attention import LAYOUT_KEYWORD, PACKED_NAME, PackedLayout
-from .static import WIDTHS, StaticForwards, static_forward
+from .static import PLAN_FIELDS, WIDTHS, StaticForwards, static_forward
 from .transfer import upload
 
 #: Attention implementations that take our 4D tree mask correctly, with the mask kind they need
@@ -288,9 +288,10 @@ class ModelRunner:
                 "model with attn_implementation='sdpa' (or use a newer transformers release) to decode it in batches")
 
 
-#: The per-row fields of a forward's plan, in the order of the rows of :attr:`_Plan.table` (the
-#: static buffers take them in this order, in one copy).
-PLAN_FIELDS = ("ids", "positions", "write", "region_start", "region_length", "segment")
+def _table_row(field: str) -> property:
+    """The row of :attr:`_Plan.table` that holds ``field`` (:data:`~specdraft.model.static.PLAN_FIELDS`)."""
+    row = PLAN_FIELDS.index(field)
+    return property(lambda plan: plan.table[row])
 
 
 @dataclass
@@ -309,29 +310,12 @@ class _Plan:
     id_spans: list[slice]
     width: int
 
-    @property
-    def ids(self) -> np.ndarray:
-        return self.table[0]
-
-    @property
-    def positions(self) -> np.ndarray:
-        return self.table[1]
-
-    @property
-    def write_columns(self) -> np.ndarray:
-        return self.table[2]
-
-    @property
-    def region_start(self) -> np.ndarray:
-        return self.table[3]
-
-    @property
-    def region_length(self) -> np.ndarray:
-        return self.table[4]
-
-    @property
-    def segment(self) -> np.ndarray:
-        return self.table[5]
+    ids = _table_row("ids")
+    positions = _table_row("positions")
+    write_columns = _table_row("write")
+    region_start = _table_row("region_start")
+    region_length = _table_row("region_length")
+    segment = _table_row("segment")
 
     @property
     def total(self) -> int:
@@ -342,6 +326,7 @@ class _Plan:
         total = sum(len(s.tokens) for s in segments)
         table = np.empty((len(PLAN_FIELDS), total), dtype=np.int64)
         ids, positions, write_columns = table[0], table[1], table[2]
+        regions = table[PLAN_FIELDS.index("region_start"):]  # start, length, segment: in this order
         keep_rows: list[np.ndarray] = []
         blocks: list[np.ndarray] = []
         spans, logit_spans, id_spans = [], [], []
@@ -361,7 +346,7 @@ class _Plan:
             ids[rows] = seg.tokens
             positions[rows] = seg.positions
             write_columns[rows] = np.arange(first, first + q)
-            table[3:, rows] = ((region.start,), (region.length,), (index,))
+            regions[:, rows] = ((region.start,), (region.length,), (index,))
             if seg.block is not None:
                 blocks.append(np.asarray(seg.block, dtype=bool))
             else:

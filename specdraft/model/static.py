@@ -33,14 +33,17 @@ WIDTHS = (1, 8, 16, 32, 64)
 #: int64 values the riders of one step may take (a larger step runs eagerly).
 RIDER_CAPACITY = 1 << 14
 
-#: The static buffer's int64 rows: first the plan's table (:data:`~specdraft.model.runner.PLAN_FIELDS`,
-#: in its order, so one copy moves it), then the rows to keep, the cache moves and the tree rows.
-_FIELDS = ("ids", "positions", "write", "region_start", "region_length", "segment", "keep", "move_from", "move_to",
-           "tree_rows")
-_TABLE_ROWS = slice(0, 6)
-_KEEP = 6
-_MOVES = slice(7, 9)
-_TREE_ROWS = 9
+#: The per-row fields of a forward's plan, in the order of the rows of its table
+#: (:class:`~specdraft.model.runner.ModelRunner`'s plan fills them; the static buffers take them
+#: in this order, in one copy).
+PLAN_FIELDS = ("ids", "positions", "write", "region_start", "region_length", "segment")
+#: The static buffer's int64 rows: first the plan's table, then the rows to keep, the cache moves
+#: and the tree rows.
+_FIELDS = PLAN_FIELDS + ("keep", "move_from", "move_to", "tree_rows")
+_TABLE_ROWS = slice(0, len(PLAN_FIELDS))
+_KEEP = _FIELDS.index("keep")
+_MOVES = slice(_FIELDS.index("move_from"), _FIELDS.index("move_to") + 1)
+_TREE_ROWS = _FIELDS.index("tree_rows")
 
 
 @dataclass(frozen=True)
