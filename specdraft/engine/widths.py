@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from ..kernels.exact_rows import RowRule
+from ..model.exact_attention import triton_runs_on
 from ..model.static import WIDTHS
 
 
@@ -70,8 +71,6 @@ def exact_default(model: Any, attention: str) -> bool:
     if device.type == "cpu":
         return dtype in (torch.bfloat16, torch.float16)
     if device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.is_available():
-        from ..model.exact_attention import triton_runs_on
-
         return triton_runs_on(device)
     return False
 
