@@ -13,7 +13,12 @@ share it -- for every width (rows: a plain step or a tree) and store capacity (c
 ``triton``
     the exact attention in its Triton kernels;
 ``torch``
-    the exact attention's fixed layout in torch operations.
+    the exact attention's fixed layout in torch operations;
+``flash``
+    the flash split (:mod:`specdraft.model.attention`) with the layout a decode forward hands it:
+    the committed columns through FlashAttention 4's variable-length kernel where
+    ``flash_attn.cute`` is installed (the dense product otherwise: ``setup.flash_prefix`` says
+    which), the tree rows among themselves densely, merged.
 
 On CUDA each is captured once as a CUDA graph and replayed, timed by CUDA events (median of
 ``--repeats``); elsewhere the calls run eagerly, timed by the wall clock (a smoke run: the CPU's
@@ -38,7 +43,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-MODES = ("sdpa", "triton", "torch")
+MODES = ("sdpa", "triton", "torch", "flash")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,7 +97,24 @@ def inputs(args: argparse.Namespace, width: int, capacity: int, device: Any, dty
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
     return {"q": rand(1, args.heads, width, args.dim), "k": rand(1, args.kv_heads, capacity, args.dim),
-            "v": rand(1, args.kv_heads, capacity, args.dim), "allowed": allowed.to(device)}
+            "v": rand(1, args.kv_heads, capacity, args.dim), "allowed": allowed.to(device),
+            "committed": committed}
+
+
+def flash_layout_of(data: dict[str, Any]) -> Any:
+    """The flash split's layout of ``data``: one request, its ``committed`` columns from 0, its
+    tree rows written right after them (no host spans: what a captured forward has)."""
+    import torch
+
+    from specdraft.model.flash_kernels import FlashLayout
+
+    width, committed = data["q"].shape[2], data["committed"]
+    device = data["q"].device
+    columns = torch.arange(committed, committed + width, device=device)
+    return FlashLayout(torch.zeros(width, dtype=torch.long, device=device),
+                       torch.full((width,), committed, dtype=torch.long, device=device),
+                       torch.zeros(width, dtype=torch.long, device=device), columns,
+                       data["allowed"][:, committed : committed + width].contiguous())
 
 
 def forward_of(mode: str, data: dict[str, Any], layers: int, groups: int) -> Callable[[], Any]:
@@ -100,11 +122,14 @@ def forward_of(mode: str, data: dict[str, Any], layers: int, groups: int) -> Cal
     import torch
 
     import specdraft.model.exact_attention as exact
+    from specdraft.model.attention import tree_flash_attention
+    from specdraft.model.flash_kernels import FLASH_LAYOUT_KEYWORD
 
     class Module(torch.nn.Module):
         num_key_value_groups = groups
 
     module = Module().eval()
+    flash = {FLASH_LAYOUT_KEYWORD: flash_layout_of(data)} if mode == "flash" else {}
 
     def run() -> Any:
         mask = data["allowed"][None, None]
@@ -114,6 +139,8 @@ def forward_of(mode: str, data: dict[str, Any], layers: int, groups: int) -> Cal
             if mode == "sdpa":
                 out = torch.nn.functional.scaled_dot_product_attention(data["q"], data["k"], data["v"], attn_mask=mask,
                                                                        enable_gqa=True).transpose(1, 2)
+            elif mode == "flash":
+                out = tree_flash_attention(module, data["q"], data["k"], data["v"], None, **flash)[0]
             else:
                 out = exact.exact_attention(module, data["q"], data["k"], data["v"], mask)[0]
         return out
@@ -195,7 +222,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"{s['device_name']}; {s['dtype']}, {s['heads']} query heads on {s['kv_heads']} key/value heads of "
              f"{s['dim']}, {s['layers']} calls per forward over one mask; "
              + ("each forward a replayed CUDA graph, CUDA events" if s["graphs"] else "eager calls, wall clock")
-             + f", median of {s['repeats']}. Milliseconds per forward's attention (ratio to `sdpa`).", "",
+             + f", median of {s['repeats']}. Milliseconds per forward's attention (ratio to `sdpa`)."
+             + (f" The flash split's prefix ran {s['flash_prefix']}." if "flash_prefix" in s else ""), "",
              "| columns | rows | " + " | ".join(f"`{m}`" for m in modes) + " | largest difference to `sdpa` |",
              "|---:|---:|" + "---:|" * len(modes) + "---|"]
     for row in result["rows"]:
@@ -225,12 +253,16 @@ def setup(args: argparse.Namespace, device: Any) -> dict[str, Any]:
 
     import torch
 
+    from specdraft.model.flash_kernels import fa4_runs
+
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return {"date": time.strftime("%Y-%m-%d"), "commit": commit, "device_name": name, "torch": torch.__version__,
             "dtype": args.dtype, "heads": args.heads, "kv_heads": args.kv_heads, "dim": args.dim,
-            "layers": args.layers, "repeats": args.repeats, "modes": args.modes, "graphs": device.type == "cuda"}
+            "layers": args.layers, "repeats": args.repeats, "modes": args.modes, "graphs": device.type == "cuda",
+            "flash_prefix": "FlashAttention 4" if fa4_runs(torch.zeros(1, device=device, dtype=getattr(torch, args.dtype)))
+            else "dense"}
 
 
 if __name__ == "__main__":

@@ -49,8 +49,8 @@ def test_merge_equals_attention_over_all_keys(dtype):
     allowed[..., 0] = True
     scale = 8 ** -0.5
     full = _dense_reference(q, k, v, allowed, scale)
-    a = attention._dense_with_lse(q, k[..., :6, :], v[..., :6, :], scale, allowed[..., :6])
-    b = attention._dense_with_lse(q, k[..., 6:, :], v[..., 6:, :], scale, allowed[..., 6:])
+    a = attention.dense_with_lse(q, k[..., :6, :], v[..., :6, :], scale, allowed[..., :6])
+    b = attention.dense_with_lse(q, k[..., 6:, :], v[..., 6:, :], scale, allowed[..., 6:])
     merged = merge_partial_attention(a[0], a[1], b[0], b[1])
     tol = 1e-12 if dtype == torch.float64 else 2e-6
     assert torch.allclose(merged.to(dtype), full, atol=tol)
@@ -154,7 +154,7 @@ def test_softcapping_is_refused_not_ignored():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
-@pytest.mark.skipif(not attention.flash_attn_available(), reason="needs the flash-attn package (pip install 'specdraft[flash]')")
+@pytest.mark.skipif(not attention.fa2_available(), reason="needs the flash-attn package (pip install 'specdraft[flash]')")
 def test_flash_attn_kernel_path_on_cuda():
     gen = torch.Generator(device="cuda").manual_seed(0)
     heads, prefix, q_len, dim = 4, 33, 6, 64

@@ -189,7 +189,10 @@ def test_sampling_law_on_cuda_chi_square() -> None:
 
 
 def test_flash_backend_matches_sdpa_on_cuda() -> None:
-    pytest.importorskip("flash_attn", reason="the flash backend on CUDA needs flash-attn (pip install -e '.[flash]')")
+    from specdraft.model.flash_kernels import fa2_available, fa4_available
+
+    if not (fa2_available() or fa4_available()):
+        pytest.skip("the flash backend on CUDA needs flash-attn 2 or 4 (pip install -e '.[flash]' or '.[flash4]')")
     sdpa = cuda_model("llama", "sdpa", torch.bfloat16)
     flash = copy.deepcopy(sdpa)
     reference = Decoder(sdpa, None, max_tree_nodes=16, adaptive_budget=False).generate(PROMPT, max_new_tokens=NEW)
@@ -198,6 +201,64 @@ def test_flash_backend_matches_sdpa_on_cuda() -> None:
     # bfloat16 (flash-attn has no float32 kernel): the two backends may part at a near-tie, late
     agree = next((i for i, (a, b) in enumerate(zip(out.token_ids, reference.token_ids)) if a != b), NEW)
     assert agree >= NEW // 2, (out.token_ids, reference.token_ids)
+
+
+def _needs_flash4() -> None:
+    from specdraft.model.flash_kernels import fa4_available
+
+    if not fa4_available():
+        pytest.skip("needs FlashAttention 4 (pip install -e '.[flash4]')")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_flash4_prefix_matches_the_dense_product_on_cuda(dtype: torch.dtype) -> None:
+    """FlashAttention 4's variable-length call reads each segment's committed columns in place
+    (regions out of row order, a segment with nothing committed, 14 heads on 2): within rounding
+    of the dense product over the same columns, and an empty prefix is an empty side."""
+    _needs_flash4()
+    import specdraft.model.flash_kernels as fk
+    from test_flash_layout import _layout
+
+    _, layout, _ = _layout()
+    layout = fk.FlashLayout(*(t.cuda() for t in (layout.region_start, layout.region_length, layout.segment,
+                                                  layout.write_columns, layout.new_allowed)), None)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 14, 6, 64, generator=gen, device="cuda").to(dtype)
+    k = torch.randn(1, 2, 40, 64, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(1, 2, 40, 64, generator=gen, device="cuda").to(dtype)
+    assert fk.fa4_runs(q)
+    out, lse = fk._prefix_fa4(q, k, v, layout, 0.125)
+    ref_out, ref_lse = fk._prefix_dense(q, k, v, layout, 0.125)
+    assert torch.allclose(out, ref_out, atol=2e-2), (out - ref_out).abs().max()
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert torch.allclose(lse[seen], ref_lse[seen], atol=1e-2)
+
+
+def test_flash4_decoding_in_cuda_graphs_matches_sdpa(monkeypatch) -> None:
+    """The flash backend on FlashAttention 4: decode forwards captured as CUDA graphs with the
+    variable-length call inside, alone and batched; greedy tokens as sdpa's (bfloat16: the two may
+    part at a near-tie, late)."""
+    _needs_flash4()
+    import specdraft.model.flash_kernels as fk
+
+    calls: list[int] = []
+    varlen = fk._fa4_varlen()
+    monkeypatch.setattr(fk, "_fa4_varlen", lambda: lambda *a, **k: (calls.append(1), varlen(*a, **k))[1])
+    sdpa = wide_cuda_model(torch.bfloat16)
+    flash = copy.deepcopy(sdpa)
+    reference = Decoder(sdpa, None, max_tree_nodes=16, adaptive_budget=False, exact=False)
+    dec = Decoder(flash, None, max_tree_nodes=16, adaptive_budget=False, attention="flash")
+    prompts = [PROMPT, PROMPT[:8], PROMPT[3:]]
+    outs = [dec.generate(PROMPT, max_new_tokens=NEW), *dec.generate_batch(prompts, max_new_tokens=NEW, concurrency=3)]
+    refs = [reference.generate(PROMPT, max_new_tokens=NEW),
+            *reference.generate_batch(prompts, max_new_tokens=NEW, concurrency=3)]
+    static = dec.runner.static
+    assert static is not None and static.captured, static.note if static else "no static path"
+    assert calls
+    for out, ref in zip(outs, refs):
+        agree = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref.token_ids)) if a != b), NEW)
+        assert agree >= NEW // 2, (out.token_ids, ref.token_ids)
 
 
 def test_real_model_greedy_identity_on_cuda() -> None:

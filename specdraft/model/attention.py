@@ -16,21 +16,31 @@ Why a backend of our own
 
     The function is registered in transformers' ``AttentionInterface`` (and the matching mask
     builder in ``AttentionMaskInterface``), so every model uses it unpatched through
-    ``attn_implementation="specdraft_split"``. On CUDA part (a) runs flash-attn's kernel; on CPU it
-    runs torch's own flash kernel, which also returns the log-sum-exp, so the whole backend runs and
-    is tested here.
+    ``attn_implementation="specdraft_split"``.
+
+Where the prefix is
+    In specdraft's own forwards the new rows sit in the KV store's regions, not after the prefix,
+    so the runner passes a :class:`~specdraft.model.flash_kernels.FlashLayout` (each row's
+    committed columns, the columns the new rows are written to, which new rows each row sees) and
+    part (a) runs a flash kernel over each request's committed columns
+    (:func:`~specdraft.model.flash_kernels.prefix_attention`: FlashAttention 4 on CUDA, flash-attn 2
+    or torch's own CPU flash kernel over host spans, a dense product where neither can run). For
+    any other caller the new tokens are the last ``q`` keys and the mask says the rest.
 
 Ordinary steps (a prefill with no cache, a one-token decode) need no split: they go straight to
-the flash kernel. A prefix part that is itself masked (sliding-window layers) is computed densely
-with its mask and merged the same way, so windows stay exact.
+the flash kernel. A prefix that is itself masked (sliding-window layers, which get no layout) is
+computed densely with its mask and merged the same way, so windows stay exact.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
+
+from .flash_kernels import (FLASH_DTYPES, FLASH_LAYOUT_KEYWORD, AttentionBackendError, FlashLayout,
+                            cpu_flash_available, dense_with_lse, fa2_available, fa4_available, flash_with_lse,
+                            prefix_attention)
 
 # No "flash" in the name: transformers gives names containing it special handling (padding-free
 # masks, hub kernel loading) that would bypass our tree mask.
@@ -38,56 +48,6 @@ FLASH_NAME = "specdraft_split"
 
 #: What ``Decoder(attention=...)`` accepts.
 ATTENTION_CHOICES = ("auto", "sdpa", "eager", "flash", "exact")
-
-
-class AttentionBackendError(RuntimeError):
-    """The requested attention backend cannot run here; the message says what is missing."""
-
-
-def flash_attn_available() -> bool:
-    """Whether the flash-attn package (CUDA kernels) is importable."""
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-def cpu_flash_available() -> bool:
-    """Whether this torch build has its CPU flash kernel that returns the log-sum-exp."""
-    return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-
-
-# -- kernels returning (out [B, H, q, D], lse [B, H, q]) -------------------------------------------
-
-
-def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One flash-kernel call over [B, H, n, D] tensors (same head count), with its log-sum-exp."""
-    if q.is_cuda:
-        if not flash_attn_available():
-            raise AttentionBackendError("the flash backend on CUDA needs the flash-attn package: pip install flash-attn")
-        from flash_attn import flash_attn_func  # type: ignore[import-not-found]
-
-        out, lse, _ = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
-                                      causal=causal, return_attn_probs=True)
-        return out.transpose(1, 2), lse[..., : q.shape[2]]
-    if not cpu_flash_available():
-        raise AttentionBackendError("this torch build has no CPU flash kernel "
-                                    "(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu); use attention='sdpa'")
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=None,
-                                                                           scale=scale)[:2]
-    return out, lse
-
-
-def _dense_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked attention of q against k/v in float32 (or float64), with its log-sum-exp.
-
-    Rows with nothing allowed get lse = -inf and a zero output, so they vanish in the merge.
-    """
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scores = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
-    return torch.matmul(weights, v.to(work)), lse
 
 
 def merge_partial_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -105,6 +65,12 @@ def merge_partial_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: tor
     return wa * out_a.to(work) + wb * out_b.to(work)
 
 
+def _shared_heads(key: torch.Tensor, heads: int) -> torch.Tensor:
+    """``key`` with each key/value head repeated for its query heads (grouped-query attention)."""
+    groups = heads // key.shape[1]
+    return key.repeat_interleave(groups, dim=1) if groups > 1 else key
+
+
 def _allowed(mask: torch.Tensor) -> torch.Tensor:
     """A bool "may attend" mask from either a bool or an additive float mask."""
     if mask.dtype == torch.bool:
@@ -117,10 +83,12 @@ def tree_flash_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                          is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers attention function (``AttentionInterface`` signature) for tree steps.
 
-    ``query`` is ``[B, H, q, D]``, ``key``/``value`` ``[B, Hkv, kv, D]`` with the ``q`` new tokens
-    last; ``attention_mask`` is the 4D mask ``[B, 1, q, kv]`` exactly as the decoder built it (or as
-    transformers' sdpa mask builder made it for ordinary calls), so the prefix length is
-    ``P = kv - q``. Returns ``([B, q, H, D], None)`` like transformers' own backends.
+    ``query`` is ``[B, H, q, D]``, ``key``/``value`` ``[B, Hkv, kv, D]``. With a
+    :class:`~specdraft.model.flash_kernels.FlashLayout` in ``kwargs`` (specdraft's own forwards)
+    the layout says where each row's keys are and the mask is not read; otherwise the ``q`` new
+    tokens are the last keys and ``attention_mask`` is the 4D mask ``[B, 1, q, kv]`` (as
+    transformers' sdpa mask builder makes it). Returns ``([B, q, H, D], None)`` like transformers'
+    own backends.
     """
     if dropout and module.training:
         raise AttentionBackendError("the flash tree backend does not implement attention dropout; call model.eval()")
@@ -130,18 +98,40 @@ def tree_flash_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise AttentionBackendError("the flash tree backend does not implement attention sinks; use attention='sdpa'")
     batch, heads, q_len, head_dim = query.shape
-    groups = heads // key.shape[1]
-    if groups > 1:  # grouped-query attention: share each key/value head across its query heads
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    layout: FlashLayout | None = kwargs.get(FLASH_LAYOUT_KEYWORD)
+    if layout is not None:
+        out = _split_by_layout(query, key, value, layout, scale)
+    else:
+        out = _split_by_mask(query, key, value, attention_mask, scale)
+    return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def _split_by_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: FlashLayout,
+                     scale: float) -> torch.Tensor:
+    """Part (a) over each row's committed columns, part (b) over the forward's own rows (read from
+    the columns they were written to), merged."""
+    if query.shape[0] != 1:
+        raise AttentionBackendError(f"a forward with a flash layout carries one sequence of rows, got a batch of "
+                                    f"{query.shape[0]}")
+    heads = query.shape[1]
+    old_out, old_lse = prefix_attention(query, key, value, layout, scale)
+    new_key = _shared_heads(key.index_select(2, layout.write_columns), heads)
+    new_value = _shared_heads(value.index_select(2, layout.write_columns), heads)
+    new_out, new_lse = dense_with_lse(query, new_key, new_value, scale, layout.new_allowed[None, None])
+    return merge_partial_attention(old_out, old_lse, new_out, new_lse)
+
+
+def _split_by_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                   scale: float) -> torch.Tensor:
+    """The split for a caller without a layout: the ``q`` new tokens are the last ``q`` keys."""
+    batch, heads, q_len, _ = query.shape
+    key, value = _shared_heads(key, heads), _shared_heads(value, heads)
     kv_len = key.shape[2]
     prefix = kv_len - q_len
-    scale = scaling if scaling is not None else head_dim ** -0.5
-
     if attention_mask is None:
         if prefix == 0 or q_len == 1:  # plain prefill or one-token decode: the ordinary flash path
-            out, _ = _flash_with_lse(query, key, value, scale, causal=q_len > 1)
-            return out.transpose(1, 2).contiguous().to(query.dtype), None
+            return flash_with_lse(query, key, value, scale, causal=q_len > 1)[0]
         q_pos = torch.arange(prefix, kv_len, device=query.device)
         allowed = torch.arange(kv_len, device=query.device)[None, :] <= q_pos[:, None]
         allowed = allowed[None, None].expand(batch, 1, q_len, kv_len)
@@ -149,16 +139,15 @@ def tree_flash_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         allowed = _allowed(attention_mask[..., -kv_len:])
     allowed = allowed.expand(batch, heads, q_len, kv_len)
 
-    new_out, new_lse = _dense_with_lse(query, key[:, :, prefix:], value[:, :, prefix:], scale, allowed[..., prefix:])
+    new_out, new_lse = dense_with_lse(query, key[:, :, prefix:], value[:, :, prefix:], scale, allowed[..., prefix:])
     if prefix == 0:
-        return new_out.transpose(1, 2).contiguous().to(query.dtype), None
+        return new_out
     prefix_allowed = allowed[..., :prefix]
     if bool(prefix_allowed.all()):
-        old_out, old_lse = _flash_with_lse(query, key[:, :, :prefix], value[:, :, :prefix], scale, causal=False)
+        old_out, old_lse = flash_with_lse(query, key[:, :, :prefix], value[:, :, :prefix], scale, causal=False)
     else:  # a sliding window masks part of the prefix: keep it exact with a dense product
-        old_out, old_lse = _dense_with_lse(query, key[:, :, :prefix], value[:, :, :prefix], scale, prefix_allowed)
-    out = merge_partial_attention(old_out, old_lse, new_out, new_lse)
-    return out.transpose(1, 2).contiguous().to(query.dtype), None
+        old_out, old_lse = dense_with_lse(query, key[:, :, :prefix], value[:, :, :prefix], scale, prefix_allowed)
+    return merge_partial_attention(old_out, old_lse, new_out, new_lse)
 
 
 def register_flash_backend() -> str:
@@ -171,10 +160,23 @@ def register_flash_backend() -> str:
     return FLASH_NAME
 
 
+def _check_cuda_flash(model: Any) -> None:
+    """Raise :class:`AttentionBackendError` unless a FlashAttention package runs this CUDA model."""
+    dtype = getattr(model, "dtype", None)
+    if dtype not in FLASH_DTYPES:
+        raise AttentionBackendError(f"attention='flash' on CUDA needs a float16 or bfloat16 model "
+                                    f"(FlashAttention has no {dtype} kernels); use attention='sdpa'")
+    if not (fa2_available() or fa4_available()):
+        raise AttentionBackendError("attention='flash' on CUDA needs flash-attn 2 (pip install 'specdraft[flash]') "
+                                    "or FlashAttention 4 on Hopper/Blackwell (pip install 'specdraft[flash4]'); "
+                                    "or use attention='sdpa'")
+
+
 def select_attention(model: Any, requested: str) -> str:
     """Switch ``model`` to the requested backend and return the implementation name it now uses.
 
-    ``auto`` picks ``flash`` on CUDA with flash-attn installed; otherwise it keeps the model's own
+    ``auto`` picks ``flash`` on CUDA with flash-attn 2 installed (FlashAttention 4 alone is taken
+    only when asked for: its speed in our step is not measured yet); otherwise it keeps the model's own
     ``sdpa`` or ``eager`` and switches anything else to ``sdpa``. ``flash`` where it cannot run
     raises :class:`AttentionBackendError` naming what is missing. ``exact`` is the attention of
     exact mode (:mod:`specdraft.model.exact_attention`).
@@ -184,7 +186,7 @@ def select_attention(model: Any, requested: str) -> str:
     current = getattr(model.config, "_attn_implementation", None)
     on_cuda = getattr(model, "device", torch.device("cpu")).type == "cuda"
     if requested == "auto":
-        if on_cuda and flash_attn_available():
+        if on_cuda and fa2_available() and getattr(model, "dtype", None) in FLASH_DTYPES:
             requested = "flash"
         elif current in ("sdpa", "eager", FLASH_NAME):
             return current
@@ -195,9 +197,8 @@ def select_attention(model: Any, requested: str) -> str:
 
         requested = register_exact_backend()
     if requested == "flash":
-        if on_cuda and not flash_attn_available():
-            raise AttentionBackendError("attention='flash' on CUDA needs the flash-attn package "
-                                        "(pip install 'specdraft[flash]'); or use attention='sdpa'")
+        if on_cuda:
+            _check_cuda_flash(model)
         if not on_cuda and not cpu_flash_available():
             raise AttentionBackendError("attention='flash' on CPU needs torch's CPU flash kernel "
                                         "(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu), "

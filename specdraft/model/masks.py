@@ -22,8 +22,11 @@ keyed by layer type for models that mix full and sliding-window layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
+
+from .flash_kernels import FlashLayout
 
 
 @dataclass(frozen=True)
@@ -52,13 +55,21 @@ def allowed_columns(layout: RowLayout, width: int, window: int | None) -> torch.
     allowed = (columns[None, :] >= start) & (columns[None, :] < start + layout.region_length[:, None])
     if window is not None:
         allowed &= (positions[:, None] - (columns[None, :] - start)) < window
+    allowed.index_copy_(1, layout.write_columns, new_rows_allowed(layout, window))
+    return allowed
+
+
+def new_rows_allowed(layout: RowLayout, window: int | None = None) -> torch.Tensor:
+    """``allowed[row, other]`` (bool, on the device) among the forward's own rows: a tree row sees
+    its ancestors and itself (the host's block), a prompt chunk's row the rows of its segment at
+    earlier or equal positions."""
+    positions = layout.positions
     new = (layout.segment[:, None] == layout.segment[None, :]) & (positions[None, :] <= positions[:, None])
     if layout.tree_rows is not None:
         new[layout.tree_rows[:, None], layout.tree_rows[None, :]] = layout.tree_block
     if window is not None:
         new &= (positions[:, None] - positions[None, :]) < window
-    allowed.index_copy_(1, layout.write_columns, new)
-    return allowed
+    return new
 
 
 def model_mask(allowed: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
@@ -75,3 +86,12 @@ def layer_masks(layout: RowLayout, width: int, windows: dict[str, int | None], k
     the key ``""`` means every layer alike)."""
     masks = {name: model_mask(allowed_columns(layout, width, window), kind, dtype) for name, window in windows.items()}
     return masks[""] if set(masks) == {""} else masks
+
+
+def flash_layout(layout: RowLayout, spans: Sequence[tuple[int, int, int, int]] | None = None) -> FlashLayout:
+    """The flash split's layout of a forward (:class:`~specdraft.model.flash_kernels.FlashLayout`);
+    ``spans``: the plan's ``(row_start, row_end, first_column, end_column)`` per segment, whose
+    committed part ends where the segment's own rows begin."""
+    committed = None if spans is None else [(r0, r1, c0, c1 - (r1 - r0)) for r0, r1, c0, c1 in spans]
+    return FlashLayout(layout.region_start, layout.region_length, layout.segment, layout.write_columns,
+                       new_rows_allowed(layout), committed)

@@ -10,7 +10,8 @@ Each request's allowed columns are one contiguous stretch of the buffer (its reg
 tokens, then its new rows), so this backend runs transformers' own ``sdpa`` attention once per
 request on that stretch, with that request's slice of the mask, and concatenates the outputs: the
 same arithmetic per request as a forward of that request alone, and no work on other requests'
-columns. (flash-attn's variable-length kernels are the GPU equivalent; they are not wired in.)
+columns. (The flash split's FlashAttention 4 call does the same on a GPU, through one
+variable-length call: :mod:`specdraft.model.flash_kernels`.)
 
 The layout reaches the attention through the forward's keyword arguments (transformers passes
 them down to the attention function of every layer); without it, for any other caller of the

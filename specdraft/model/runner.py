@@ -32,16 +32,18 @@ import torch
 from transformers import PreTrainedModel
 
 from .compat import cache_keyword
+from .attention import FLASH_NAME
 from .exact_attention import EXACT_NAME
+from .flash_kernels import FLASH_LAYOUT_KEYWORD
 from .kv_store import KVStore, Region, Writes
-from .masks import RowLayout, layer_masks
+from .masks import RowLayout, flash_layout, layer_masks
 from .packed_attention import LAYOUT_KEYWORD, PACKED_NAME, PackedLayout
 from .static import PLAN_FIELDS, WIDTHS, StaticForwards, static_forward
 from .transfer import upload
 
 #: Attention implementations that take our 4D tree mask correctly, with the mask kind they need
 #: ("specdraft_split" is our own split + merge backend, see attention.py).
-_MASK_KIND = {"sdpa": "bool", "eager": "additive", "specdraft_split": "bool", PACKED_NAME: "bool", EXACT_NAME: "bool"}
+_MASK_KIND = {"sdpa": "bool", "eager": "additive", FLASH_NAME: "bool", PACKED_NAME: "bool", EXACT_NAME: "bool"}
 
 
 class UnsupportedModelError(ValueError):
@@ -158,6 +160,14 @@ class ModelRunner:
         return any(w is not None for w in self.windows.values())
 
     @property
+    def flash_layouts(self) -> bool:
+        """Whether forwards hand the flash split its layout (:mod:`specdraft.model.flash_kernels`):
+        on the flash backend without sliding windows (a windowed prefix is masked, so the split
+        reads the mask there)."""
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        return impl == FLASH_NAME and not self.has_sliding_window
+
+    @property
     def mask_kind(self) -> str:
         impl = getattr(self.model.config, "_attn_implementation", None) or "eager"
         return _MASK_KIND.get(impl, "bool")
@@ -211,6 +221,8 @@ class ModelRunner:
             mask = layer_masks(layout, plan.width, self.windows, self.mask_kind, self.model.dtype)
             if getattr(self.model.config, "_attn_implementation", None) == PACKED_NAME:
                 kwargs[LAYOUT_KEYWORD] = PackedLayout(plan.spans)  # each request's rows against its own columns
+            elif self.flash_layouts:
+                kwargs[FLASH_LAYOUT_KEYWORD] = flash_layout(layout, plan.spans)
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = keep_rows
         try:
@@ -231,7 +243,7 @@ class ModelRunner:
         static = self.static
         rider_tensors = static.pack(plan, self.store.take_moves(), scratch.start, riders)
         forward = static_forward(self.model, self.store, self.windows, self.mask_kind, self._cache_keyword,
-                                 self.store.capacity)
+                                 self.store.capacity, self.flash_layouts)
         logits = static.run(plan.total, forward, self.store)
         for seg in segments:
             seg.region.pending = len(seg.tokens)

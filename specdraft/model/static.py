@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from .kv_store import KVStore, Writes
-from .masks import RowLayout, layer_masks
+from .flash_kernels import FLASH_LAYOUT_KEYWORD
+from .masks import RowLayout, flash_layout, layer_masks
 
 #: The buckets: every decode forward runs at the smallest of these that holds its rows.
 WIDTHS = (1, 8, 16, 32, 64)
@@ -222,9 +223,9 @@ class RerunGraph:
 
 
 def static_forward(model: Any, store: KVStore, windows: dict[str, int | None], mask_kind: str, cache_keyword: str,
-                   capacity: int) -> Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]:
+                   capacity: int, flash: bool = False) -> Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]:
     """The forward a bucket runs: the last step's cache moves, then the model over every row, all
-    from the static buffers (what a graph captures)."""
+    from the static buffers (what a graph captures); ``flash``: hand the flash split its layout."""
 
     def forward(inputs: dict[str, torch.Tensor], block: torch.Tensor) -> torch.Tensor:
         store.apply_moves(inputs["move_from"], inputs["move_to"])
@@ -233,9 +234,12 @@ def static_forward(model: Any, store: KVStore, windows: dict[str, int | None], m
         layout = RowLayout(inputs["positions"], inputs["region_start"], inputs["region_length"], inputs["segment"],
                            inputs["write"], inputs["tree_rows"], block)
         mask = layer_masks(layout, capacity, windows, mask_kind, model.dtype)
+        kwargs: dict[str, Any] = {cache_keyword: store}
+        if flash:
+            kwargs[FLASH_LAYOUT_KEYWORD] = flash_layout(layout)
         try:
             out = model(input_ids=inputs["ids"][None], position_ids=inputs["positions"][None], attention_mask=mask,
-                        use_cache=True, logits_to_keep=inputs["keep"], **{cache_keyword: store})
+                        use_cache=True, logits_to_keep=inputs["keep"], **kwargs)
         finally:
             store.begin_forward(None)
         return out.logits[0]
