@@ -26,6 +26,7 @@ Three kernels for the same arithmetic, chosen per call (:func:`prefix_attention`
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -61,6 +62,12 @@ class FlashLayout:
     write_columns: torch.Tensor
     new_allowed: torch.Tensor
     spans: Sequence[tuple[int, int, int, int]] | None = None
+
+    @functools.cached_property
+    def fa4_sequences(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`fa4_sequences` of this layout, made at the first layer and shared by the rest
+        (every layer of a forward reads the same layout)."""
+        return fa4_sequences(self, self.segment.shape[0])
 
 
 def fa2_available() -> bool:
@@ -204,7 +211,7 @@ def fa4_sequences(layout: FlashLayout, rows: int) -> tuple[torch.Tensor, torch.T
 def _prefix_fa4(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: FlashLayout,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     rows, columns = query.shape[2], key.shape[2]
-    cu_q, cu_k, used_k = fa4_sequences(layout, rows)
+    cu_q, cu_k, used_k = layout.fa4_sequences
     out, lse = _fa4_varlen()(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                              cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used_k, max_seqlen_q=rows,
                              max_seqlen_k=columns, softmax_scale=scale, causal=False, return_lse=True)
