@@ -9,8 +9,9 @@
 #   bash benchmarks/gpu_flash4.sh split      # .fa4_wheels/ as one tar in 45 MiB pieces: .fa4_parts/
 # There, one call per piece (each carrying one file of .fa4_parts/), then the checks:
 #   bash benchmarks/gpu_flash4.sh add        # the pieces this call carries kept in $KEEP
-#   bash benchmarks/gpu_flash4.sh check      # the pieces assembled and installed into $KEEP/site
-#                                            # (only packages that do not import already), then:
+#   bash benchmarks/gpu_flash4.sh install    # the pieces assembled and installed into $KEEP/site
+#                                            # (gpu_pieces.sh start does this when pieces were added)
+#   bash benchmarks/gpu_flash4.sh check      # install, then:
 #     - pytest -m cuda -k flash: FlashAttention 4's variable-length call against the dense product,
 #       and decoding on it in CUDA graphs, alone and batched, against sdpa;
 #     - the attention price (benchmarks/exact_attention_price.py) with the flash split beside sdpa
@@ -60,7 +61,7 @@ add)
     if compgen -G "$PARTS/fa4.tar.part*" >/dev/null; then cp "$PARTS"/fa4.tar.part* "$KEEP/fa4parts/"; fi
     ls "$KEEP/fa4parts"
     ;;
-check)
+install|check)
     out=${OUT:-$KEEP/out}
     mkdir -p "$out" "$KEEP/fa4wheels" "$KEEP/site" "$KEEP/fa4parts"
     if compgen -G "$PARTS/fa4.tar.part*" >/dev/null; then cp "$PARTS"/fa4.tar.part* "$KEEP/fa4parts/" 2>/dev/null; fi
@@ -81,13 +82,14 @@ check)
         echo "installed here: ${wanted[*]##*/}"
         "$PY" -c "import flash_attn.cute as f; print('flash_attn.cute', getattr(f, '__version__', '?'))" 2>&1 | tail -1
     } | tee "$out/flash-env.txt"
+    [[ "$1" == install ]] && exit 0
     timeout "${SUITE_SECONDS:-240}" "$PY" -m pytest -m cuda -q -p no:cacheprovider -k flash tests/ 2>&1 \
         | tee "$out/pytest-flash.txt" | tail -n 30
     timeout "${PRICE_SECONDS:-180}" "$PY" benchmarks/exact_attention_price.py --device cuda --modes sdpa,triton,flash \
         --out "$out/flash-price" 2>&1 | tail -n 25
     ;;
 *)
-    echo "usage: bash benchmarks/gpu_flash4.sh download|split|add|check" >&2
+    echo "usage: bash benchmarks/gpu_flash4.sh download|split|add|install|check" >&2
     exit 2
     ;;
 esac

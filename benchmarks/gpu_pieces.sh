@@ -4,6 +4,9 @@
 # into .gguf_parts/), the missing packages as wheels (.whl/: gguf, pygtrie, the bench's datasets).
 # Whatever persists between calls lives in $KEEP on that machine.
 #
+#   bash benchmarks/gpu_flash4.sh add     # optional, before start: one call per FlashAttention 4 piece
+#                                         # (.fa4_parts/, see gpu_flash4.sh); start installs it, and the
+#                                         # checks and the main stage then include the flash split
 #   bash benchmarks/gpu_pieces.sh start   # first call: the wheels installed, the pieces it carries
 #                                         # kept, and the CUDA suite and the step profile on random
 #                                         # weights started in the background (benchmarks/gpu_quick.sh)
@@ -16,8 +19,9 @@
 #   main      specdraft bench, HumanEval 10 and MT-Bench 10 x 128: eager generate, compiled
 #             static-cache generate, our plain decoding and our default (the GPU's defaults:
 #             exact mode on in bfloat16, Token Recycling among the sources), each also without
-#             exact mode (@noexact: its price in the same process), and the CPU's default
-#             sources (MAIN_METHODS overrides the list)
+#             exact mode (@noexact: its price in the same process), the CPU's default sources,
+#             and where FlashAttention 4 is installed both on the flash split (@flash)
+#             (MAIN_METHODS overrides the list)
 #   exact     the same prompts with --exact for every method (only when named in STAGES)
 #   batch     --concurrency 1,8 on HumanEval 8 x 64 (batched generate against our batched decoding)
 #   edits     the code-edit set, 6 x 256
@@ -29,7 +33,9 @@ PY=${PYTHON:-python3}
 KEEP=${KEEP:-/tmp/specdraft-gpu}
 PARTS=${PARTS:-.gguf_parts}
 mkdir -p "$KEEP/parts"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$KEEP/site${PYTHONPATH:+:$PYTHONPATH}"
+# (the cutlass DSL of FlashAttention 4 puts its packages on the path through a .pth file, which
+# --target installs do not run)
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$KEEP/site:$KEEP/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
 started=$(date +%s)
 say() { echo "gpu_pieces.sh: $* ($(( $(date +%s) - started )) s in)" >&2; }
 
@@ -47,13 +53,16 @@ start)
             .whl/*.whl 2>&1 | tail -3
     fi
     keep_parts
+    if compgen -G "$KEEP/fa4parts/fa4.tar.part*" >/dev/null; then
+        KEEP="$KEEP" FA4_PARTS=/nonexistent PYTHON="$PY" bash benchmarks/gpu_flash4.sh install
+    fi
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
     # the background job runs from its own copy of the tree: each later call copies the working
     # tree over this one, and a module imported while that happens is missing
     rm -rf "$KEEP/repo" "$KEEP/quick" "$KEEP/quick.done"
     mkdir -p "$KEEP/repo"
     tar cf - --exclude="./$PARTS" --exclude=./.whl . | tar xf - -C "$KEEP/repo"
-    (cd "$KEEP/repo" && PYTHONPATH="$KEEP/site" setsid bash -c \
+    (cd "$KEEP/repo" && PYTHONPATH="$KEEP/site:$KEEP/site/nvidia_cutlass_dsl/dsl_packages" setsid bash -c \
         "bash benchmarks/gpu_quick.sh '$KEEP/quick' > '$KEEP/quick.log' 2>&1; touch '$KEEP/quick.done'" \
         < /dev/null > /dev/null 2>&1 &)
     say "CUDA suite and step profile started in the background ($KEEP/quick.log)"
@@ -123,8 +132,10 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     }
     common=(--model "$model" --dtype bfloat16 --device "${DEVICE:-cuda}" --no-plot -q)
     count=${LIMIT:-10}
+    main_methods=baseline,generate-static,plain,plain@noexact,default,default@noexact,prompt+trie+ngram+suffix
+    if "$PY" -c "import flash_attn.cute" 2>/dev/null; then main_methods+=,plain@flash,default@flash; fi
     stage main 300 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" \
-        --methods "${MAIN_METHODS:-baseline,generate-static,plain,plain@noexact,default,default@noexact,prompt+trie+ngram+suffix}" \
+        --methods "${MAIN_METHODS:-$main_methods}" \
         --out "$results/main"
     stage exact 120 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" --exact \
         --methods plain,default --out "$results/exact"

@@ -481,7 +481,7 @@ def test_exact_suffix_times_exact_mode_beside_the_default_mode_in_one_run(tiny, 
     assert parse_methods("default@exact@fixed") == ["baseline", "default@fixed@exact"]
     with pytest.raises(MethodError, match="@exact applies to our decoder"):
         parse_methods("generate-static@exact")
-    with pytest.raises(MethodError, match="names exact mode twice"):
+    with pytest.raises(MethodError, match="names two exact modes"):
         parse_methods("plain@exact@noexact")
     assert parse_methods("plain@noexact") == ["baseline", "plain@noexact"]
     assert plain_reference("default@noexact") == "plain@noexact"
@@ -494,6 +494,29 @@ def test_exact_suffix_times_exact_mode_beside_the_default_mode_in_one_run(tiny, 
     assert summary["methods"]["specdraft:prompt@exact"]["plain_reference"] == "plain@exact"
     assert summary["methods"]["specdraft:prompt"]["plain_reference"] == "plain"
     assert summary["methods"]["specdraft:prompt@exact"]["identical_to_plain"] == len(PROMPTS)
+
+
+def test_flash_suffix_times_the_flash_split_beside_sdpa_in_one_run(tiny, prompt_file: Path) -> None:
+    """``@flash`` runs one of our methods on the flash split (without exact mode), its plain
+    reference on the flash split too; the model's own attention is back for every other method."""
+    from specdraft.bench.methods import build_methods, parse_methods, plain_reference
+
+    model, tokenizer = tiny
+    names = parse_methods("plain,plain@flash,prompt@flash@fixed,prompt")
+    assert names == ["baseline", "plain", "plain@flash", "specdraft:prompt@fixed@flash", "specdraft:prompt"]
+    assert plain_reference("specdraft:prompt@fixed@flash") == "plain@flash"
+    with pytest.raises(MethodError, match="exact mode runs its own attention"):
+        parse_methods("plain@exact@flash")
+    with pytest.raises(MethodError, match="@flash applies to our decoder"):
+        parse_methods("baseline@flash")
+    methods = build_methods(names, model, tokenizer, 8)
+    assert [m.decoder.attention for m in methods[1:]] == ["sdpa", "specdraft_split", "specdraft_split", "sdpa"]
+    assert not any(m.decoder.exact for m in methods[2:4])
+    summary = summarize(run_benchmark(model, records(tiny, prompt_file), methods, 6, progress=False))
+    flash = summary["methods"]["specdraft:prompt@fixed@flash"]
+    assert flash["plain_reference"] == "plain@flash" and flash["identical_to_plain"] == len(PROMPTS)
+    assert summary["methods"]["plain@flash"]["identical"] == len(PROMPTS)
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_bench_only_peer_is_never_a_default_method_and_says_how_to_get_it() -> None:

@@ -36,8 +36,10 @@ runs ``cpu_kernels="stock"``, ``@packed`` ``"packed"`` (oneDNN-packed linear wei
 ``@exact`` runs the method in exact mode (``Decoder(exact=True)``) and ``@noexact`` without it
 (``exact=False``), whatever ``--exact`` says, so one run times both modes in the same process
 (``plain,plain@exact``, or ``plain,plain@noexact`` where exact mode is the default); its "vs plain"
-reference is ``plain`` with the same suffix. One budget suffix, one kernel suffix and one of these
-may be given together (``default@fixed@packed@exact``). ``baseline`` and ``hf-prompt-lookup``
+reference is ``plain`` with the same suffix. ``@flash`` runs the method on the flash split
+(``Decoder(attention="flash")``, without exact mode; :mod:`specdraft.model.attention`), its
+reference ``plain@flash``. One suffix of each kind may be given together
+(``default@fixed@packed@exact``, ``default@fixed@flash``). ``baseline`` and ``hf-prompt-lookup``
 always run stock ``model.generate``.
 
 **State across prompts.** Each method object is built once per dataset and keeps its draft
@@ -169,7 +171,8 @@ def valid_method_names() -> str:
     return (f"{BASELINE}, {HF_PROMPT_LOOKUP}, {STATIC_GENERATE}, {DEFAULT}, {PLAIN}, or {PREFIX}<sources joined by +> "
             f"with sources from: {sources} (each NAME or NAME[key=value,...]); add {FIXED_SUFFIX} to one of ours to "
             f"switch its adaptive budget off, {' or '.join(KERNEL_SUFFIXES)} to run it on those CPU kernels instead of "
-            f"{DEFAULT_KERNELS!r}, {' or '.join(EXACT_SUFFIXES)} to run it with exact mode on or off")
+            f"{DEFAULT_KERNELS!r}, {' or '.join(EXACT_SUFFIXES)} to run it with exact mode on or off, "
+            f"{' or '.join(ATTENTION_SUFFIXES)} to run it on that attention")
 
 
 #: Suffix of a method name that turns the adaptive tree budget off (``default@fixed``,
@@ -188,72 +191,78 @@ DEFAULT_KERNELS = "auto"
 #: Suffixes of a method name that run our decoder in exact mode, or without it, whatever
 #: ``--exact`` says (``default@exact``, ``default@noexact``) -> ``Decoder(exact=...)``.
 EXACT_SUFFIXES = {"@exact": True, "@noexact": False}
+#: Suffix of a method name that runs our decoder on the flash split (``Decoder(attention="flash")``,
+#: which runs without exact mode): ``plain@flash,default@flash`` beside ``plain@noexact`` and
+#: ``default@noexact`` time it against ``sdpa`` in one process.
+ATTENTION_SUFFIXES = {"@flash": "flash"}
 
 
-def _split_suffixes(name: str) -> tuple[str, str, str, bool | None]:
-    """``(base, budget, cpu_kernels, exact)`` of a method name with its budget suffix (``@fixed``,
-    ``@nopause``), kernel suffix and exact-mode suffix, in any order (``budget`` is
-    ``"adaptive"``, ``cpu_kernels`` :data:`DEFAULT_KERNELS` and ``exact`` ``None`` without one)."""
+@dataclass(frozen=True)
+class _SuffixKind:
+    """One kind of method-name suffix: suffix -> value, the value without one, what it names."""
+
+    suffixes: dict[str, Any]
+    default: Any
+    what: str
+
+
+#: The kinds of suffix our methods take, in the order a canonical name lists them.
+SUFFIX_KINDS = {"budget": _SuffixKind(BUDGET_SUFFIXES, "adaptive", "budgets"),
+                "kernels": _SuffixKind(KERNEL_SUFFIXES, DEFAULT_KERNELS, "CPU kernels"),
+                "exact": _SuffixKind(EXACT_SUFFIXES, None, "exact modes"),
+                "attention": _SuffixKind(ATTENTION_SUFFIXES, None, "attention backends")}
+
+
+def _split_suffixes(name: str) -> tuple[str, dict[str, Any]]:
+    """``(base, {kind: value})`` of a method name with at most one suffix of each kind
+    (:data:`SUFFIX_KINDS`), in any order; a kind without a suffix has its default value."""
     name = name.strip()
-    budget, kernels, exact = "adaptive", DEFAULT_KERNELS, None
+    chosen = {kind: spec.default for kind, spec in SUFFIX_KINDS.items()}
+    named: set[str] = set()
     while True:
-        suffix = next((s for s in EXACT_SUFFIXES if name.endswith(s)), None)
-        if suffix is not None:
-            if exact is not None:
-                raise MethodError(f"method {name + _exact_suffix(exact)!r} names exact mode twice; give at most one "
-                                  f"of {list(EXACT_SUFFIXES)}")
-            name, exact = name[: -len(suffix)].strip(), EXACT_SUFFIXES[suffix]
-            continue
-        suffix = next((s for s in BUDGET_SUFFIXES if name.endswith(s)), None)
-        if suffix is not None:
-            if budget != "adaptive":
-                raise MethodError(f"method {name + _budget_suffix(budget)!r} names two budgets; give at most one of "
-                                  f"{list(BUDGET_SUFFIXES)}")
-            name, budget = name[: -len(suffix)].strip(), BUDGET_SUFFIXES[suffix]
-            continue
-        suffix = next((s for s in KERNEL_SUFFIXES if name.endswith(s)), None)
-        if suffix is None:
-            return name, budget, kernels, exact
-        if kernels != DEFAULT_KERNELS:
-            raise MethodError(f"method {name + _kernel_suffix(kernels)!r} names two CPU kernels; give at most one of "
-                              f"{list(KERNEL_SUFFIXES)}")
-        name, kernels = name[: -len(suffix)].strip(), KERNEL_SUFFIXES[suffix]
+        found = next(((kind, s) for kind, spec in SUFFIX_KINDS.items() for s in spec.suffixes if name.endswith(s)), None)
+        if found is None:
+            return name, chosen
+        kind, suffix = found
+        spec = SUFFIX_KINDS[kind]
+        if kind in named:
+            raise MethodError(f"method {name + _suffix(kind, chosen[kind])!r} names two {spec.what}; give at most one "
+                              f"of {list(spec.suffixes)}")
+        named.add(kind)
+        name, chosen[kind] = name[: -len(suffix)].strip(), spec.suffixes[suffix]
 
 
-def _exact_suffix(exact: bool | None) -> str:
-    """The method-name suffix of ``Decoder(exact=exact)`` (empty for ``None``: the run's ``--exact``)."""
-    return next((s for s, e in EXACT_SUFFIXES.items() if e is exact), "")
+def _suffix(kind: str, value: Any) -> str:
+    """The method-name suffix of ``value`` of ``kind`` (empty for the kind's default)."""
+    return next((s for s, v in SUFFIX_KINDS[kind].suffixes.items() if v == value and value is not None), "")
 
 
-def _budget_suffix(budget: str) -> str:
-    """The method-name suffix of a budget (empty for the adaptive one)."""
-    return next((s for s, b in BUDGET_SUFFIXES.items() if b == budget), "")
-
-
-def _kernel_suffix(kernels: str) -> str:
-    """The method-name suffix of ``cpu_kernels=kernels`` (empty for :data:`DEFAULT_KERNELS`)."""
-    return next((s for s, k in KERNEL_SUFFIXES.items() if k == kernels), "")
+def _suffixes(chosen: dict[str, Any]) -> str:
+    """Every suffix of ``chosen`` (from :func:`_split_suffixes`), in canonical order."""
+    return "".join(_suffix(kind, value) for kind, value in chosen.items())
 
 
 def plain_reference(name: str) -> str:
-    """The ``plain`` method on the same kernels and in the same mode as our method ``name``
-    (``plain``, ``plain@packed``, ``plain@exact``, ...)."""
-    _, _, kernels, exact = _split_suffixes(name)
-    return PLAIN + _kernel_suffix(kernels) + _exact_suffix(exact)
+    """The ``plain`` method on the same kernels, in the same mode and on the same attention as our
+    method ``name`` (``plain``, ``plain@packed``, ``plain@exact``, ``plain@flash``, ...)."""
+    _, chosen = _split_suffixes(name)
+    return PLAIN + _suffixes({**chosen, "budget": SUFFIX_KINDS["budget"].default})
 
 
 def _canonical(name: str) -> str:
-    name, budget, kernels, exact = _split_suffixes(name)
-    if budget != "adaptive" or kernels != DEFAULT_KERNELS or exact is not None:
+    name, chosen = _split_suffixes(name)
+    suffixes = _suffixes(chosen)
+    if suffixes:
         base = _canonical(name)
-        for flag, suffix in ((budget != "adaptive", _budget_suffix(budget)),
-                             (kernels != DEFAULT_KERNELS, _kernel_suffix(kernels)),
-                             (exact is not None, _exact_suffix(exact))):
-            if flag and base in (BASELINE, HF_PROMPT_LOOKUP, STATIC_GENERATE):
-                raise MethodError(f"{suffix} applies to our decoder's methods, not to {base!r}")
-        if budget != "adaptive" and base == PLAIN:
-            raise MethodError(f"{_budget_suffix(budget)} means nothing for {PLAIN!r}, which checks no drafts")
-        return base + _budget_suffix(budget) + _kernel_suffix(kernels) + _exact_suffix(exact)
+        for kind, value in chosen.items():
+            if _suffix(kind, value) and base in (BASELINE, HF_PROMPT_LOOKUP, STATIC_GENERATE):
+                raise MethodError(f"{_suffix(kind, value)} applies to our decoder's methods, not to {base!r}")
+        if chosen["budget"] != "adaptive" and base == PLAIN:
+            raise MethodError(f"{_suffix('budget', chosen['budget'])} means nothing for {PLAIN!r}, which checks no drafts")
+        if chosen["exact"] and chosen["attention"] is not None:
+            raise MethodError(f"method {name + suffixes!r}: exact mode runs its own attention; "
+                              f"{_suffix('attention', chosen['attention'])} runs without it (drop @exact)")
+        return base + suffixes
     if name in (BASELINE, HF_PROMPT_LOOKUP, STATIC_GENERATE, DEFAULT, PLAIN):
         return name
     from specdraft.source_spec import SourceSpecError, parse_source_spec, split_top_level
@@ -442,7 +451,7 @@ class SpecdraftMethod:
 
     def __init__(self, name: str, model: Any, tokenizer: Any, source_names: Sequence[str],
                  max_tree_nodes: int = 32, adaptive_budget: bool = True, cpu_kernels: str = DEFAULT_KERNELS,
-                 exact: bool | None = None, drafting_pauses: bool = True) -> None:
+                 exact: bool | None = None, drafting_pauses: bool = True, attention: str = "auto") -> None:
         from specdraft.sources.registry import make_sources
 
         self.name = name
@@ -450,12 +459,14 @@ class SpecdraftMethod:
         self.adaptive_budget = adaptive_budget
         self.cpu_kernels = cpu_kernels
         self.exact = exact
+        self.attention = attention
         self.drafting_pauses = drafting_pauses
         self.description = (("specdraft Decoder with sources " + "+".join(self.source_names) if self.source_names
                              else "specdraft Decoder, plain decoding (no sources, max_tree_nodes=0)")
                             + ("" if adaptive_budget else f", fixed budget of {max_tree_nodes} nodes")
                             + ("" if drafting_pauses else ", no drafting pauses")
-                            + f", cpu_kernels={cpu_kernels!r}")
+                            + f", cpu_kernels={cpu_kernels!r}"
+                            + ("" if attention == "auto" else f", attention={attention!r}"))
         self.model = model
         self.tokenizer = tokenizer
         self.max_tree_nodes = max_tree_nodes
@@ -470,7 +481,8 @@ class SpecdraftMethod:
         from specdraft.decoder import Decoder
 
         decoder = Decoder(self.model, self.tokenizer, sources=sources, max_tree_nodes=self.max_tree_nodes,
-                          adaptive_budget=self.adaptive_budget, cpu_kernels=self.cpu_kernels, exact=self.exact)
+                          adaptive_budget=self.adaptive_budget, cpu_kernels=self.cpu_kernels, exact=self.exact,
+                          attention=self.attention)
         if not self.drafting_pauses:
             decoder.budget.drafting_share = 0.0
         return decoder
@@ -528,14 +540,18 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32
                               'model.generate(do_sample=False, cache_implementation="static")')
     from specdraft.source_spec import split_top_level
 
-    base, budget, kernels, named_exact = _split_suffixes(name)
-    suffix = _budget_suffix(budget) + _kernel_suffix(kernels) + _exact_suffix(named_exact)
-    exact = exact if named_exact is None else named_exact
+    base, chosen = _split_suffixes(name)
+    suffix = _suffixes(chosen)
+    attention = chosen["attention"] or "auto"
+    if chosen["exact"] is not None:
+        exact = chosen["exact"]
+    elif attention != "auto":
+        exact = False  # another attention than the default runs without exact mode
+    options = dict(cpu_kernels=chosen["kernels"], exact=exact, attention=attention)
     if base == PLAIN:
-        return SpecdraftMethod(PLAIN + suffix, model, tokenizer, [], 0, adaptive_budget=True, cpu_kernels=kernels,
-                               exact=exact)
-    options = dict(adaptive_budget=budget != "fixed", drafting_pauses=budget == "adaptive", cpu_kernels=kernels,
-                   exact=exact)
+        return SpecdraftMethod(PLAIN + suffix, model, tokenizer, [], 0, adaptive_budget=True, **options)
+    budget = chosen["budget"]
+    options.update(adaptive_budget=budget != "fixed", drafting_pauses=budget == "adaptive")
     if base == DEFAULT:
         sources = split_top_level(_canonical("+".join(default_source_names(getattr(model, "device", None))))
                                   [len(PREFIX):], "+")
