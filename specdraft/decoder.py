@@ -237,6 +237,9 @@ class Decoder:
         buckets = Buckets(exact_buckets(rule), mixes_prompts=rule.wider) if rule is not None else Buckets()
         if self.runner.static is None or self.runner.static.widths != buckets.widths:
             self.runner.use_static(buckets.widths)
+        # captured together: the widths one request's trees fill (wider ones, for batches and
+        # side blocks, at their first use)
+        self.runner.static.together = buckets.up_to(self.max_tree_nodes + 1)
         self.engine.padding = buckets
 
     def _kernels_context(self):

@@ -60,6 +60,25 @@ def test_buckets_hold_every_width() -> None:
     buckets = Buckets()
     assert [buckets.rows_for(k) for k in (1, 2, 8, 9, 33, 64, 65)] == [1, 8, 8, 16, 64, 64, 65]
     assert buckets.widths == WIDTHS
+    assert buckets.up_to(1) == (1,) and buckets.up_to(33) == (1, 8, 16, 32, 64) and buckets.up_to(17) == (1, 8, 16, 32)
+
+
+@pytest.mark.parametrize("together", [(1, 8, 16), (1,)])
+def test_widths_are_captured_together_on_pad_rows(together) -> None:
+    """The widths a decoder's trees fill are captured at its first static forward, on pad rows
+    alone (a plain request captures them too); a width outside them is captured at its first use.
+    Neither changes an output."""
+    model = tiny_model("llama")
+    dec = static_decoder(model, graphs=True, sources=[], max_tree_nodes=0)
+    dec.runner.static.together = together
+    assert dec.generate(PROMPT, max_new_tokens=NEW).token_ids == reference_greedy(model, PROMPT, NEW)
+    assert dec.runner.static.captured == list(together)
+    trees = static_decoder(model, graphs=True, max_tree_nodes=12)
+    trees.runner.static.together = together
+    prompts = [PROMPT, PROMPT[2:], PROMPT[:9]]
+    result = trees.generate_batch(prompts, max_new_tokens=NEW, concurrency=3)
+    assert [o.token_ids for o in result] == [reference_greedy(model, p, NEW) for p in prompts]
+    assert set(together) <= set(trees.runner.static.captured)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -97,7 +116,7 @@ def test_a_narrow_forward_applies_every_move_of_a_wide_step(arch: str, graphs: b
     assert dec.generate(PROMPT, max_new_tokens=24).token_ids == ref
     assert any(moved > width for width, moved in moves)  # the case this is about happened
     if graphs:
-        assert dec.runner.static.captured == [1, 16]
+        assert dec.runner.static.captured == list(WIDTHS)  # captured together, on pad rows
 
 
 def test_static_forwards_read_once_and_upload_once_per_step_on_a_device() -> None:

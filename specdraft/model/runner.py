@@ -241,15 +241,30 @@ class ModelRunner:
         """A decode forward at a bucket width: packed into the static buffers in one copy, then
         the bucket's graph replayed (or run eagerly); unused move slots move ``scratch``'s row."""
         static = self.static
-        rider_tensors = static.pack(plan, self.store.take_moves(), scratch.start, riders)
         forward = static_forward(self.model, self.store, self.windows, self.mask_kind, self._cache_keyword,
                                  self.store.capacity, self.flash_layouts)
+        for width in static.uncaptured(self.store):
+            if width <= scratch.capacity:  # (a wider one would move the scratch region: at its first use)
+                self._capture_on_pad_rows(width, scratch, forward)
+        rider_tensors = static.pack(plan, self.store.take_moves(), scratch.start, riders)
         logits = static.run(plan.total, forward, self.store)
         for seg in segments:
             seg.region.pending = len(seg.tokens)
         scratch.pending = 0
         return ForwardOutput(_logits_for_decoding(logits), plan.logit_spans, static.views(plan.total)[0]["ids"],
                              plan.id_spans, rider_tensors)
+
+    def _capture_on_pad_rows(self, width: int, scratch: Region, forward: Callable[..., torch.Tensor]) -> None:
+        """Capture the forward of ``width`` over pad rows alone (they write to the scratch region
+        only, and no cache move is due), so that the widths a decoder uses are captured together
+        before its first tree instead of one by one in the middle of answers (on an H100 a
+        capture costs tens of milliseconds, a request's tokens about 4 each)."""
+        pad = self._pad_segment(width)
+        plan = _Plan.of([pad], self.max_positions)
+        plan.pad_kept(width)
+        self.static.pack(plan, ([], []), scratch.start, [])
+        self.static.run(width, forward, self.store)
+        scratch.pending = 0
 
     def _scratch_region(self, rows: int) -> Region:
         """The store's region for pad rows, with room for ``rows``."""

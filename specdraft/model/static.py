@@ -59,6 +59,10 @@ class Buckets:
         """The smallest bucket holding ``k`` rows; wider forwards run as they are."""
         return next((w for w in self.widths if w >= k), k)
 
+    def up_to(self, rows: int) -> tuple[int, ...]:
+        """The buckets a forward of at most ``rows`` rows may run at."""
+        return tuple(w for w in self.widths if w <= self.rows_for(rows))
+
     @property
     def widest(self) -> int:
         """The widest bucket: the budget keeps a decode forward's rows within it, since a wider
@@ -98,6 +102,9 @@ class StaticForwards:
         self._graphs: dict[int, Any] = {}
         self._views: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
         self._store_key: tuple | None = None
+        #: the widths captured together, before the first forward that needs any of them (and
+        #: again after the store's buffers move); a wider one is captured at its first use
+        self.together: tuple[int, ...] = self.widths
 
     @property
     def captured(self) -> list[int]:
@@ -148,10 +155,7 @@ class StaticForwards:
         """The logits ``[width, vocab]`` of a forward of ``width`` rows over the packed inputs:
         the captured graph replayed, or ``forward`` run eagerly."""
         inputs, block = self.views(width)
-        key = store.layout_key()
-        if key != self._store_key:  # the store's buffers moved: graphs hold old addresses
-            self._graphs.clear()
-            self._store_key = key
+        self._follow(store)
         if not self.capture:
             return forward(inputs, block)
         if width not in self._graphs:
@@ -159,6 +163,17 @@ class StaticForwards:
         if width in self._graphs:
             return self._graphs[width].replay()
         return forward(inputs, block)
+
+    def uncaptured(self, store: KVStore) -> list[int]:
+        """The widths of :attr:`together` without a graph for the store's buffers as they are."""
+        self._follow(store)
+        return [w for w in self.together if w not in self._graphs] if self.capture else []
+
+    def _follow(self, store: KVStore) -> None:
+        key = store.layout_key()
+        if key != self._store_key:  # the store's buffers moved: graphs hold old addresses
+            self._graphs.clear()
+            self._store_key = key
 
     def views(self, width: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The inputs of a forward of ``width`` rows: views of the static buffers, made once per
