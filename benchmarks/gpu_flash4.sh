@@ -6,7 +6,7 @@
 # Here, with the package registry reachable:
 #   bash benchmarks/gpu_flash4.sh download   # the wheels for the GPU machine's Python (PY_VERSION,
 #                                            # default 3.12) into .fa4_wheels/
-#   bash benchmarks/gpu_flash4.sh split      # .fa4_wheels/ as one tar in 45 MiB pieces: .fa4_parts/
+#   bash benchmarks/gpu_flash4.sh split      # .fa4_wheels/ as one tar in 40 MiB pieces: .fa4_parts/
 # There, one call per piece (each carrying one file of .fa4_parts/), then the checks:
 #   bash benchmarks/gpu_flash4.sh add        # the pieces this call carries kept in $KEEP
 #   bash benchmarks/gpu_flash4.sh install    # the pieces assembled and installed into $KEEP/site
@@ -53,7 +53,7 @@ download)
     ;;
 split)
     rm -rf "$PARTS" && mkdir -p "$PARTS"
-    tar cf - -C "$WHEELS" . | split -b 45M -d - "$PARTS/fa4.tar.part"
+    tar cf - -C "$WHEELS" . | split -b 40M -d - "$PARTS/fa4.tar.part"
     ls -la "$PARTS"
     ;;
 add)

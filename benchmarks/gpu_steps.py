@@ -18,9 +18,11 @@ Measured, per model shape:
   ``max_tree_nodes=0``, over a 1k and a 16k context;
 * **speculative steps**: the default sources on a fixed tree of 8, 32 and 64 nodes
   (``adaptive_budget=False``) over a repetitive context (the sources fill the tree): ms per step,
-  the GPU's busy time per step (CUDA events around each forward), the idle rest, and the
-  synchronizing calls per step outside and inside the forward
-  (``torch.cuda.set_sync_debug_mode``);
+  the GPU's busy time per step (CUDA events around each forward, the prompt's prefill included,
+  spread over the steps), the idle rest, the median span of a decode forward alone (the figure
+  to compare between plain and tree steps: with few steps, the prefill's share of the per-step
+  figure is large), the prefill's span, and the synchronizing calls per step outside and inside
+  the forward (``torch.cuda.set_sync_debug_mode``);
 * the adaptive default, sampling, and ``generate_batch`` (8 requests) for completeness.
 
     python benchmarks/gpu_steps.py --shapes qwen2.5-0.5b,qwen2.5-7b --out DIR
@@ -158,8 +160,13 @@ class StepProbe:
         static._watched = True
 
     def gpu_ms(self) -> float:
+        return sum(self.spans())
+
+    def spans(self) -> list[float]:
+        """Each forward's span in ms, in order (the first of a ``generate`` call is its prompt's
+        prefill, an eager forward as wide as the prompt)."""
         sync()
-        return sum(a.elapsed_time(b) for a, b in self.events if b is not None)
+        return [a.elapsed_time(b) for a, b in self.events if b is not None]
 
     def run(self, fn):
         """Run ``fn()`` counting syncs; returns (result, wall seconds)."""
@@ -221,10 +228,15 @@ def decoder_row(probe: StepProbe, dec: Decoder, prompt: list[int], new: int, **o
     dec.generate(prompt[:256], max_new_tokens=16, **options)  # warm-up: kernel choice, step costs, allocator
     out, wall = probe.run(lambda: dec.generate(prompt, max_new_tokens=new, **options))
     steps = out.stats.steps
-    gpu = probe.gpu_ms() if probe.cuda else float("nan")
+    spans = probe.spans() if probe.cuda else []
+    gpu = sum(spans) if probe.cuda else float("nan")
+    decode = spans[1:]  # after the prompt's prefill: one forward per decoding step
     return {"tokens": len(out.token_ids), "steps": steps, "tokens_per_step": len(out.token_ids) / steps,
             "ms_per_token": wall * 1e3 / len(out.token_ids), "ms_per_step": wall * 1e3 / steps,
             "gpu_ms_per_step": gpu / steps, "idle_ms_per_step": (wall * 1e3 - gpu) / steps,
+            "prefill_forward_ms": spans[0] if spans else float("nan"),
+            "decode_forward_ms_median": statistics.median(decode) if decode else float("nan"),
+            "decode_forward_ms_mean": statistics.mean(decode) if decode else float("nan"),
             "syncs_outside_per_step": probe.syncs_outside / steps, "syncs_inside_per_step": probe.syncs_inside / steps,
             "mean_tree_nodes": statistics.mean(out.stats.tree_sizes[1:]) if len(out.stats.tree_sizes) > 1 else 0.0,
             "sync_sites": dict(sorted(probe.where.items(), key=lambda kv: -kv[1])[:6]), "token_ids": out.token_ids}
@@ -308,7 +320,9 @@ def run_shape(shape: str, device: str, dtype: torch.dtype, new: int, contexts: l
             print(f"  {name:<20} {row['ms_per_token']:6.2f} ms/token ({row['speedup_vs_generate']:.2f}x)  "
                   f"{row['tokens_per_step']:.2f} tok/step  tree {row['mean_tree_nodes']:.1f}  probed step "
                   f"{row['gpu_ms_per_step'] + row['idle_ms_per_step']:.2f} ms = forward span {row['gpu_ms_per_step']:.2f}"
-                  f" + rest {row['idle_ms_per_step']:.2f}  syncs/step {row['syncs_outside_per_step']:.2f} outside, "
+                  f" + rest {row['idle_ms_per_step']:.2f}  (decode forward median "
+                  f"{row['decode_forward_ms_median']:.2f} ms, prefill {row['prefill_forward_ms']:.1f} ms)  "
+                  f"syncs/step {row['syncs_outside_per_step']:.2f} outside, "
                   f"{row['syncs_inside_per_step']:.2f} inside"
                   + (f"  differs from generate at {row['first_difference_from_generate']}"
                      if row.get("first_difference_from_generate") is not None else "")
