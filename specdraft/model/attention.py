@@ -40,7 +40,7 @@ import torch
 
 from .flash_kernels import (FLASH_DTYPES, FLASH_LAYOUT_KEYWORD, AttentionBackendError, FlashLayout,
                             cpu_flash_available, dense_with_lse, fa2_available, fa4_available, flash_with_lse,
-                            prefix_attention)
+                            prefix_attention, shared_heads)
 
 # No "flash" in the name: transformers gives names containing it special handling (padding-free
 # masks, hub kernel loading) that would bypass our tree mask.
@@ -63,12 +63,6 @@ def merge_partial_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: tor
     wa = torch.exp(lse_a - lse).nan_to_num(0.0)[..., None]
     wb = torch.exp(lse_b - lse).nan_to_num(0.0)[..., None]
     return wa * out_a.to(work) + wb * out_b.to(work)
-
-
-def _shared_heads(key: torch.Tensor, heads: int) -> torch.Tensor:
-    """``key`` with each key/value head repeated for its query heads (grouped-query attention)."""
-    groups = heads // key.shape[1]
-    return key.repeat_interleave(groups, dim=1) if groups > 1 else key
 
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor:
@@ -97,8 +91,7 @@ def tree_flash_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                                     "use attention='sdpa' for this model")
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise AttentionBackendError("the flash tree backend does not implement attention sinks; use attention='sdpa'")
-    batch, heads, q_len, head_dim = query.shape
-    scale = scaling if scaling is not None else head_dim ** -0.5
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layout: FlashLayout | None = kwargs.get(FLASH_LAYOUT_KEYWORD)
     if layout is not None:
         out = _split_by_layout(query, key, value, layout, scale)
@@ -116,8 +109,8 @@ def _split_by_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                     f"{query.shape[0]}")
     heads = query.shape[1]
     old_out, old_lse = prefix_attention(query, key, value, layout, scale)
-    new_key = _shared_heads(key.index_select(2, layout.write_columns), heads)
-    new_value = _shared_heads(value.index_select(2, layout.write_columns), heads)
+    new_key = shared_heads(key.index_select(2, layout.write_columns), heads)
+    new_value = shared_heads(value.index_select(2, layout.write_columns), heads)
     new_out, new_lse = dense_with_lse(query, new_key, new_value, scale, layout.new_allowed[None, None])
     return merge_partial_attention(old_out, old_lse, new_out, new_lse)
 
@@ -126,7 +119,7 @@ def _split_by_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    scale: float) -> torch.Tensor:
     """The split for a caller without a layout: the ``q`` new tokens are the last ``q`` keys."""
     batch, heads, q_len, _ = query.shape
-    key, value = _shared_heads(key, heads), _shared_heads(value, heads)
+    key, value = shared_heads(key, heads), shared_heads(value, heads)
     kv_len = key.shape[2]
     prefix = kv_len - q_len
     if attention_mask is None:

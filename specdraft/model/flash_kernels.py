@@ -146,7 +146,7 @@ def dense_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return torch.matmul(weights, v.to(work)), lse
 
 
-def _shared_heads(key: torch.Tensor, heads: int) -> torch.Tensor:
+def shared_heads(key: torch.Tensor, heads: int) -> torch.Tensor:
     """``key`` with each key/value head repeated for its query heads (grouped-query attention)."""
     groups = heads // key.shape[1]
     return key.repeat_interleave(groups, dim=1) if groups > 1 else key
@@ -171,7 +171,7 @@ def _prefix_dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
     start = layout.region_start[:, None]
     allowed = (columns[None, :] >= start) & (columns[None, :] < start + layout.region_length[:, None])
     heads = query.shape[1]
-    return dense_with_lse(query, _shared_heads(key, heads), _shared_heads(value, heads), scale, allowed[None, None])
+    return dense_with_lse(query, shared_heads(key, heads), shared_heads(value, heads), scale, allowed[None, None])
 
 
 def _prefix_spans(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -184,8 +184,8 @@ def _prefix_spans(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         if committed_end <= first:
             continue  # nothing committed yet: the rows see only each other
         part_out, part_lse = flash_with_lse(query[:, :, row_start:row_end],
-                                            _shared_heads(key[:, :, first:committed_end], heads),
-                                            _shared_heads(value[:, :, first:committed_end], heads), scale, causal=False)
+                                            shared_heads(key[:, :, first:committed_end], heads),
+                                            shared_heads(value[:, :, first:committed_end], heads), scale, causal=False)
         out[:, :, row_start:row_end] = part_out.to(work)
         lse[:, :, row_start:row_end] = part_lse.to(work)
     return out, lse
