@@ -235,6 +235,30 @@ def test_flash4_prefix_matches_the_dense_product_on_cuda(dtype: torch.dtype) -> 
     assert torch.allclose(lse[seen], ref_lse[seen], atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_flash_split_fused_merge_matches_the_torch_operations_on_cuda(dtype: torch.dtype, monkeypatch) -> None:
+    """Part (b) and the merge as one Triton kernel against the torch operations, on the GPU (any
+    prefix kernel: where FlashAttention 4 is missing, the dense product)."""
+    pytest.importorskip("triton", reason="the fused merge needs Triton")
+    import specdraft.model.attention as attention
+    import specdraft.model.flash_kernels as fk
+    from test_flash_layout import _layout
+
+    _, layout, _ = _layout()
+    layout = fk.FlashLayout(*(t.cuda() for t in (layout.region_start, layout.region_length, layout.segment,
+                                                  layout.write_columns, layout.new_allowed)), None)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(1, 14, 6, 64, generator=gen, device="cuda").to(dtype)
+    k = torch.randn(1, 2, 40, 64, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(1, 2, 40, 64, generator=gen, device="cuda").to(dtype)
+    outs = []
+    for fused in (False, True):
+        monkeypatch.setattr(attention, "TRITON_MERGE", fused)
+        outs.append(attention.tree_flash_attention(torch.nn.Module(), q, k, v, None, scaling=0.125,
+                                                   specdraft_flash_layout=layout)[0].float())
+    assert torch.allclose(outs[0], outs[1], atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 def test_flash4_decoding_in_cuda_graphs_matches_sdpa(monkeypatch) -> None:
     """The flash backend on FlashAttention 4: decode forwards captured as CUDA graphs with the
     variable-length call inside, alone and batched; greedy tokens as sdpa's (bfloat16: the two may

@@ -12,10 +12,15 @@ so the call we make is the call the device gets. ``tests/test_cuda.py`` runs the
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import specdraft.model.attention as attention
 import specdraft.model.flash_kernels as flash_kernels
 from specdraft import Decoder, PromptLookup
 from specdraft.model.attention import merge_partial_attention, tree_flash_attention
@@ -187,3 +192,60 @@ def test_layout_kernels_need_no_host_values_inside_a_graph(fake_flash4) -> None:
     q, k, v = _qkv(6, 40)
     prefix_attention(q, k, v, inside, 8 ** -0.5)
     assert fake_flash4 == [6]
+
+
+def _in_triton_interpreter(check: str) -> None:
+    """Run ``check`` (a function of this module) in a fresh process with Triton's interpreter on
+    (it is chosen when Triton is first imported), with part (b) and the merge as the Triton kernel."""
+    pytest.importorskip("triton", reason="the Triton kernel needs the triton package (pip install triton)")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_flash_layout as t; "
+            "t.attention.TRITON_MERGE = True; t." + check + "()")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def check_fused_merge_matches_the_torch_operations() -> None:
+    """The kernel against the torch path, on the layout with regions out of order and a row with
+    nothing committed, in float32 and bfloat16, with each prefix kernel's output (the stand-in of
+    FlashAttention 4 hands over bfloat16 views of its own layout)."""
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        _, layout, allowed = _layout()
+        q, k, v = _qkv(6, 40, dtype)
+        reference, _ = dense_with_lse(q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1),
+                                      8 ** -0.5, allowed[None, None])
+        for fa4 in (False, True):
+            if fa4:
+                flash_kernels.fa4_runs, flash_kernels._fa4_varlen = (lambda query: True), (lambda: fake_flash4_varlen)
+            for fused in (False, True):
+                attention.TRITON_MERGE = fused
+                out, _ = tree_flash_attention(torch.nn.Module(), q, k, v, None, scaling=8 ** -0.5,
+                                              specdraft_flash_layout=layout)
+                assert out.dtype == dtype and out.shape == (1, 6, 4, 8)
+                assert torch.allclose(out.double().transpose(1, 2), reference, atol=tol), (fa4, fused, dtype)
+    attention.TRITON_MERGE = True
+
+
+def check_fused_merge_decodes_exactly() -> None:
+    """A whole decoder with the kernel (and the stand-in of FlashAttention 4): greedy output equals
+    ``model.generate`` for each request of a batch, in static forwards (each interpreted kernel
+    call is slow, so no graph's extra runs here: the torch path's tests cover those)."""
+    flash_kernels.fa4_runs, flash_kernels._fa4_varlen = (lambda query: True), (lambda: fake_flash4_varlen)
+    calls = []
+    attend = attention.flash_merge_triton.attend_new_rows
+    attention.flash_merge_triton.attend_new_rows = lambda *a, **k: (calls.append(1), attend(*a, **k))[1]
+    model = tiny_model("llama")
+    dec = _flash_decoder("llama", static=True)
+    prompts = [PROMPT, PROMPT[:8]]
+    result = dec.generate_batch(prompts, max_new_tokens=10, concurrency=2)
+    assert [o.token_ids for o in result] == [reference_greedy(model, p, 10) for p in prompts]
+    assert calls
+
+
+def test_fused_merge_matches_the_torch_operations_in_the_interpreter() -> None:
+    _in_triton_interpreter("check_fused_merge_matches_the_torch_operations")
+
+
+def test_fused_merge_decodes_exactly_in_the_interpreter() -> None:
+    _in_triton_interpreter("check_fused_merge_decodes_exactly")

@@ -24,8 +24,10 @@ Where the prefix is
     committed columns, the columns the new rows are written to, which new rows each row sees) and
     part (a) runs a flash kernel over each request's committed columns
     (:func:`~specdraft.model.flash_kernels.prefix_attention`: FlashAttention 4 on CUDA, flash-attn 2
-    or torch's own CPU flash kernel over host spans, a dense product where neither can run). For
-    any other caller the new tokens are the last ``q`` keys and the mask says the rest.
+    or torch's own CPU flash kernel over host spans, a dense product where neither can run). Part
+    (b) and the merge are then one Triton kernel on CUDA (:mod:`specdraft.model.flash_merge_triton`)
+    and torch operations elsewhere. For any other caller the new tokens are the last ``q`` keys and
+    the mask says the rest.
 
 Ordinary steps (a prefill with no cache, a one-token decode) need no split: they go straight to
 the flash kernel. A prefix that is itself masked (sliding-window layers, which get no layout) is
@@ -38,9 +40,14 @@ from typing import Any
 
 import torch
 
+from . import flash_merge_triton
 from .flash_kernels import (FLASH_DTYPES, FLASH_LAYOUT_KEYWORD, AttentionBackendError, FlashLayout,
                             cpu_flash_available, dense_with_lse, fa2_available, fa4_available, flash_with_lse,
                             prefix_attention, shared_heads)
+
+#: Part (b) and the merge as one Triton kernel: ``None`` where Triton runs on CUDA, ``True`` /
+#: ``False`` to force it (the tests run it in Triton's interpreter) or the torch operations.
+TRITON_MERGE: bool | None = None
 
 # No "flash" in the name: transformers gives names containing it special handling (padding-free
 # masks, hub kernel loading) that would bypass our tree mask.
@@ -94,25 +101,38 @@ def tree_flash_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layout: FlashLayout | None = kwargs.get(FLASH_LAYOUT_KEYWORD)
     if layout is not None:
-        out = _split_by_layout(query, key, value, layout, scale)
-    else:
-        out = _split_by_mask(query, key, value, attention_mask, scale)
+        return _split_by_layout(query, key, value, layout, scale), None
+    out = _split_by_mask(query, key, value, attention_mask, scale)
     return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def _fused_merge(query: torch.Tensor) -> bool:
+    """Whether part (b) and the merge run as one Triton kernel (:mod:`specdraft.model.flash_merge_triton`)."""
+    if TRITON_MERGE is not None:
+        return TRITON_MERGE
+    return query.is_cuda and flash_merge_triton.available()
 
 
 def _split_by_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: FlashLayout,
                      scale: float) -> torch.Tensor:
     """Part (a) over each row's committed columns, part (b) over the forward's own rows (read from
-    the columns they were written to), merged."""
+    the columns they were written to), merged: ``[1, q, H, D]`` in the query's dtype."""
     if query.shape[0] != 1:
         raise AttentionBackendError(f"a forward with a flash layout carries one sequence of rows, got a batch of "
                                     f"{query.shape[0]}")
-    heads = query.shape[1]
     old_out, old_lse = prefix_attention(query, key, value, layout, scale)
+    if _fused_merge(query):
+        return flash_merge_triton.attend_new_rows(query, key, value, layout.write_columns, layout.new_allowed,
+                                                  old_out, old_lse, layout.region_length, scale)
+    seen = layout.region_length > 0  # a row whose request has nothing committed: part (b) alone
+    old_lse = torch.where(seen, old_lse, float("-inf"))
+    old_out = torch.where(seen[:, None], old_out, 0.0)
+    heads = query.shape[1]
     new_key = shared_heads(key.index_select(2, layout.write_columns), heads)
     new_value = shared_heads(value.index_select(2, layout.write_columns), heads)
     new_out, new_lse = dense_with_lse(query, new_key, new_value, scale, layout.new_allowed[None, None])
-    return merge_partial_attention(old_out, old_lse, new_out, new_lse)
+    out = merge_partial_attention(old_out, old_lse, new_out, new_lse)
+    return out.transpose(1, 2).contiguous().to(query.dtype)
 
 
 def _split_by_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,

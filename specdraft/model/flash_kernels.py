@@ -156,7 +156,8 @@ def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of ``query`` (``[1, H, rows, D]``) against its own request's committed columns of
     ``key`` / ``value`` (``[1, Hkv, columns, D]``, the store's buffers): ``(out [1, H, rows, D],
-    lse [1, H, rows])``; a row with no committed column gets a zero output and ``lse = -inf``."""
+    lse [1, H, rows])``. A row with no committed column (``layout.region_length == 0``) may hold
+    anything there: the merge leaves it out by that length."""
     if fa4_runs(query):
         return _prefix_fa4(query, key, value, layout, scale)
     if layout.spans is not None and (fa2_available() and query.dtype in FLASH_DTYPES if query.is_cuda
@@ -215,7 +216,4 @@ def _prefix_fa4(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lay
     out, lse = _fa4_varlen()(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                              cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used_k, max_seqlen_q=rows,
                              max_seqlen_k=columns, softmax_scale=scale, causal=False, return_lse=True)
-    seen = (layout.region_length > 0)[None, :]  # [1, rows]: an empty prefix contributes nothing
-    lse = torch.where(seen, lse.float(), float("-inf"))
-    out = torch.where(seen.transpose(0, 1)[:, :, None], out.float(), 0.0)
-    return out.transpose(0, 1)[None], lse[None]
+    return out.transpose(0, 1)[None], lse[None]  # views: [1, H, rows, D] and [1, H, rows]
