@@ -519,6 +519,24 @@ def test_flash_suffix_times_the_flash_split_beside_sdpa_in_one_run(tiny, prompt_
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_warm_up_of_our_method_teaches_its_sources_nothing(tiny) -> None:
+    """The untimed first call on an accelerator (run here directly): the sources are set aside
+    and back afterwards, none of them saw the filler, and the store is sized for the cache."""
+    from specdraft.bench.methods import build_method
+
+    model, tokenizer = tiny
+    method = build_method("specdraft:prompt+trie", model, tokenizer, 8)
+    seen = []
+    for source in method.sources:
+        source.begin = lambda context, _s=source: seen.append(_s.name)
+    kept = list(method.decoder.sources)
+    method.warm_up(list(range(3, 40)), 64)
+    assert seen == [] and method.decoder.sources == kept and method.warm_tokens == 64
+    assert method.decoder.runner.store.capacity >= 64
+    out = method.run(list(range(3, 12)), 6)
+    assert len(out.token_ids) == 6 and seen  # the timed runs use the sources again
+
+
 def test_bench_only_peer_is_never_a_default_method_and_says_how_to_get_it() -> None:
     from specdraft.bench.methods import BENCH_ONLY_SOURCES, default_method_names
 

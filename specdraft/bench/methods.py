@@ -472,6 +472,8 @@ class SpecdraftMethod:
         self.max_tree_nodes = max_tree_nodes
         self.sources = make_sources(self.source_names, _sources())
         self.decoder = self._decoder_for(self.sources)
+        #: the cache length an untimed first call sized the decoder for (:meth:`warm_up`)
+        self.warm_tokens = 0
         self.description += f" ({self.decoder.kernels.describe()})"  # which path ran, what it costs
         if self.decoder.exact:
             self.description += f", exact mode ({self.decoder.engine.padding})"
@@ -501,9 +503,34 @@ class SpecdraftMethod:
         decoder.budget = budget
         return decoder
 
+    def warm_up(self, prompt_ids: Sequence[int], cache_tokens: int) -> None:
+        """On an accelerator, what ``generate-static`` gets (:class:`StaticGenerate`): one untimed
+        call, here with the draft sources set aside so they learn nothing from it, whose prompt
+        fills ``cache_tokens`` positions. It captures the decoder's CUDA graphs and sizes its KV
+        store for the prompts that follow, so no timed prompt pays for a capture or for the
+        graphs captured again after the store's buffers grow."""
+        from ..model.runner import context_limit
+
+        limit = context_limit(self.model)
+        cache_tokens = min(cache_tokens, limit) if limit is not None else cache_tokens
+        length = max(1, cache_tokens - StaticGenerate.WARM_STEPS)
+        filler = (list(prompt_ids) * (length // max(1, len(prompt_ids)) + 1))[:length]
+        sources = self.decoder.sources
+        kept = list(sources)
+        sources.clear()
+        try:
+            self.decoder.generate(filler, max_new_tokens=StaticGenerate.WARM_STEPS, do_sample=False)
+        finally:
+            sources[:] = kept
+        self.warm_tokens = cache_tokens
+
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool = True) -> MethodResult:
         import time
 
+        needed = len(prompt_ids) + max_new_tokens
+        if self.warm_tokens < needed and getattr(self.model, "device", None) is not None \
+                and self.model.device.type != "cpu":  # on a CPU nothing is captured
+            self.warm_up(prompt_ids, max(needed, StaticGenerate.WARM_CACHE_TOKENS))
         decoder = self.decoder if learn else self._throwaway_decoder()
         start = time.perf_counter()
         out = decoder.generate(list(prompt_ids), max_new_tokens=max_new_tokens, do_sample=False)
@@ -522,6 +549,7 @@ class SpecdraftMethod:
     def set_state(self, state: dict[str, Any]) -> None:
         self.sources = list(state["sources"])
         self.decoder = self._decoder_for(self.sources)
+        self.warm_tokens = 0
         self.decoder.budget = state["budget"]
 
 

@@ -2,7 +2,10 @@
 
 For each prompt, in order:
 
-1. one untimed warm-up forward over the prompt (:func:`specdraft.baseline.warmup_forward`);
+1. one untimed warm-up forward over the prompt (:func:`specdraft.baseline.warmup_forward`); on an
+   accelerator, before a method's first timed prompt, its own untimed call for its one-time costs
+   (``generate-static``'s compile, our decoder's graph captures and store sizing: the methods'
+   ``warm_up``);
 2. every method once (``repeats`` times), in an order *rotated* by one per prompt: prompt 0 runs
    ``m0 m1 m2``, prompt 1 ``m1 m2 m0``, ... so slow drift of the machine (thermal state, other
    tenants, allocator growth) lands on every method alike instead of always on the one that runs
