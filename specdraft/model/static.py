@@ -13,6 +13,12 @@ Why
     replays the bucket's graph (or runs it eagerly where capture is impossible, with the reason
     in :attr:`StaticForwards.note`).
 
+When graphs are captured
+    A capture runs the forward twice and records it once: tens of milliseconds, several of a
+    request's tokens. So the widths a decoder's trees can fill (:attr:`StaticForwards.together`)
+    are captured together, on pad rows alone, before its first decode forward runs, and again
+    after the store's buffers move; a width outside them is captured at its first use.
+
 What runs here: forwards whose rows are all trees (decode steps). A prompt's chunks are as wide as
 they come and run eagerly (:meth:`~specdraft.model.runner.ModelRunner.forward`).
 """
