@@ -251,6 +251,29 @@ class Decoder:
 
     # -- one request ------------------------------------------------------------------------
 
+    def warm_up(self, context_tokens: int = 2048) -> None:
+        """Pay the decoder's one-time costs now, before real requests: one plain request of about
+        ``context_tokens`` positions (at most the model's context), its output discarded.
+
+        On a GPU that captures the CUDA graphs of the widths the decoder's trees fill and sizes the
+        KV store, so a later request up to that length neither waits for a capture in the middle
+        of its answer nor makes the store grow (which means capturing again); elsewhere it makes
+        the first request's kernel choices. The draft sources are set aside for the call, so they
+        learn nothing from it. Call it before serving, not while another call runs."""
+        if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 2:
+            raise ValueError(f"context_tokens must be an int of at least 2, got {context_tokens!r}")
+        limit = self.runner.max_positions
+        total = min(context_tokens, limit) if limit is not None else context_tokens
+        new = min(4, total - 1)
+        vocab = self.runner.vocab_size
+        filler = [1 + i % max(1, min(vocab - 1, 1000)) for i in range(total - new)]
+        kept = list(self.sources)
+        self.sources.clear()
+        try:
+            self.generate(filler, max_new_tokens=new, do_sample=False)
+        finally:
+            self.sources[:] = kept
+
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int = 128,
                  do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None, repetition_penalty: float | None = None, seed: int | None = None,

@@ -179,3 +179,26 @@ def test_batched_trees_share_the_widest_bucket_and_never_run_eagerly(adaptive: b
     assert max(decode_forwards) <= max(WIDTHS)
     assert len(decode_forwards) - len(spy.widths) <= 1  # eager only where the store grew (its scratch row)
     assert max(spy.widths) == max(WIDTHS)  # the trees did fill the widest bucket
+
+
+def test_warm_up_captures_and_sizes_the_store_so_requests_capture_nothing() -> None:
+    """``Decoder.warm_up``: the graphs are captured and the store sized before any request, its
+    sources learn nothing from it, and later requests up to that length capture no graph and
+    leave the store's buffers where they are; outputs stay generate's."""
+    model = tiny_model("llama")
+    dec = static_decoder(model, graphs=True, max_tree_nodes=12)
+    dec.runner.static.together = (1, 8, 16)
+    begun = []
+    for source in dec.sources:
+        source.begin = lambda context, _s=source, _begin=source.begin: (begun.append(_s.name), _begin(context))[1]
+    dec.warm_up(160)
+    assert not begun and dec.runner.static.captured == [1, 8, 16]
+    layout = dec.runner.store.layout_key()
+    captures = []
+    kind = dec.runner.static._graph_kind
+    dec.runner.static._graph_kind = lambda fn: (captures.append(1), kind(fn))[1]
+    long_prompt = PROMPT * 6
+    assert dec.generate(long_prompt, max_new_tokens=NEW).token_ids == reference_greedy(model, long_prompt, NEW)
+    assert begun and not captures and dec.runner.store.layout_key() == layout
+    with pytest.raises(ValueError, match="context_tokens"):
+        dec.warm_up(1)

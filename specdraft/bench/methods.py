@@ -505,23 +505,10 @@ class SpecdraftMethod:
 
     def warm_up(self, prompt_ids: Sequence[int], cache_tokens: int) -> None:
         """On an accelerator, what ``generate-static`` gets (:class:`StaticGenerate`): one untimed
-        call, here with the draft sources set aside so they learn nothing from it, whose prompt
-        fills ``cache_tokens`` positions. It captures the decoder's CUDA graphs and sizes its KV
-        store for the prompts that follow, so no timed prompt pays for a capture or for the
-        graphs captured again after the store's buffers grow."""
-        from ..model.runner import context_limit
-
-        limit = context_limit(self.model)
-        cache_tokens = min(cache_tokens, limit) if limit is not None else cache_tokens
-        length = max(1, cache_tokens - StaticGenerate.WARM_STEPS)
-        filler = (list(prompt_ids) * (length // max(1, len(prompt_ids)) + 1))[:length]
-        sources = self.decoder.sources
-        kept = list(sources)
-        sources.clear()
-        try:
-            self.decoder.generate(filler, max_new_tokens=StaticGenerate.WARM_STEPS, do_sample=False)
-        finally:
-            sources[:] = kept
+        call sized for ``cache_tokens`` positions (:meth:`specdraft.decoder.Decoder.warm_up`: the
+        draft sources set aside, the graphs captured, the KV store sized), so no timed prompt pays
+        for a capture or for the captures again after the store's buffers grow."""
+        self.decoder.warm_up(cache_tokens)
         self.warm_tokens = cache_tokens
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool = True) -> MethodResult:
