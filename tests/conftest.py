@@ -17,6 +17,8 @@ import contextlib
 import functools
 import logging
 import os
+import subprocess
+import sys
 import tempfile
 import warnings
 from typing import Any, Iterator, Sequence
@@ -701,3 +703,15 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
     from _tiny_checkpoint import save_tiny_checkpoint
 
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+def in_triton_interpreter(module: str, setup: str, check: str) -> None:
+    """Run ``check()`` of the test module ``module`` in a fresh process with Triton's interpreter
+    on (it is chosen when Triton is first imported, and transformers imports it early), after
+    ``setup``: statements over ``t``, that module (switching its kernels on)."""
+    pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install triton)")
+    code = f"import sys; sys.path.insert(0, sys.argv[1]); import {module} as t; {setup}; t.{check}()"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__))], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -210,6 +210,22 @@ def _needs_flash4() -> None:
         pytest.skip("needs FlashAttention 4 (pip install -e '.[flash4]')")
 
 
+def _flash_layout_case(dtype: torch.dtype, seed: int):
+    """``test_flash_layout``'s layout (regions out of row order, a segment with nothing committed)
+    on the GPU, with random queries of 14 heads and keys and values of 2 heads of 64 over 40
+    store columns: ``(layout, q, k, v)``."""
+    import specdraft.model.flash_kernels as fk
+    from test_flash_layout import _layout
+
+    _, layout, _ = _layout()
+    layout = fk.FlashLayout(*(t.cuda() for t in (layout.region_start, layout.region_length, layout.segment,
+                                                  layout.write_columns, layout.new_allowed)), None)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(1, heads, rows, 64, generator=gen, device="cuda").to(dtype)
+               for heads, rows in ((14, 6), (2, 40), (2, 40)))
+    return layout, q, k, v
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_flash4_prefix_matches_the_dense_product_on_cuda(dtype: torch.dtype) -> None:
     """FlashAttention 4's variable-length call reads each segment's committed columns in place
@@ -217,15 +233,8 @@ def test_flash4_prefix_matches_the_dense_product_on_cuda(dtype: torch.dtype) -> 
     of the dense product over the same columns, and an empty prefix is an empty side."""
     _needs_flash4()
     import specdraft.model.flash_kernels as fk
-    from test_flash_layout import _layout
 
-    _, layout, _ = _layout()
-    layout = fk.FlashLayout(*(t.cuda() for t in (layout.region_start, layout.region_length, layout.segment,
-                                                  layout.write_columns, layout.new_allowed)), None)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, 14, 6, 64, generator=gen, device="cuda").to(dtype)
-    k = torch.randn(1, 2, 40, 64, generator=gen, device="cuda").to(dtype)
-    v = torch.randn(1, 2, 40, 64, generator=gen, device="cuda").to(dtype)
+    layout, q, k, v = _flash_layout_case(dtype, seed=0)
     assert fk.fa4_runs(q)
     out, lse = fk._prefix_fa4(q, k, v, layout, 0.125)
     ref_out, ref_lse = fk._prefix_dense(q, k, v, layout, 0.125)
@@ -241,16 +250,8 @@ def test_flash_split_fused_merge_matches_the_torch_operations_on_cuda(dtype: tor
     prefix kernel: where FlashAttention 4 is missing, the dense product)."""
     pytest.importorskip("triton", reason="the fused merge needs Triton")
     import specdraft.model.attention as attention
-    import specdraft.model.flash_kernels as fk
-    from test_flash_layout import _layout
 
-    _, layout, _ = _layout()
-    layout = fk.FlashLayout(*(t.cuda() for t in (layout.region_start, layout.region_length, layout.segment,
-                                                  layout.write_columns, layout.new_allowed)), None)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    q = torch.randn(1, 14, 6, 64, generator=gen, device="cuda").to(dtype)
-    k = torch.randn(1, 2, 40, 64, generator=gen, device="cuda").to(dtype)
-    v = torch.randn(1, 2, 40, 64, generator=gen, device="cuda").to(dtype)
+    layout, q, k, v = _flash_layout_case(dtype, seed=1)
     outs = []
     for fused in (False, True):
         monkeypatch.setattr(attention, "TRITON_MERGE", fused)

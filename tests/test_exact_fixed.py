@@ -18,8 +18,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,8 +35,8 @@ from specdraft.model.static import Buckets, RerunGraph
 from specdraft.simulated_device import SimulatedDevice
 from specdraft.sources.registry import make_sources
 
-from conftest import (AttentionModule, ancestor_block, check_exact_attention_matches_sdpa, exact_attend, random_tree,
-                      repetitive_prompt, tiny_model, wide_llama)
+from conftest import (AttentionModule, ancestor_block, check_exact_attention_matches_sdpa, exact_attend,
+                      in_triton_interpreter, random_tree, repetitive_prompt, tiny_model, wide_llama)
 
 NEW = 40
 
@@ -50,16 +48,8 @@ def fixed_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _in_triton_interpreter(check: str) -> None:
-    """Run ``check`` (a function of this module) in a fresh process with Triton's interpreter on
-    (it is chosen when Triton is first imported, and transformers imports it early), on the
-    fixed shapes as Triton kernels."""
-    pytest.importorskip("triton", reason="the Triton kernel needs the triton package (pip install triton)")
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_exact_fixed as t; "
-            "t.exact.FIXED_SHAPES = True; t.exact.TRITON = True; t." + check + "()")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    """``check`` on the fixed shapes as Triton kernels, in Triton's interpreter."""
+    in_triton_interpreter("test_exact_fixed", "t.exact.FIXED_SHAPES = True; t.exact.TRITON = True", check)
 
 
 def _with_columns_before(x: torch.Tensor, count: int, gen: torch.Generator) -> torch.Tensor:

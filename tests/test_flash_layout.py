@@ -12,10 +12,6 @@ so the call we make is the call the device gets. ``tests/test_cuda.py`` runs the
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +23,7 @@ from specdraft.model.attention import merge_partial_attention, tree_flash_attent
 from specdraft.model.flash_kernels import FlashLayout, dense_with_lse, fa4_sequences, prefix_attention
 from specdraft.model.masks import RowLayout, allowed_columns, flash_layout
 
-from conftest import reference_greedy, tiny_model
+from conftest import in_triton_interpreter, reference_greedy, tiny_model
 from test_static_forwards import PROMPT, Spy, static_decoder
 
 CALLS: list[int] = []
@@ -195,15 +191,8 @@ def test_layout_kernels_need_no_host_values_inside_a_graph(fake_flash4) -> None:
 
 
 def _in_triton_interpreter(check: str) -> None:
-    """Run ``check`` (a function of this module) in a fresh process with Triton's interpreter on
-    (it is chosen when Triton is first imported), with part (b) and the merge as the Triton kernel."""
-    pytest.importorskip("triton", reason="the Triton kernel needs the triton package (pip install triton)")
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_flash_layout as t; "
-            "t.attention.TRITON_MERGE = True; t." + check + "()")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    """``check`` with part (b) and the merge as the Triton kernel, in Triton's interpreter."""
+    in_triton_interpreter("test_flash_layout", "t.attention.TRITON_MERGE = True", check)
 
 
 def check_fused_merge_matches_the_torch_operations() -> None:
