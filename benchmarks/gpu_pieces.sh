@@ -18,9 +18,9 @@
 # Stages of `bench` (STAGES, comma-separated; the default runs all, in this order):
 #   main      specdraft bench, HumanEval 10 and MT-Bench 10 x 128: eager generate, compiled
 #             static-cache generate, our plain decoding and our default (the GPU's defaults:
-#             exact mode on in bfloat16, Token Recycling among the sources), each also without
-#             exact mode (@noexact: its price in the same process), the CPU's default sources,
-#             and where FlashAttention 4 is installed both on the flash split (@flash)
+#             exact mode on in bfloat16, Token Recycling among the sources), each also with
+#             compiled forwards (@compiled, without exact mode), and where FlashAttention 4 is
+#             installed both on the flash split (@flash)
 #             (MAIN_METHODS overrides the list)
 #   exact     the same prompts with --exact for every method (only when named in STAGES)
 #   batch     --concurrency 1,8 on HumanEval 8 x 64 (batched generate against our batched decoding)
@@ -132,7 +132,7 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     }
     common=(--model "$model" --dtype bfloat16 --device "${DEVICE:-cuda}" --no-plot -q)
     count=${LIMIT:-10}
-    main_methods=baseline,generate-static,plain,plain@noexact,default,default@noexact,prompt+trie+ngram+suffix
+    main_methods=baseline,generate-static,plain,default,plain@compiled,default@compiled
     if "$PY" -c "import flash_attn.cute" 2>/dev/null; then main_methods+=,plain@flash,default@flash; fi
     stage main 300 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" \
         --methods "${MAIN_METHODS:-$main_methods}" \
@@ -143,7 +143,7 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
         --concurrency 1,8 --out "$results/batch"
     "$PY" benchmarks/code_edit.py --jsonl "$KEEP/code_edits.jsonl" >/dev/null 2>&1
     stage edits 150 "$PY" -m specdraft bench "${common[@]}" --dataset "$KEEP/code_edits.jsonl" --limit "$(( count < 6 ? count : 6 ))" \
-        --max-new-tokens 256 --methods "${EDIT_METHODS:-baseline,generate-static,plain,default}" --out "$results/edits"
+        --max-new-tokens 256 --methods "${EDIT_METHODS:-baseline,generate-static,plain,default,default@compiled}" --out "$results/edits"
     say "done: $results"
     pack
     ;;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A five-minute GPU check that needs no checkpoint: the CUDA suite (exactness, CUDA graphs) on tiny
 # models, the step profile of benchmarks/gpu_steps.py on random weights of the 0.5B model's shape
-# (forward ms per width, plain and tree steps with CUDA graphs and eagerly, syncs per step), then
+# (forward ms per width, plain and tree steps with CUDA graphs, compiled and eagerly, syncs per step), then
 # the exact attention's price in CUDA graphs (benchmarks/exact_attention_price.py: sdpa, the
 # Triton kernels, and the torch layout or, where FlashAttention 4 is installed, the flash split,
 # per width and store size).
@@ -17,10 +17,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$out/gpu.txt"
-timeout "${CUDA_SUITE_SECONDS:-150}" "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/ 2>&1 \
+timeout "${CUDA_SUITE_SECONDS:-240}" "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/ 2>&1 \
     | tee "$out/pytest-cuda.txt"
-timeout "${STEPS_SECONDS:-200}" "$PY" benchmarks/gpu_steps.py --shapes qwen2.5-0.5b --contexts 1024 --nodes 8,32 \
-    --repeats 2 --new-tokens 128 --out "$out" 2>&1 | tee "$out/steps.txt"
+timeout "${STEPS_SECONDS:-300}" "$PY" benchmarks/gpu_steps.py --shapes qwen2.5-0.5b --contexts 1024 --nodes 8,32 \
+    --repeats 2 --new-tokens 128 --compile --out "$out" 2>&1 | tee "$out/steps.txt"
 # the attention modes priced: the flash split where FlashAttention 4 is installed (its prefix is a
 # dense product otherwise, which says nothing new), else the exact attention's torch layout
 modes=sdpa,triton,torch

@@ -43,7 +43,7 @@ step "exact attention's price"
 
 # the GPU's defaults (exact mode in bfloat16, Token Recycling among the sources), each beside the
 # same without exact mode (its price in the same process) and the CPU's default sources
-methods=baseline,generate-static,hf-prompt-lookup,plain,plain@noexact,default,default@noexact,prompt+trie+ngram+suffix
+methods=baseline,generate-static,hf-prompt-lookup,plain,plain@noexact,default,default@noexact,plain@compiled,default@compiled,prompt+trie+ngram+suffix
 # the flash split beside sdpa where FlashAttention 4 is installed (pip install -e '.[flash4]')
 "$PY" -c "import flash_attn.cute" 2>/dev/null && methods+=,plain@flash,default@flash
 step "bench: HumanEval 10, MT-Bench 10"

@@ -252,7 +252,7 @@ def gpu_clocks() -> str:
 
 
 def run_shape(shape: str, device: str, dtype: torch.dtype, new: int, contexts: list[int],
-              nodes_list: list[int], repeats: int) -> dict[str, Any]:
+              nodes_list: list[int], repeats: int, compile: bool = False) -> dict[str, Any]:
     """Per context: the methods timed in turns, ``repeats`` rounds, without any probe (medians);
     then one probed run of each of our methods for the GPU/idle split and the sync counts."""
     started = time.perf_counter()
@@ -277,6 +277,11 @@ def run_shape(shape: str, device: str, dtype: torch.dtype, new: int, contexts: l
         decoders["default, fixed 32, eager"] = lambda: eager(Decoder(
             model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=32, adaptive_budget=False))
         decoders["default, adaptive"] = lambda: Decoder(model, None)
+        if compile:  # the decode forwards through torch.compile (without exact mode), beside the above
+            decoders["ours, plain, compiled"] = lambda: Decoder(model, None, sources=[], max_tree_nodes=0, compile=True)
+            decoders["default, fixed 32, compiled"] = lambda: Decoder(
+                model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=32, adaptive_budget=False,
+                compile=True)
         sampling = dict(do_sample=True, seed=0, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
         timed_generate(model, prompt[:64], 8)  # warm-up
         built = {name: make() for name, make in decoders.items()}
@@ -398,6 +403,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nodes", default="8,32,64")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds of the methods, in turns")
     parser.add_argument("--out", default=None, help="folder for results.json")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time plain decoding and a fixed 32-node tree with compile=True (CUDA only)")
     args = parser.parse_args(argv)
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
@@ -409,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(results["config"]), flush=True)
     for shape in args.shapes.split(","):
         results["shapes"][shape] = run_shape(shape, args.device, dtype, args.new_tokens, contexts, nodes,
-                                               args.repeats)
+                                               args.repeats, args.compile)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "results.json"), "w") as fh:

@@ -160,6 +160,9 @@ def _add_generate_command(sub: Any) -> None:
                      help="attention backend; flash = split+merge flash kernel (default: %(default)s)")
     gen.add_argument("--cpu-kernels", choices=list(CPU_KERNELS), default="auto", help=CPU_KERNELS_HELP)
     _add_exact_argument(gen)
+    gen.add_argument("--compile", action="store_true",
+                     help="CUDA only: run the decode forwards through torch.compile before capturing them as CUDA "
+                          "graphs (fused kernels; the first request pays the compile)")
     samp = gen.add_argument_group("sampling (defaults come from the model's generation config)")
     samp.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     samp.add_argument("--temperature", type=_positive_float, metavar="T")
@@ -337,7 +340,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt_ids = _encode_prompt(tokenizer, prompt_text, args.chat)
     decoder = Decoder(model, tokenizer, sources=sources, max_tree_nodes=args.max_tree_nodes,
                       adaptive_budget=not args.fixed_budget, attention=args.attention, cpu_kernels=args.cpu_kernels,
-                      exact=args.exact)
+                      exact=args.exact, compile=args.compile)
     seed_kw = {} if args.seed is None else {"seed": args.seed}
 
     # One warm-up forward serves both runs (same weights, same threads); then one timed run each.

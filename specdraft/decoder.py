@@ -18,7 +18,7 @@ from .batching import BatchRequest, BatchStream, text_pieces
 from .budget import Budget
 from .engine import BatchResult, Drafter, Engine, RequestSpec
 from .engine.widths import RowWidths, exact_buckets, exact_default
-from .model.static import Buckets
+from .model.static import COMPILE_BACKEND, Buckets
 from .kernels.attention_cost import attention_seconds
 from .kernels.exact_rows import load_or_probe
 from .kernels.kernel_costs import choose_kernels
@@ -88,24 +88,42 @@ class Decoder:
     speculation gives the very tokens of plain decoding in bfloat16 and float16 too, where
     rounding otherwise parts them at near-ties. The default (``None``) is on where it costs
     little: bfloat16 and float16 models on a CPU, with ``attention="auto"``.
+
+    ``compile=True`` (CUDA only) runs the decode forwards through ``torch.compile`` before they
+    are captured as CUDA graphs: the compiler fuses the model's many small kernels (norms, rotary
+    embeddings, activations), which a graph replays one after another. The first requests pay
+    two compiles, tens of seconds in all (call :meth:`warm_up` before serving). Like transformers'
+    compiled ``generate``, the fused kernels round differently from eager ones, so greedy outputs
+    may part from eager ``model.generate`` at near-ties. It runs without exact mode, whose widths
+    are probed on the eager kernels (a width-1 forward and a wider one compile to different
+    kernels). Where compiling fails, the forwards run uncompiled and ``runner.static.note`` says why.
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, sources: Sequence[DraftSource] | None = None,
                  max_tree_nodes: int = 32, adaptive_budget: bool = True, attention: str = "auto",
-                 cpu_kernels: str = "auto", exact: bool | None = None) -> None:
+                 cpu_kernels: str = "auto", exact: bool | None = None, compile: bool = False) -> None:
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
                 or not 0 <= max_tree_nodes <= MAX_TREE_NODES:
             raise ValueError(f"max_tree_nodes must be an int in [0, {MAX_TREE_NODES}] (0 = plain decoding), "
                              f"got {max_tree_nodes!r}")
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {attention!r}")
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile must be True or False, got {compile!r}")
+        if exact and compile:
+            raise ValueError("exact=True pads forwards to widths probed on the eager kernels; compile=True runs "
+                             "others, so the two cannot be combined (pass exact=False, or compile=False)")
+        device = getattr(model, "device", torch.device("cpu"))
+        if compile and getattr(device, "type", None) != "cuda":
+            raise ValueError(f"compile=True compiles the decode forwards that a CUDA GPU captures as graphs; the "
+                             f"model is on {device} (leave compile=False there)")
         if exact not in (None, True, False):
             raise ValueError(f"exact must be True, False or None (the default per device and dtype), got {exact!r}")
         if exact and attention not in ("auto", "exact"):
             raise ValueError(f"exact=True runs its own attention; it cannot be combined with attention={attention!r} "
                              "(leave attention='auto')")
         #: whether forwards are padded and attention is exact (see the class docstring)
-        self.exact: bool = exact_default(model, attention) if exact is None else exact
+        self.exact: bool = (exact_default(model, attention) and not compile) if exact is None else exact
         #: the draft sources (a list the engine reads: a source added or removed here takes part
         #: from the next request on)
         self.sources: list[DraftSource] = (list(sources) if sources is not None
@@ -120,6 +138,8 @@ class Decoder:
         self.model = model
         self.tokenizer = tokenizer
         self.max_tree_nodes = max_tree_nodes
+        #: whether decode forwards run through ``torch.compile`` (see the class docstring)
+        self.compile = compile
         previous = getattr(model.config, "_attn_implementation", None)
         if self.exact:
             check_exact_runs_on(getattr(model, "device", torch.device("cpu")))
@@ -236,7 +256,7 @@ class Decoder:
         # on a GPU: the buckets, in exact mode those at which the rule holds (fixed widths serve both)
         buckets = Buckets(exact_buckets(rule), mixes_prompts=rule.wider) if rule is not None else Buckets()
         if self.runner.static is None or self.runner.static.widths != buckets.widths:
-            self.runner.use_static(buckets.widths)
+            self.runner.use_static(buckets.widths, compile_backend=COMPILE_BACKEND if self.compile else None)
         # captured together: the widths one request's trees fill (wider ones, for batches and
         # side blocks, at their first use)
         self.runner.static.together = buckets.up_to(self.max_tree_nodes + 1)

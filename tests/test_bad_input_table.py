@@ -308,6 +308,9 @@ def test_source_specs_name_the_bad_value_and_what_is_allowed(spec: str, fragment
     pytest.param(dict(max_tree_nodes=-3), ("max_tree_nodes", "-3"), id="max_tree_nodes negative"),
     pytest.param(dict(max_tree_nodes=10**8), ("max_tree_nodes", "100000000", "1024"), id="max_tree_nodes huge"),
     pytest.param(dict(sources=["trie"]), ("'trie'", "DraftSource"), id="source name instead of a source"),
+    pytest.param(dict(compile=True), ("compile=True", "CUDA", "cpu"), id="compile on a CPU"),
+    pytest.param(dict(compile="yes"), ("compile", "'yes'"), id="compile not a bool"),
+    pytest.param(dict(compile=True, exact=True), ("exact=True", "compile=True", "exact=False"), id="compile and exact"),
 ])
 def test_decoder_construction(model, kwargs, fragments) -> None:
     with pytest.raises((ValueError, TypeError)) as info:

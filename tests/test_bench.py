@@ -627,3 +627,20 @@ def test_generate_static_pays_its_compile_before_the_timing(tiny) -> None:
     result = method.run(prompt, 8)
     assert result.token_ids == reference_greedy(model, prompt, 8)
     assert result.accept_lengths == [1] * 8 and result.steps == 8  # one token per forward, counted without a hook
+
+
+def test_compiled_suffix_names_compiled_forwards_and_their_plain_reference(tiny) -> None:
+    """``@compiled`` runs one of our methods with ``Decoder(compile=True)``, its plain reference
+    compiled too; on a CPU building it says that compiling is for CUDA."""
+    from specdraft.bench.methods import build_methods, parse_methods, plain_reference
+
+    model, tokenizer = tiny
+    names = parse_methods("plain@compiled,default@fixed@compiled")
+    assert names == ["baseline", "plain@compiled", "default@fixed@compiled"]
+    assert plain_reference("default@fixed@compiled") == "plain@compiled"
+    with pytest.raises(MethodError, match="exact mode runs on eager kernels"):
+        parse_methods("default@exact@compiled")
+    with pytest.raises(MethodError, match="@compiled applies to our decoder"):
+        parse_methods("generate-static@compiled")
+    with pytest.raises(ValueError, match="compile=True .* CUDA"):
+        build_methods(["plain@compiled"], model, tokenizer, 8)

@@ -323,3 +323,41 @@ def test_drafting_pauses_on_cuda_stay_exact() -> None:
     out = dec.generate(PROMPTS[0], max_new_tokens=48)
     assert out.token_ids == generate_greedy(model, PROMPTS[0], 48)
     assert out.stats.skipped_drafts > 0
+
+
+# the compiled forwards last: each compile takes tens of seconds, so a time limit cuts these first
+def test_compiled_decode_forwards_on_cuda_equal_generate() -> None:
+    """``compile=True``: the decode forwards run through ``torch.compile`` (inductor's kernels)
+    and are captured per width; greedy output in float32 stays ``model.generate``'s, alone and
+    batched, and nothing fell back (the compile ran, every width replays a graph)."""
+    from specdraft.model.static import CompiledPass
+
+    model = cuda_model("qwen2")
+    dec = Decoder(model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=16, compile=True)
+    assert dec.generate(PROMPT, max_new_tokens=NEW).token_ids == generate_greedy(model, PROMPT, NEW)
+    prompts = [PROMPT, PROMPT[:8], PROMPT[3:]]
+    result = dec.generate_batch(prompts, max_new_tokens=NEW, concurrency=3)
+    assert [o.token_ids for o in result] == [generate_greedy(model, p, NEW) for p in prompts]
+    static = dec.runner.static
+    assert isinstance(static.model_pass, CompiledPass) and static.captured and static.note == "", static.note
+
+
+def test_compiled_bfloat16_decoding_on_cuda_runs_without_exact_mode_and_agrees_with_uncompiled() -> None:
+    """bfloat16 with ``compile=True``: exact mode is off by default (it would be on without
+    compile), the forwards compile and replay, and greedy tokens agree with the uncompiled
+    decoder's except where rounding parts them at a near-tie (checked on the margins)."""
+    model = wide_cuda_model(torch.bfloat16)
+    compiled = Decoder(model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=24, compile=True)
+    assert not compiled.exact
+    plain = Decoder(model, None, sources=[], max_tree_nodes=0, exact=False)
+    prompt = repetitive_prompt(0)
+    out = compiled.generate(prompt, max_new_tokens=48).token_ids
+    ref = plain.generate(prompt, max_new_tokens=48).token_ids
+    static = compiled.runner.static
+    assert static.captured and static.note == "", static.note
+    parted = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), None)
+    if parted is not None:  # a near-tie at the first difference, read from the uncompiled model
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + ref[:parted]], device="cuda")).logits[0, -1].float()
+        top = logits.topk(2).values
+        assert float(top[0] - top[1]) <= 0.125, (parted, out, ref)

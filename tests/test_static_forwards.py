@@ -202,3 +202,69 @@ def test_warm_up_captures_and_sizes_the_store_so_requests_capture_nothing() -> N
     assert begun and not captures and dec.runner.store.layout_key() == layout
     with pytest.raises(ValueError, match="context_tokens"):
         dec.warm_up(1)
+
+
+class CountingBackend:
+    """A ``torch.compile`` backend that counts the graphs it is handed and runs each as traced:
+    dynamo's tracing of the static forward (its side effects on the store, its dynamic shapes),
+    without generating kernels. ``fail`` makes compiling raise instead."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.graphs = 0
+        self.fail = fail
+
+    def __call__(self, graph_module, example_inputs):
+        if self.fail:
+            raise RuntimeError("no kernels here")
+        self.graphs += 1
+        return graph_module.forward
+
+
+def test_compiled_static_forwards_decode_exactly_with_two_compiles() -> None:
+    """``compile=True``'s path: the static forward's body through ``torch.compile`` (a backend
+    that runs what dynamo traced), captured per width. Outputs stay ``model.generate``'s, alone,
+    batched and after the store grew, and every width, store size and decoder shares two
+    compiled graphs per attention implementation (width 1, and a dynamic one for the rest; on a
+    CPU a batch runs another implementation than one request)."""
+    model = tiny_model("qwen2")
+    backend = CountingBackend()
+    implementations = set()
+    for max_new, prompts in ((NEW, [PROMPT]), (NEW, [PROMPT, PROMPT[:8], PROMPT[3:]]), (24, [PROMPT * 5]),
+                             (NEW, [PROMPT[2:], PROMPT])):
+        dec = Decoder(model, None, max_tree_nodes=12)
+        static = dec.runner.use_static(capture=True, graph_kind=RerunGraph, compile_backend=backend)
+        dec.engine.padding = Buckets()
+        static.together = (1, 8, 16)
+        compiled = static.model_pass
+        static.model_pass = lambda *args: (implementations.add(model.config._attn_implementation), compiled(*args))[1]
+        result = dec.generate_batch(prompts, max_new_tokens=max_new, concurrency=len(prompts))
+        assert [o.token_ids for o in result] == [reference_greedy(model, p, max_new) for p in prompts]
+        assert static.note == "" and static.captured == [1, 8, 16]
+    assert len(implementations) == 2 and backend.graphs == 2 * len(implementations)
+
+
+def test_a_forward_that_does_not_compile_runs_uncompiled_and_says_why() -> None:
+    model = tiny_model("qwen2")
+    dec = Decoder(model, None, max_tree_nodes=12)
+    dec.runner.use_static(capture=True, graph_kind=RerunGraph, compile_backend=CountingBackend(fail=True))
+    dec.engine.padding = Buckets()
+    assert dec.generate(PROMPT, max_new_tokens=NEW).token_ids == reference_greedy(model, PROMPT, NEW)
+    assert "torch.compile failed" in dec.runner.static.note and "no kernels here" in dec.runner.static.note
+
+
+@pytest.mark.slow
+def test_inductor_compiled_static_forwards_decode_exactly() -> None:
+    """The real compiler: inductor generates the static forward's kernels (C++ on a CPU, about half
+    a minute); outputs stay ``model.generate``'s in float64, alone and batched."""
+    from specdraft.model.static import COMPILE_BACKEND
+
+    model = tiny_model("qwen2")
+    dec = Decoder(model, None, max_tree_nodes=12)
+    static = dec.runner.use_static(capture=True, graph_kind=RerunGraph, compile_backend=COMPILE_BACKEND)
+    dec.engine.padding = Buckets()
+    static.together = (1, 8, 16)
+    assert dec.generate(PROMPT, max_new_tokens=NEW).token_ids == reference_greedy(model, PROMPT, NEW)
+    prompts = [PROMPT, PROMPT[:8]]
+    result = dec.generate_batch(prompts, max_new_tokens=NEW, concurrency=2)
+    assert [o.token_ids for o in result] == [reference_greedy(model, p, NEW) for p in prompts]
+    assert static.note == "", static.note

@@ -38,8 +38,9 @@ runs ``cpu_kernels="stock"``, ``@packed`` ``"packed"`` (oneDNN-packed linear wei
 (``plain,plain@exact``, or ``plain,plain@noexact`` where exact mode is the default); its "vs plain"
 reference is ``plain`` with the same suffix. ``@flash`` runs the method on the flash split
 (``Decoder(attention="flash")``, without exact mode; :mod:`specdraft.model.attention`), its
-reference ``plain@flash``. One suffix of each kind may be given together
-(``default@fixed@packed@exact``, ``default@fixed@flash``). ``baseline`` and ``hf-prompt-lookup``
+reference ``plain@flash``. ``@compiled`` runs it with ``Decoder(compile=True)`` (a GPU's decode
+forwards through ``torch.compile``, without exact mode), its reference ``plain@compiled``. One suffix of each kind
+may be given together (``default@fixed@packed@exact``, ``default@fixed@flash@compiled``). ``baseline`` and ``hf-prompt-lookup``
 always run stock ``model.generate``.
 
 **State across prompts.** Each method object is built once per dataset and keeps its draft
@@ -172,7 +173,8 @@ def valid_method_names() -> str:
             f"with sources from: {sources} (each NAME or NAME[key=value,...]); add {FIXED_SUFFIX} to one of ours to "
             f"switch its adaptive budget off, {' or '.join(KERNEL_SUFFIXES)} to run it on those CPU kernels instead of "
             f"{DEFAULT_KERNELS!r}, {' or '.join(EXACT_SUFFIXES)} to run it with exact mode on or off, "
-            f"{' or '.join(ATTENTION_SUFFIXES)} to run it on that attention")
+            f"{' or '.join(ATTENTION_SUFFIXES)} to run it on that attention, {' or '.join(COMPILE_SUFFIXES)} to "
+            f"compile its GPU forwards")
 
 
 #: Suffix of a method name that turns the adaptive tree budget off (``default@fixed``,
@@ -195,6 +197,9 @@ EXACT_SUFFIXES = {"@exact": True, "@noexact": False}
 #: which runs without exact mode): ``plain@flash,default@flash`` beside ``plain@noexact`` and
 #: ``default@noexact`` time it against ``sdpa`` in one process.
 ATTENTION_SUFFIXES = {"@flash": "flash"}
+#: Suffix of a method name that runs our decoder with ``Decoder(compile=True)`` (CUDA only):
+#: ``plain@compiled,default@compiled`` beside ``plain,default`` time compiled forwards in one process.
+COMPILE_SUFFIXES = {"@compiled": True}
 
 
 @dataclass(frozen=True)
@@ -210,7 +215,8 @@ class _SuffixKind:
 SUFFIX_KINDS = {"budget": _SuffixKind(BUDGET_SUFFIXES, "adaptive", "budgets"),
                 "kernels": _SuffixKind(KERNEL_SUFFIXES, DEFAULT_KERNELS, "CPU kernels"),
                 "exact": _SuffixKind(EXACT_SUFFIXES, None, "exact modes"),
-                "attention": _SuffixKind(ATTENTION_SUFFIXES, None, "attention backends")}
+                "attention": _SuffixKind(ATTENTION_SUFFIXES, None, "attention backends"),
+                "compile": _SuffixKind(COMPILE_SUFFIXES, False, "compile modes")}
 
 
 def _split_suffixes(name: str) -> tuple[str, dict[str, Any]]:
@@ -259,6 +265,9 @@ def _canonical(name: str) -> str:
                 raise MethodError(f"{_suffix(kind, value)} applies to our decoder's methods, not to {base!r}")
         if chosen["budget"] != "adaptive" and base == PLAIN:
             raise MethodError(f"{_suffix('budget', chosen['budget'])} means nothing for {PLAIN!r}, which checks no drafts")
+        if chosen["exact"] and chosen["compile"]:
+            raise MethodError(f"method {name + suffixes!r}: exact mode runs on eager kernels; @compiled runs without "
+                              f"it (drop @exact)")
         if chosen["exact"] and chosen["attention"] is not None:
             raise MethodError(f"method {name + suffixes!r}: exact mode runs its own attention; "
                               f"{_suffix('attention', chosen['attention'])} runs without it (drop @exact)")
@@ -451,7 +460,8 @@ class SpecdraftMethod:
 
     def __init__(self, name: str, model: Any, tokenizer: Any, source_names: Sequence[str],
                  max_tree_nodes: int = 32, adaptive_budget: bool = True, cpu_kernels: str = DEFAULT_KERNELS,
-                 exact: bool | None = None, drafting_pauses: bool = True, attention: str = "auto") -> None:
+                 exact: bool | None = None, drafting_pauses: bool = True, attention: str = "auto",
+                 compile: bool = False) -> None:
         from specdraft.sources.registry import make_sources
 
         self.name = name
@@ -460,13 +470,15 @@ class SpecdraftMethod:
         self.cpu_kernels = cpu_kernels
         self.exact = exact
         self.attention = attention
+        self.compile = compile
         self.drafting_pauses = drafting_pauses
         self.description = (("specdraft Decoder with sources " + "+".join(self.source_names) if self.source_names
                              else "specdraft Decoder, plain decoding (no sources, max_tree_nodes=0)")
                             + ("" if adaptive_budget else f", fixed budget of {max_tree_nodes} nodes")
                             + ("" if drafting_pauses else ", no drafting pauses")
                             + f", cpu_kernels={cpu_kernels!r}"
-                            + ("" if attention == "auto" else f", attention={attention!r}"))
+                            + ("" if attention == "auto" else f", attention={attention!r}")
+                            + (", compile=True" if compile else ""))
         self.model = model
         self.tokenizer = tokenizer
         self.max_tree_nodes = max_tree_nodes
@@ -484,7 +496,7 @@ class SpecdraftMethod:
 
         decoder = Decoder(self.model, self.tokenizer, sources=sources, max_tree_nodes=self.max_tree_nodes,
                           adaptive_budget=self.adaptive_budget, cpu_kernels=self.cpu_kernels, exact=self.exact,
-                          attention=self.attention)
+                          attention=self.attention, compile=self.compile)
         if not self.drafting_pauses:
             decoder.budget.drafting_share = 0.0
         return decoder
@@ -560,9 +572,9 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32
     attention = chosen["attention"] or "auto"
     if chosen["exact"] is not None:
         exact = chosen["exact"]
-    elif attention != "auto":
-        exact = False  # another attention than the default runs without exact mode
-    options = dict(cpu_kernels=chosen["kernels"], exact=exact, attention=attention)
+    elif attention != "auto" or chosen["compile"]:
+        exact = False  # another attention than the default, or compiled forwards, run without exact mode
+    options = dict(cpu_kernels=chosen["kernels"], exact=exact, attention=attention, compile=chosen["compile"])
     if base == PLAIN:
         return SpecdraftMethod(PLAIN + suffix, model, tokenizer, [], 0, adaptive_budget=True, **options)
     budget = chosen["budget"]

@@ -149,10 +149,12 @@ class ModelRunner:
         return self.model.device
 
     def use_static(self, widths: Sequence[int] = WIDTHS, capture: bool | None = None,
-                   graph_kind: Callable[[Callable[[], torch.Tensor]], Any] | None = None) -> StaticForwards:
+                   graph_kind: Callable[[Callable[[], torch.Tensor]], Any] | None = None,
+                   compile_backend: str | Callable[..., Any] | None = None) -> StaticForwards:
         """Run decode forwards at the fixed ``widths`` (the caller pads them there) over static
-        buffers, each width captured as a CUDA graph where it can be (:mod:`specdraft.model.static`)."""
-        self.static = StaticForwards(self.device, widths, capture, graph_kind)
+        buffers, each width captured as a CUDA graph where it can be, and compiled by
+        ``torch.compile`` with ``compile_backend`` if one is named (:mod:`specdraft.model.static`)."""
+        self.static = StaticForwards(self.device, widths, capture, graph_kind, compile_backend)
         return self.static
 
     @property
@@ -242,7 +244,7 @@ class ModelRunner:
         the bucket's graph replayed (or run eagerly); unused move slots move ``scratch``'s row."""
         static = self.static
         forward = static_forward(self.model, self.store, self.windows, self.mask_kind, self._cache_keyword,
-                                 self.store.capacity, self.flash_layouts)
+                                 self.store.capacity, self.flash_layouts, static.model_pass)
         for width in static.uncaptured(self.store):
             if width <= scratch.capacity:  # (a wider one would move the scratch region: at its first use)
                 self._capture_on_pad_rows(width, scratch, forward)

@@ -19,6 +19,11 @@ When graphs are captured
     are captured together, on pad rows alone, before its first decode forward runs, and again
     after the store's buffers move; a width outside them is captured at its first use.
 
+Compiled
+    With ``Decoder(compile=True)`` the model's part of the forward runs through ``torch.compile``
+    before capture (:class:`CompiledPass`): a graph replays every kernel of the eager model, and
+    the compiler fuses the small ones.
+
 What runs here: forwards whose rows are all trees (decode steps). A prompt's chunks are as wide as
 they come and run eagerly (:meth:`~specdraft.model.runner.ModelRunner.forward`).
 """
@@ -80,7 +85,8 @@ class StaticForwards:
     """The static buffers and the captured graphs of one model runner (see the module docstring)."""
 
     def __init__(self, device: torch.device, widths: Sequence[int] = WIDTHS, capture: bool | None = None,
-                 graph_kind: Callable[[Callable[[], torch.Tensor]], Any] | None = None) -> None:
+                 graph_kind: Callable[[Callable[[], torch.Tensor]], Any] | None = None,
+                 compile_backend: str | Callable[..., Any] | None = None) -> None:
         self.widths = tuple(sorted(widths))
         self.max_width = self.widths[-1]
         w = self.max_width
@@ -102,7 +108,10 @@ class StaticForwards:
         self.block = self.buffer[self._ints : self._ints + self._bools].view(torch.bool).view(w, w)
         self.capture = (device.type == "cuda" and torch.cuda.is_available()) if capture is None else capture
         #: why forwards run eagerly (empty while graphs are captured and replayed)
-        self.note = "" if self.capture else f"no CUDA graphs on {device.type}: eager forwards at fixed widths"
+        self._capture_note = "" if self.capture else f"no CUDA graphs on {device.type}: eager forwards at fixed widths"
+        #: what runs a forward's body: eagerly, or compiled by ``torch.compile`` (:class:`CompiledPass`)
+        self.model_pass: Callable[..., torch.Tensor] = (CompiledPass(compile_backend) if compile_backend
+                                                        else model_pass_eager)
         #: what a capture makes: :class:`CudaGraph`, or :class:`RerunGraph` to exercise capture on a CPU
         self._graph_kind = graph_kind or CudaGraph
         self._graphs: dict[int, Any] = {}
@@ -111,6 +120,13 @@ class StaticForwards:
         #: the widths captured together, before the first forward that needs any of them (and
         #: again after the store's buffers move); a wider one is captured at its first use
         self.together: tuple[int, ...] = self.widths
+
+    @property
+    def note(self) -> str:
+        """Why forwards run eagerly or uncompiled (empty while they run as asked)."""
+        failure = getattr(self.model_pass, "failure", None)
+        compiled = f"torch.compile failed ({failure}): uncompiled forwards" if failure else ""
+        return "; ".join(n for n in (self._capture_note, compiled) if n)
 
     @property
     def captured(self) -> list[int]:
@@ -207,7 +223,7 @@ class StaticForwards:
             self._graphs[width] = self._graph_kind(fn)
         except Exception as exc:  # noqa: BLE001 - an uncapturable forward runs eagerly, and says why
             self.capture = False
-            self.note = f"CUDA graph capture failed at width {width} ({type(exc).__name__}: {exc}); eager forwards"
+            self._capture_note = f"CUDA graph capture failed at width {width} ({type(exc).__name__}: {exc}); eager forwards"
 
 
 class CudaGraph:
@@ -244,25 +260,80 @@ class RerunGraph:
 
 
 def static_forward(model: Any, store: KVStore, windows: dict[str, int | None], mask_kind: str, cache_keyword: str,
-                   capacity: int, flash: bool = False) -> Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]:
+                   capacity: int, flash: bool = False, model_pass: Callable[..., torch.Tensor] | None = None
+                   ) -> Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]:
     """The forward a bucket runs: the last step's cache moves, then the model over every row, all
-    from the static buffers (what a graph captures); ``flash``: hand the flash split its layout."""
+    from the static buffers (what a graph captures); ``flash``: hand the flash split its layout;
+    ``model_pass``: what runs it (:attr:`StaticForwards.model_pass`; by default eagerly)."""
+    run = model_pass or model_pass_eager
 
     def forward(inputs: dict[str, torch.Tensor], block: torch.Tensor) -> torch.Tensor:
         store.apply_moves(inputs["move_from"], inputs["move_to"])
-        width = inputs["ids"].shape[0]
-        store.begin_forward(Writes(inputs["write"], None, capacity, capacity - width))
-        layout = RowLayout(inputs["positions"], inputs["region_start"], inputs["region_length"], inputs["segment"],
-                           inputs["write"], inputs["tree_rows"], block)
-        mask = layer_masks(layout, capacity, windows, mask_kind, model.dtype)
-        kwargs: dict[str, Any] = {cache_keyword: store}
-        if flash:
-            kwargs[FLASH_LAYOUT_KEYWORD] = flash_layout(layout)
-        try:
-            out = model(input_ids=inputs["ids"][None], position_ids=inputs["positions"][None], attention_mask=mask,
-                        use_cache=True, logits_to_keep=inputs["keep"], **kwargs)
-        finally:
-            store.begin_forward(None)
-        return out.logits[0]
+        return run(model, store, windows, mask_kind, cache_keyword, capacity, flash, inputs, block)
 
     return forward
+
+
+def model_pass_eager(model: Any, store: KVStore, windows: dict[str, int | None], mask_kind: str,
+                     cache_keyword: str, capacity: int, flash: bool, inputs: dict[str, torch.Tensor],
+                     block: torch.Tensor) -> torch.Tensor:
+    """The model's part of :func:`static_forward`'s forward (a function of its arguments alone, so
+    that one compiled copy of it serves every decoder, store and width). Running it twice over the
+    same inputs gives the same result (it writes the new rows to the same columns again): the
+    cache moves, which must not run twice, stay outside it."""
+    width = inputs["ids"].shape[0]
+    store.begin_forward(Writes(inputs["write"], None, capacity, capacity - width))
+    layout = RowLayout(inputs["positions"], inputs["region_start"], inputs["region_length"], inputs["segment"],
+                       inputs["write"], inputs["tree_rows"], block)
+    mask = layer_masks(layout, capacity, windows, mask_kind, model.dtype)
+    kwargs: dict[str, Any] = {cache_keyword: store}
+    if flash:
+        kwargs[FLASH_LAYOUT_KEYWORD] = flash_layout(layout)
+    try:
+        out = model(input_ids=inputs["ids"][None], position_ids=inputs["positions"][None], attention_mask=mask,
+                    use_cache=True, logits_to_keep=inputs["keep"], **kwargs)
+    finally:
+        store.begin_forward(None)
+    return out.logits[0]
+
+
+#: ``torch.compile``'s backend for compiled forwards (tests hand a callable backend that runs
+#: the traced graph as it is: the same tracing, without generating kernels)
+COMPILE_BACKEND = "inductor"
+_compiled: dict[Any, Callable[..., torch.Tensor]] = {}
+#: How many compiled versions of the forward a process may hold (dynamo's default, 8, is met by
+#: a few models or attention implementations at two versions each; past it, dynamo would run the
+#: forward uncompiled without a word). Raised only around this forward's calls.
+RECOMPILE_LIMIT = 64
+
+
+class CompiledPass:
+    """:func:`model_pass_eager` through ``torch.compile``, one compiled copy per process and backend.
+
+    Why: inside a CUDA graph a forward no longer pays for launches, but it still runs every small
+    kernel of the eager model one after another (a norm is seven, a rotary embedding ten per
+    layer), each a few microseconds on a GPU however little it computes. The compiler fuses them.
+    Shapes are dynamic (``dynamic=True``): the widths, the store's capacity and the decoders
+    share two compiled versions (width 1 and the rest) instead of one per width and store size,
+    each tens of seconds. What it runs is captured as each width's graph as before.
+
+    Where compiling fails, the forward runs eagerly from then on and :attr:`failure` says why."""
+
+    def __init__(self, backend: str | Callable[..., Any] | None = None) -> None:
+        self.backend = backend or COMPILE_BACKEND
+        #: why compiling failed (``None``: it has not)
+        self.failure: str | None = None
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        if self.failure is None:
+            compiled = _compiled.get(self.backend)
+            if compiled is None:
+                compiled = _compiled[self.backend] = torch.compile(model_pass_eager, backend=self.backend,
+                                                                     dynamic=True)
+            try:
+                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                    return compiled(*args)
+            except torch._dynamo.exc.TorchDynamoException as exc:  # compiling failed (a rerun is harmless)
+                cause = getattr(exc, "inner_exception", None) or exc
+                self.failure = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+        return model_pass_eager(*args)
