@@ -327,6 +327,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     import torch
 
+    if args.compile and args.exact:
+        raise UsageError("--compile runs without exact mode (its widths are probed on eager kernels); drop --exact")
+    if args.compile and not (args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())):
+        raise UsageError(f"--compile compiles the decode forwards of a CUDA GPU; --device {args.device} runs on the "
+                         "CPU here (drop --compile)")
     from specdraft.baseline import time_plain_generate, warmup_forward
     from specdraft.models import load_model
 

@@ -346,6 +346,8 @@ PRELOAD_ROWS = [
     (["generate", "--prompt", "x", "--sources", "trie[prompt_weight=x]"], ("prompt_weight", "'x'")),
     (["generate", "--prompt", "x", "--sources", "jacobi[window=0]"], ("window", ">= 1")),
     (["generate", "--prompt", "x", "--sources", "trie["], ("unbalanced", "trie[")),
+    (["generate", "--prompt", "x", "--compile", "--device", "cpu"], ("--compile", "CUDA", "--device cpu")),
+    (["generate", "--prompt", "x", "--compile", "--exact"], ("--compile", "exact mode", "drop --exact")),
     (["bench", "--dataset", "humaneval", "--limit", "-1"], ("--limit", ">= 0", "-1")),
     (["bench", "--dataset", "humaneval", "--repeats", "0"], ("--repeats", ">= 1", "0")),
     (["bench", "--dataset", "humaneval", "--max-new-tokens", "0"], ("--max-new-tokens", ">= 1", "0")),
