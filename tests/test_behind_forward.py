@@ -16,8 +16,9 @@ import copy
 import pytest
 import torch
 
-from conftest import reference_greedy, tiny_model
+from conftest import OracleSource, reference_greedy, tiny_model
 from specdraft import BatchRequest, Decoder
+from specdraft.engine.pause import DraftPause
 from specdraft.simulated_device import SimulatedDevice
 from specdraft.sources.base import Draft, observes_late
 from specdraft.sources.registry import DEFAULT_SOURCES, make_sources
@@ -276,3 +277,46 @@ def test_a_finished_requests_sources_end_behind_the_next_forward() -> None:
     assert [o.token_ids for o in stream.result()] == [reference_greedy(tiny_model("llama", "sdpa"), p, n) for p, n
                                                       in ((PROMPT, 4), (PROMPT[5:], NEW))]
     assert {e[2] for e in log if e[1] == "end"} == {short_id, short_id + 1}
+
+
+class ProtocolOracle(OracleSource):
+    """The oracle, checking the source protocol: per request, every ``observe`` follows a
+    ``propose`` made since the last ``observe``."""
+
+    def __init__(self, sequence, name: str = "oracle") -> None:
+        super().__init__(sequence, name=name)
+        self.open: dict[int, bool] = {}
+
+    def propose(self, context, budget: int) -> Draft:
+        self.open[context.request_id] = True
+        return super().propose(context, budget)
+
+    def observe(self, feedback) -> None:
+        assert self.open.pop(feedback.context.request_id, False), "observe without a propose before it"
+
+
+@pytest.mark.parametrize("hidden", [True, False])
+def test_a_pause_on_an_accelerator_drafts_behind_the_forward_for_the_next_step(monkeypatch, hidden: bool) -> None:
+    """Every step a drafting pause's step: on an accelerator no source is asked before the
+    forward; each drafts behind it, from the context before the step's tokens, and the next step
+    checks what of those drafts follows them, so the oracle's drafts are still accepted, a step
+    late. On a CPU the pause's steps check nothing. Outputs are generate's either way, alone and
+    batched, and each observe still follows a propose."""
+    model = tiny_model("llama")
+    prompts = [PROMPT, PROMPT[3:]]
+    refs = [reference_greedy(model, p, 24) for p in prompts]
+    monkeypatch.setattr(DraftPause, "skip", lambda self: True)
+    oracle = ProtocolOracle(prompts[0] + refs[0])
+    dec = Decoder(model, None, sources=[oracle, *make_sources(list(DEFAULT_SOURCES))], max_tree_nodes=8,
+                  adaptive_budget=False)
+    dec.engine.hide_host_work = hidden
+    out = dec.generate(prompts[0], max_new_tokens=24)
+    assert out.token_ids == refs[0]
+    assert out.stats.skipped_drafts == out.stats.steps - 1  # every tree step (the first token: the prompt's)
+    if hidden:
+        assert out.stats.steps <= 24 // 2  # the lagged drafts were checked and accepted
+        assert sum(a > 1 for a in out.stats.accept_lengths) >= 2
+    else:
+        assert out.stats.steps == 24
+    result = dec.generate_batch(prompts, max_new_tokens=24, concurrency=2)
+    assert [o.token_ids for o in result] == refs

@@ -50,6 +50,22 @@ def test_the_longest_pause_keeps_drafting_within_its_share_of_a_step(draft_secon
         assert draft_seconds / longest > SHARE * step_seconds
 
 
+def test_a_pause_whose_drafts_run_behind_the_forward_lasts_up_to_max_pause_and_ends_when_they_pay():
+    """Lagged drafts (made behind a forward, on an accelerator) cost no step anything: the pause
+    doubles up to MAX_PAUSE whatever drafting costs, and a lagged draft that pays ends it at once."""
+    pause = DraftPause()
+    pause.drafted(0.001)  # a draft costs a quarter of a 4 ms plain step: on time, pauses of at most 4
+    assert pause.longest(0.004, SHARE) == 4
+    lengths = []
+    for _ in range(12):
+        pause.settled(0, 0.004, SHARE, hidden=True)
+        lengths.append(pause.left)
+    assert lengths == [0] * 6 + [1, 2, 4, 8, MAX_PAUSE, MAX_PAUSE]
+    pause.skip()
+    pause.settled(2, 0.004, SHARE, hidden=True)
+    assert pause.left == 0 and pause.idle == 0
+
+
 def test_no_pause_before_anything_is_known():
     pause = DraftPause()
     for _ in range(20):
@@ -158,11 +174,14 @@ def test_requests_of_a_batch_pause_alone_and_stay_exact():
     assert all(out.stats.skipped_drafts > 0 for out in outs)
 
 
-def test_pauses_leave_seeded_sampling_as_it_was():
-    """A seed gives one output whatever the drafts were, so pausing them changes no sampled token."""
+@pytest.mark.parametrize("hidden", [False, True])
+def test_pauses_leave_seeded_sampling_as_it_was(hidden: bool):
+    """A seed gives one output whatever the drafts were, so pausing them (or, in the accelerator's
+    order, drafting behind the forward in the pause's steps) changes no sampled token."""
     outputs = []
     for share in (0.05, 0.0):
         dec, _ = _decoder(draft_seconds=0.002)
+        dec.engine.hide_host_work = hidden
         dec.budget.drafting_share = share
         out = dec.generate(PROMPTS[1], max_new_tokens=64, do_sample=True, temperature=0.8, top_k=20, seed=7)
         outputs.append((out.token_ids, out.stats.skipped_drafts))

@@ -22,7 +22,7 @@ import torch
 from ..sources.base import Draft, DraftSource, Feedback, SideBlock, observes_late, source_option
 from ..tree import TokenTree
 from .readback import Readback, TopRows
-from .request import LiveRequest, PendingStep
+from .request import LaggedDrafts, LiveRequest, PendingStep
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class Proposal:
     full: TokenTree
     #: the sources drafted (``False``: asked with a budget of 0, a step of a drafting pause)
     drafted: bool = True
+    #: the drafts were made behind the last forward (:meth:`Drafter.propose_lagged`)
+    lagged: bool = False
 
     @property
     def side_rows(self) -> int:
@@ -88,6 +90,7 @@ class Drafter:
         step's ``observe``, and returns at once."""
         if not request.begun and self.sources:
             self.begin(request)
+        request.lagged = None  # (drafts made behind an earlier forward: these are newer)
         context = request.context()
         budget = self.max_tree_nodes if drafting else 0
         depth_limit = request.spec.max_new_tokens - len(request.output) - 1  # the bonus token takes the last slot
@@ -95,6 +98,34 @@ class Drafter:
         full = TokenTree.from_drafts(request.root, [d.branches for d in drafts], budget,
                                      request.acceptance.source_rates)
         return Proposal(drafts, self._fitting_sides(drafts, request.region.length), full, drafting)
+
+    def draft_behind(self, request: LiveRequest) -> None:
+        """On an accelerator, in a step of the request's drafting pause: every source drafts behind
+        the forward, from the context before the step's tokens, for the next step
+        (:meth:`propose_lagged`). The device computes meanwhile, so these drafts cost the step
+        nothing, where drafting between two forwards would make the device wait."""
+        context = request.context()
+        depth_limit = request.spec.max_new_tokens - len(request.output) - 1
+        drafts = [self._propose(source, context, self.max_tree_nodes, depth_limit) for source in self.sources]
+        request.lagged = LaggedDrafts(len(request.committed), drafts)
+
+    def propose_lagged(self, request: LiveRequest) -> Proposal:
+        """A step of the request's drafting pause on an accelerator: the drafts made behind the last
+        forward (:meth:`draft_behind`), each branch that begins with the tokens committed since,
+        cut after them, merged into the full tree as usual (no source is asked now; each drafts
+        behind this step's forward instead). Side blocks stay out: their positions were those of
+        the older context. Without such drafts (the pause's first step), the tree is the root."""
+        lagged, request.lagged = request.lagged, None
+        depth_limit = request.spec.max_new_tokens - len(request.output) - 1
+        drafts = [Draft() for _ in self.sources]
+        if lagged is not None and depth_limit >= 1:
+            since = request.committed[lagged.at:]
+            n = len(since)
+            drafts = [Draft(branches=[list(b[n : n + depth_limit]) for b in d.branches
+                                      if len(b) > n and list(b[:n]) == since]) for d in lagged.drafts]
+        full = TokenTree.from_drafts(request.root, [d.branches for d in drafts], self.max_tree_nodes,
+                                     request.acceptance.source_rates)
+        return Proposal(drafts, [None] * len(drafts), full, drafted=lagged is not None, lagged=True)
 
     def _propose(self, source: DraftSource, context, budget: int, depth_limit: int) -> Draft:
         draft = source.propose(context, budget)

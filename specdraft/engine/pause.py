@@ -20,9 +20,17 @@ after a pause counts at once. Where drafting is cheap next to a step (a CPU) the
 is 0 and nothing changes; where it is dear (a GPU) a request that stops finding drafts still
 looks every few steps.
 
-A skipped step is a plain step, so the output is exactly the same either way. Every source is
-still asked, with a budget of 0 (each ``observe`` follows a ``propose``, as the protocol says),
-and still hears every committed token; the budget learns from every tree drafted.
+On an accelerator a pause's steps still draft, but behind the forward: while the device computes
+step t, every source drafts from the context before step t's tokens, and step t + 1 checks the
+part of those drafts that follows the tokens step t committed
+(:meth:`~specdraft.engine.drafting.Drafter.propose_lagged`). Such drafts are a step late but
+cost the device no wait, so there a pause may last :data:`MAX_PAUSE` steps whatever drafting
+costs, and lagged drafts that pay end it at once.
+
+A skipped step checks nothing or a lagged tree, so the output is exactly the same either way.
+Every source is still asked (on a CPU with a budget of 0; each ``observe`` follows a
+``propose``, as the protocol says) and still hears every committed token; the budget learns from
+every tree drafted.
 """
 
 from __future__ import annotations
@@ -65,16 +73,21 @@ class DraftPause:
             return
         self.seconds = seconds if self.seconds is None else (1 - SMOOTHING) * self.seconds + SMOOTHING * seconds
 
-    def settled(self, draft_tokens: int, plain_step_seconds: float | None, share: float) -> None:
+    def settled(self, draft_tokens: int, plain_step_seconds: float | None, share: float,
+                hidden: bool = False) -> None:
         """A drafted step committed ``draft_tokens`` draft tokens (its tokens but the model's own);
         a plain step now costs ``plain_step_seconds`` (``None``: unknown, or the budget does not
-        choose: no pause); drafts that buy nothing may cost ``share`` of it."""
+        choose: no pause); drafts that buy nothing may cost ``share`` of it. ``hidden``: the step's
+        drafts were made behind a forward (a pause's step on an accelerator), which costs nothing,
+        so the pause may last :data:`MAX_PAUSE` steps; drafts that pay end it at once."""
         self.gain = (1 - SMOOTHING) * self.gain + SMOOTHING * max(0, draft_tokens)
         if self.seconds is None or not plain_step_seconds or self.gain * plain_step_seconds >= self.seconds:
             self.idle = 0
+            self.left = 0
             return
         self.idle += 1
-        self.left = min(2 ** min(self.idle - 1, 30), self.longest(plain_step_seconds, share))
+        longest = MAX_PAUSE if hidden else self.longest(plain_step_seconds, share)
+        self.left = min(2 ** min(self.idle - 1, 30), longest)
 
     def longest(self, plain_step_seconds: float | None, share: float) -> int:
         """The longest pause at which drafting every ``pause + 1`` steps costs at most ``share``

@@ -81,6 +81,18 @@ class PendingStep:
     path_tokens: torch.Tensor | None = None
     #: its sources drafted (``False``: a step of the request's drafting pause, :mod:`.pause`)
     drafted: bool = True
+    #: its drafts were made behind the last forward (:class:`LaggedDrafts`)
+    lagged: bool = False
+
+
+@dataclass(frozen=True)
+class LaggedDrafts:
+    """Every source's draft made behind a forward, from the context of ``at`` committed tokens
+    (before that forward's tokens): the next step checks the part of it that follows them
+    (:meth:`~specdraft.engine.drafting.Drafter.propose_lagged`)."""
+
+    at: int
+    drafts: list[Draft]
 
 
 @dataclass
@@ -115,6 +127,8 @@ class LiveRequest:
     late: list[Callable[[], None]] = field(default_factory=list)
     #: its drafting time, and how many steps it still runs without drafting
     pause: DraftPause = field(default_factory=DraftPause)
+    #: drafts made behind the last forward, during a drafting pause on an accelerator
+    lagged: LaggedDrafts | None = None
     step: PendingStep | None = None
     #: its last step is settled, or it failed (``error``): the loop finishes it after the step
     ending: bool = False

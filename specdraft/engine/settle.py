@@ -60,7 +60,7 @@ def settle(engine: Parts, request: LiveRequest, logits: torch.Tensor, readback: 
         if step.drafted:
             budget = engine.budget
             request.pause.settled(len(tokens) - 1, budget.costs.seconds(1) if budget.chooses else None,
-                                  budget.drafting_share)
+                                  budget.drafting_share, hidden=step.lagged)
     request.stats.new_tokens += len(tokens)
     request.stats.wall_time = engine.clock() - request.admitted
     request.ending = request.ending or done

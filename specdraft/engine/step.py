@@ -69,6 +69,8 @@ class Member:
     chunk_rows: int = 0
     segment: Segment | None = None
     rider_index: int | None = None
+    #: its sources draft behind this forward, for the next step (a drafting pause on an accelerator)
+    drafts_behind: bool = False
 
 
 class Step:
@@ -121,6 +123,12 @@ class Step:
                 members.append(Member(request, "chunk", chunk_rows=rows))
                 continue
             drafting = not request.pause.skip()  # no drafts in a pause (see engine.pause)
+            if not drafting:
+                request.stats.skipped_drafts += 1
+                if self.engine.hides_host_work and request.begun:  # the drafts made behind the last forward
+                    members.append(Member(request, "tree", proposal=self.engine.drafter.propose_lagged(request),
+                                          drafts_behind=True))
+                    continue
             timed = drafting and bool(request.begun)  # (not the first draft: it also reads the prompt)
             started = self.engine.clock()
             try:
@@ -130,8 +138,6 @@ class Step:
                 continue
             if timed:
                 request.pause.drafted(self.engine.clock() - started)
-            if not drafting:
-                request.stats.skipped_drafts += 1
             members.append(Member(request, "tree", proposal=proposal))
         return members
 
@@ -170,7 +176,7 @@ class Step:
             if len(rows.tokens) > region.free:  # side blocks too wide for the region: they stay out
                 rows = tree_rows(tree, [None] * len(sides))
             request.step = PendingStep("tree", tree, proposal.full, proposal.drafts, rows.side_slices,
-                                       len(rows.tokens), drafted=proposal.drafted)
+                                       len(rows.tokens), drafted=proposal.drafted, lagged=proposal.lagged)
             m.segment = Segment(region, rows.tokens, rows.offsets + region.length, rows.block, range(len(rows.tokens)))
             if request.penalty is not None and request.batched:
                 m.rider_index = len(riders)
@@ -224,6 +230,11 @@ class Step:
         run_queued(self.behind)
         for m in members:
             request = m.request
+            if m.drafts_behind and not request.ending:
+                try:
+                    self.engine.drafter.draft_behind(request)
+                except Exception as exc:  # noqa: BLE001 - a source that raises ends its request alone
+                    request.fail(exc)
             drafts_later = request.spec.max_new_tokens > 1  # (one token comes from the prompt step alone)
             if m.kind == "chunk" and not request.prefilling and not request.ending and drafts_later \
                     and self.engine.drafter.sources:
