@@ -2,8 +2,8 @@
 
 1. **draft**: each decoding request's sources propose, and their branches merge into its full
    tree (:mod:`specdraft.engine.drafting`); a request whose source raises ends alone; a request
-   whose recent drafts did not pay for their host time skips drafting for a few steps
-   (:mod:`specdraft.engine.pause`);
+   whose recent drafts did not pay for their host time skips drafting for a few steps, and on an
+   accelerator checks instead what it drafted behind the last forward (:mod:`specdraft.engine.pause`);
 2. **plan**: the budget grants each request a number of its tree's nodes, weighing every
    request's expected tokens against the forward's cost (:mod:`specdraft.budget`);
 3. **lay out**: each request's checked tree and side blocks become rows of the forward
@@ -219,9 +219,9 @@ class Step:
         """On an accelerator, while the forward runs: what the last step taught is learned (the
         sources that observe late, the acceptance walk, the statistics: each request's ``late``
         list, filled by its settling), the sources of requests that ended last step are ended
-        (``behind``), and the sources index the prompts that ended in this forward (their first
-        draft then finds them indexed). The read that follows needs none of it, so none of it
-        waits between two forwards."""
+        (``behind``), the sources index the prompts that ended in this forward (their first
+        draft then finds them indexed), and a request in a drafting pause drafts for its next
+        step. The read that follows needs none of it, so none of it waits between two forwards."""
         for request in self.running:
             try:
                 request.learn_late()
