@@ -12,9 +12,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
+# the suite runs in WORKERS processes (pytest-xdist; every test is independent of the others):
+# on CI's 2 cores that halves its time
+WORKERS=${WORKERS:-2}
+
 bash scripts/ensure_torch.sh
 "$PY" -m pip install --quiet -e ".[test,docs]"
-"$PY" -m pytest -q
+"$PY" -m pytest -q -n "$WORKERS"
 
 if [[ "${SPECDRAFT_SKIP_OLDEST:-0}" != "1" ]]; then
     oldest=$("$PY" - <<'PYEOF'
@@ -41,7 +45,7 @@ PYEOF
 import torch, transformers
 print(f"exactness core on the oldest declared transformers: transformers {transformers.__version__}, torch {torch.__version__}")
 PYEOF
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider -n "$WORKERS" \
         tests/test_greedy_identity.py tests/test_sampling_stats.py tests/test_verify_exact.py \
         tests/test_runner.py tests/test_bench.py tests/test_batch.py tests/test_hf_generate.py
     rm -rf "$(dirname "$venv")"

@@ -442,16 +442,20 @@ class SpecdraftLoop:
     """
 
     def __init__(self, sources: Sequence[DraftSource] | None = None, max_tree_nodes: int = 32,
-                 adaptive_budget: bool = True, attention: str = "auto", cpu_kernels: str = "auto") -> None:
+                 adaptive_budget: bool = True, attention: str = "auto", cpu_kernels: str = "auto",
+                 compile: bool = False) -> None:
         _check_transformers()
         if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) or max_tree_nodes < 0:
             raise ValueError(f"max_tree_nodes must be an int >= 0, got {max_tree_nodes!r}")
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile must be True or False, got {compile!r}")
         #: the draft sources every decoder of this loop uses (``None``: each decoder makes the default ones)
         self.sources = list(sources) if sources is not None else None
         self.max_tree_nodes = max_tree_nodes
         self.adaptive_budget = adaptive_budget
         self.attention = attention
         self.cpu_kernels = cpu_kernels
+        self.compile = compile
         self.last_stats: list[GenerationStats | None] = []
         self._held: "weakref.WeakKeyDictionary[Any, _Held]" = weakref.WeakKeyDictionary()
         self._making = threading.Lock()
@@ -472,7 +476,7 @@ class SpecdraftLoop:
             if held is None:
                 decoder = Decoder(model, None, sources=self.sources, max_tree_nodes=self.max_tree_nodes,
                                   adaptive_budget=self.adaptive_budget, attention=self.attention,
-                                  cpu_kernels=self.cpu_kernels)
+                                  cpu_kernels=self.cpu_kernels, compile=self.compile)
                 held = self._held[model] = _Held(decoder)
             return held
 
@@ -688,15 +692,15 @@ def _check_transformers() -> None:
 
 
 def loop(sources: Sequence[DraftSource] | None = None, max_tree_nodes: int = 32, adaptive_budget: bool = True,
-         attention: str = "auto", cpu_kernels: str = "auto") -> SpecdraftLoop:
+         attention: str = "auto", cpu_kernels: str = "auto", compile: bool = False) -> SpecdraftLoop:
     """A decoding loop to pass as ``model.generate(..., custom_generate=loop(...))``.
 
     The arguments are :class:`~specdraft.Decoder`'s: the draft sources (``None``: the default
     combination), the largest tree checked per forward, the adaptive budget, the attention
-    backend and the CPU kernels. Keep the loop and pass it to every call: its decoders and what
-    its sources learned are reused."""
+    backend, the CPU kernels and, on a CUDA GPU, compiled decode forwards. Keep the loop and pass
+    it to every call: its decoders and what its sources learned are reused."""
     return SpecdraftLoop(sources, max_tree_nodes=max_tree_nodes, adaptive_budget=adaptive_budget,
-                         attention=attention, cpu_kernels=cpu_kernels)
+                         attention=attention, cpu_kernels=cpu_kernels, compile=compile)
 
 
 _default_loop: SpecdraftLoop | None = None

@@ -209,6 +209,13 @@ def test_model_config_the_decoder_would_refuse():
     assert got.tolist() == expected.tolist()
 
 
+def test_a_compiled_loop_on_a_cpu_model_says_compiling_is_for_cuda():
+    model = float32_model("llama")
+    inputs = batch_of([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match="compile=True .* CUDA GPU .* cpu"):
+        model.generate(**inputs, max_new_tokens=4, do_sample=False, custom_generate=specdraft.hf.loop(compile=True))
+
+
 def test_return_dict_in_generate():
     model = float32_model("llama")
     inputs = batch_of([[5, 6, 7], [9, 10, 11, 12]])
@@ -500,6 +507,8 @@ def test_refused_by_the_generate_replacement():
 def test_bad_loop_options_fail_at_once():
     with pytest.raises(ValueError, match="max_tree_nodes"):
         specdraft.hf.loop(max_tree_nodes=-1)
+    with pytest.raises(ValueError, match="compile must be True or False, got 'yes'"):
+        specdraft.hf.loop(compile="yes")
 
 
 def test_a_transformers_without_custom_generate_gets_a_clear_error(monkeypatch):
