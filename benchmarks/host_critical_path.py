@@ -191,6 +191,47 @@ def merge_runs(before: list[Path], after: list[Path], out: Path) -> None:
               f"{cell['before']['output_sha1'] == cell['after']['output_sha1']}")
 
 
+def run_real(args: argparse.Namespace) -> None:
+    """``--model``: a real checkpoint's default decoder beside its plain decoding on ``--dataset``
+    prompts (adaptive budget, the device's own order and defaults), each phase's mean ms per
+    decode step, prompt by prompt: where a decoder that checks almost no draft (chat) spends
+    the time plain decoding does not."""
+    from specdraft.bench.datasets import load_prompts
+    from specdraft.models import load_model
+
+    model, tokenizer = load_model(args.model, dtype=args.dtype, progress=False, device=args.device)
+    prompts = [r.token_ids for r in load_prompts(args.dataset, args.prompts, tokenizer)]
+    decoders = {"plain": Decoder(model, tokenizer, sources=[], max_tree_nodes=0), "default": Decoder(model, tokenizer)}
+    for dec in decoders.values():
+        dec.warm_up(1024)
+    clock = PhaseClock()
+    install(clock)
+    rows = []
+    for index, prompt in enumerate(prompts):
+        for name, dec in decoders.items():  # in turns, prompt by prompt
+            clock.reset()
+            stats = GenerationStats()
+            started = time.perf_counter()
+            for _ in dec.stream(prompt, max_new_tokens=args.new_tokens, stats=stats):
+                pass
+            wall = time.perf_counter() - started
+            steps = [s for s in clock.steps if "draft" in s][2:]  # (not the prefill and the prompt step)
+            ms = {p: round(statistics.fmean(s.get(p, 0.0) for s in steps) * 1e3, 4) for p in PHASES}
+            ms["critical"] = round(statistics.fmean(sum(s.get(p, 0.0) for p in CRITICAL) for s in steps) * 1e3, 4)
+            row = {"prompt": index, "decoder": name, "ms_per_token": round(wall * 1e3 / max(1, stats.new_tokens), 3),
+                   "steps": stats.steps, "skipped_drafts": stats.skipped_drafts,
+                   "tokens_per_step": round(stats.mean_accepted, 3), "mean_ms_per_step": ms}
+            rows.append(row)
+            print(f"prompt {index} {name:>7}: {row['ms_per_token']:.2f} ms/token, {stats.steps} steps, "
+                  f"{stats.skipped_drafts} skipped drafts; per step: critical {ms['critical']:.3f}  | "
+                  + "  ".join(f"{p} {ms[p]:.3f}" for p in PHASES), flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(
+            {"config": machine() | {"model": args.model, "dtype": args.dtype, "dataset": args.dataset},
+             "new_tokens": args.new_tokens, "rows": rows}, indent=1) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="1024,4096")
@@ -202,8 +243,18 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="CONTEXT,NODES: print a cProfile of that cell instead")
     parser.add_argument("--merge", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
                         help="instead of measuring: join runs (comma-separated --out folders per side) into --out")
+    parser.add_argument("--model", default=None,
+                        help="instead of the near-free model: this checkpoint's default decoder against its plain "
+                             "decoding on --dataset prompts, every phase's mean ms per step")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="with --model")
+    parser.add_argument("--dataset", default="mtbench", help="with --model")
+    parser.add_argument("--prompts", type=int, default=4, help="with --model")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.model:
+        torch.set_num_threads(1)
+        run_real(args)
+        return
     if args.merge:
         merge_runs([Path(p) for p in args.merge[0].split(",")], [Path(p) for p in args.merge[1].split(",")],
                    args.out or Path("."))
