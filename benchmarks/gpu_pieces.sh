@@ -22,11 +22,12 @@
 #             compiled forwards (@compiled, without exact mode), and where FlashAttention 4 is
 #             installed both on the flash split (@flash)
 #             (MAIN_METHODS overrides the list)
+#   edits     the code-edit set, 6 x 256
 #   chatsteps benchmarks/host_critical_path.py --model: the default beside our plain decoding on 4
 #             MT-Bench prompts, every phase of the step timed (where chat's extra time goes)
 #   exact     the same prompts with --exact for every method (only when named in STAGES)
-#   batch     --concurrency 1,8 on HumanEval 8 x 64 (batched generate against our batched decoding)
-#   edits     the code-edit set, 6 x 256
+#   batch     --concurrency 1,8 on HumanEval 8 x 64 (batched generate against our batched decoding;
+#             last: its target was met at 7a7546a)
 # Everything lands in benchmarks/results/gpu-<gpu>-<date>-<commit>/ there, and, packed after every
 # stage, in $OUT/results.tar.gz (so a stage cut off by the call's limit leaves the ones before it).
 set -uo pipefail
@@ -123,7 +124,7 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     mkdir -p "$results/quick"; cp -r "$KEEP/quick/." "$results/quick/" 2>/dev/null; pack
     stage() {  # stage NAME SECONDS COMMAND...: run it if chosen and time is left, under its limit
         local name=$1 limit=$2; shift 2
-        [[ ",${STAGES:-main,chatsteps,batch,edits}," == *",$name,"* ]] || return 0
+        [[ ",${STAGES:-main,edits,chatsteps,batch}," == *",$name,"* ]] || return 0
         local left=$(( deadline - $(date +%s) ))
         if (( left < 30 )); then say "stage $name skipped: ${left} s left"; return 0; fi
         (( limit > left )) && limit=$left
@@ -139,15 +140,15 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     stage main 300 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" \
         --methods "${MAIN_METHODS:-$main_methods}" \
         --out "$results/main"
+    "$PY" benchmarks/code_edit.py --jsonl "$KEEP/code_edits.jsonl" >/dev/null 2>&1
+    stage edits 150 "$PY" -m specdraft bench "${common[@]}" --dataset "$KEEP/code_edits.jsonl" --limit "$(( count < 6 ? count : 6 ))" \
+        --max-new-tokens 256 --methods "${EDIT_METHODS:-baseline,generate-static,plain,default,default@compiled}" --out "$results/edits"
     stage chatsteps 90 "$PY" benchmarks/host_critical_path.py --device "${DEVICE:-cuda}" --model "$model" \
         --dataset mtbench --prompts 4 --new-tokens 128 --out "$results/chatsteps"
     stage exact 120 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" --exact \
         --methods plain,default --out "$results/exact"
     stage batch 100 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval --limit "$(( count < 8 ? count : 8 ))" --max-new-tokens 64 \
         --concurrency 1,8 --out "$results/batch"
-    "$PY" benchmarks/code_edit.py --jsonl "$KEEP/code_edits.jsonl" >/dev/null 2>&1
-    stage edits 150 "$PY" -m specdraft bench "${common[@]}" --dataset "$KEEP/code_edits.jsonl" --limit "$(( count < 6 ? count : 6 ))" \
-        --max-new-tokens 256 --methods "${EDIT_METHODS:-baseline,generate-static,plain,default,default@compiled}" --out "$results/edits"
     say "done: $results"
     pack
     ;;
