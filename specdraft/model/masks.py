@@ -21,7 +21,7 @@ keyed by layer type for models that mix full and sliding-window layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -44,6 +44,19 @@ class RowLayout:
     tree_rows: torch.Tensor | None
     tree_block: torch.Tensor | None
 
+    #: ``allowed[row, other]`` (bool, on the device) among the forward's own rows, before any
+    #: sliding window: a tree row sees its ancestors and itself (the host's block), a prompt
+    #: chunk's row the rows of its segment at earlier or equal positions. Made once per forward
+    #: (the mask and the flash split's layout both read it, and never write it).
+    new_rows: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        positions = self.positions
+        new = (self.segment[:, None] == self.segment[None, :]) & (positions[None, :] <= positions[:, None])
+        if self.tree_rows is not None:
+            new[self.tree_rows[:, None], self.tree_rows[None, :]] = self.tree_block
+        object.__setattr__(self, "new_rows", new)
+
 
 def allowed_columns(layout: RowLayout, width: int, window: int | None) -> torch.Tensor:
     """``allowed[row, column]`` (bool, on the device) for a forward whose attention reads the
@@ -60,16 +73,12 @@ def allowed_columns(layout: RowLayout, width: int, window: int | None) -> torch.
 
 
 def new_rows_allowed(layout: RowLayout, window: int | None = None) -> torch.Tensor:
-    """``allowed[row, other]`` (bool, on the device) among the forward's own rows: a tree row sees
-    its ancestors and itself (the host's block), a prompt chunk's row the rows of its segment at
-    earlier or equal positions."""
+    """:attr:`RowLayout.new_rows` within a sliding ``window`` (a new tensor; the layout's own is
+    shared)."""
+    if window is None:
+        return layout.new_rows
     positions = layout.positions
-    new = (layout.segment[:, None] == layout.segment[None, :]) & (positions[None, :] <= positions[:, None])
-    if layout.tree_rows is not None:
-        new[layout.tree_rows[:, None], layout.tree_rows[None, :]] = layout.tree_block
-    if window is not None:
-        new &= (positions[:, None] - positions[None, :]) < window
-    return new
+    return layout.new_rows & ((positions[:, None] - positions[None, :]) < window)
 
 
 def model_mask(allowed: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
