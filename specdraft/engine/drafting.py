@@ -91,23 +91,17 @@ class Drafter:
         if not request.begun and self.sources:
             self.begin(request)
         request.lagged = None  # (drafts made behind an earlier forward: these are newer)
-        context = request.context()
         budget = self.max_tree_nodes if drafting else 0
-        depth_limit = request.spec.max_new_tokens - len(request.output) - 1  # the bonus token takes the last slot
-        drafts = [self._propose(source, context, budget, depth_limit) for source in self.sources]
-        full = TokenTree.from_drafts(request.root, [d.branches for d in drafts], budget,
-                                     request.acceptance.source_rates)
-        return Proposal(drafts, self._fitting_sides(drafts, request.region.length), full, drafting)
+        drafts = self._drafts(request, budget)
+        return Proposal(drafts, self._fitting_sides(drafts, request.region.length), _merge(request, drafts, budget),
+                        drafting)
 
     def draft_behind(self, request: LiveRequest) -> None:
         """On an accelerator, in a step of the request's drafting pause: every source drafts behind
         the forward, from the context before the step's tokens, for the next step
         (:meth:`propose_lagged`). The device computes meanwhile, so these drafts cost the step
         nothing, where drafting between two forwards would make the device wait."""
-        context = request.context()
-        depth_limit = request.spec.max_new_tokens - len(request.output) - 1
-        drafts = [self._propose(source, context, self.max_tree_nodes, depth_limit) for source in self.sources]
-        request.lagged = LaggedDrafts(len(request.committed), drafts)
+        request.lagged = LaggedDrafts(len(request.committed), self._drafts(request, self.max_tree_nodes))
 
     def propose_lagged(self, request: LiveRequest) -> Proposal:
         """A step of the request's drafting pause on an accelerator: the drafts made behind the last
@@ -116,16 +110,22 @@ class Drafter:
         behind this step's forward instead). Side blocks stay out: their positions were those of
         the older context. Without such drafts (the pause's first step), the tree is the root."""
         lagged, request.lagged = request.lagged, None
-        depth_limit = request.spec.max_new_tokens - len(request.output) - 1
+        depth_limit = _depth_limit(request)
         drafts = [Draft() for _ in self.sources]
         if lagged is not None and depth_limit >= 1:
             since = request.committed[lagged.at:]
             n = len(since)
             drafts = [Draft(branches=[list(b[n : n + depth_limit]) for b in d.branches
                                       if len(b) > n and list(b[:n]) == since]) for d in lagged.drafts]
-        full = TokenTree.from_drafts(request.root, [d.branches for d in drafts], self.max_tree_nodes,
-                                     request.acceptance.source_rates)
-        return Proposal(drafts, [None] * len(drafts), full, drafted=lagged is not None, lagged=True)
+        return Proposal(drafts, [None] * len(drafts), _merge(request, drafts, self.max_tree_nodes),
+                        drafted=lagged is not None, lagged=True)
+
+    def _drafts(self, request: LiveRequest, budget: int) -> list[Draft]:
+        """Every source's draft of up to ``budget`` nodes from the request's context, its branches
+        cut to the tokens the request may still add."""
+        context = request.context()
+        depth_limit = _depth_limit(request)
+        return [self._propose(source, context, budget, depth_limit) for source in self.sources]
 
     def _propose(self, source: DraftSource, context, budget: int, depth_limit: int) -> Draft:
         draft = source.propose(context, budget)
@@ -187,6 +187,17 @@ class Drafter:
         request.begun = []
         if error is not None and not failed:
             raise error
+
+
+def _depth_limit(request: LiveRequest) -> int:
+    """The deepest draft node a step of ``request`` may check: the step's bonus token takes the
+    last slot of its token limit."""
+    return request.spec.max_new_tokens - len(request.output) - 1
+
+
+def _merge(request: LiveRequest, drafts: Sequence[Draft], budget: int) -> TokenTree:
+    """The full tree of ``drafts``: their best ``budget`` nodes by value (the request's source rates)."""
+    return TokenTree.from_drafts(request.root, [d.branches for d in drafts], budget, request.acceptance.source_rates)
 
 
 def _in_vocabulary(tokens, vocab_size: int) -> bool:

@@ -73,8 +73,8 @@ def allowed_columns(layout: RowLayout, width: int, window: int | None) -> torch.
 
 
 def new_rows_allowed(layout: RowLayout, window: int | None = None) -> torch.Tensor:
-    """:attr:`RowLayout.new_rows` within a sliding ``window`` (a new tensor; the layout's own is
-    shared)."""
+    """:attr:`RowLayout.new_rows` within a sliding ``window`` (a new tensor), or without one the
+    layout's own (read only)."""
     if window is None:
         return layout.new_rows
     positions = layout.positions
