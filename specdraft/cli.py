@@ -319,6 +319,17 @@ def _summary(stats: dict[str, Any]) -> str:
     return line
 
 
+def _check_compile_flag(args: argparse.Namespace) -> None:
+    """``--compile`` is for a CUDA GPU and runs without exact mode: refused before the model loads."""
+    import torch
+
+    if args.compile and args.exact:
+        raise UsageError("--compile runs without exact mode (its widths are probed on eager kernels); drop --exact")
+    if args.compile and not (args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())):
+        raise UsageError(f"--compile compiles the decode forwards of a CUDA GPU; --device {args.device} runs on the "
+                         "CPU here (drop --compile)")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """``specdraft generate``: check every argument before the (slow) model load."""
     source_names = parse_source_names(args.sources) if args.sources is not None else None
@@ -327,11 +338,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     import torch
 
-    if args.compile and args.exact:
-        raise UsageError("--compile runs without exact mode (its widths are probed on eager kernels); drop --exact")
-    if args.compile and not (args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())):
-        raise UsageError(f"--compile compiles the decode forwards of a CUDA GPU; --device {args.device} runs on the "
-                         "CPU here (drop --compile)")
+    _check_compile_flag(args)
     from specdraft.baseline import time_plain_generate, warmup_forward
     from specdraft.models import load_model
 

@@ -48,6 +48,30 @@ class GenerationOutput:
     stats: GenerationStats
 
 
+def _check_options(model: Any, max_tree_nodes: Any, attention: Any, exact: Any, compile: Any) -> None:
+    """Refuse a :class:`Decoder` option outside what is allowed, naming the value and what is."""
+    if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
+            or not 0 <= max_tree_nodes <= MAX_TREE_NODES:
+        raise ValueError(f"max_tree_nodes must be an int in [0, {MAX_TREE_NODES}] (0 = plain decoding), "
+                         f"got {max_tree_nodes!r}")
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {attention!r}")
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile must be True or False, got {compile!r}")
+    if exact and compile:
+        raise ValueError("exact=True pads forwards to widths probed on the eager kernels; compile=True runs "
+                         "others, so the two cannot be combined (pass exact=False, or compile=False)")
+    device = getattr(model, "device", torch.device("cpu"))
+    if compile and getattr(device, "type", None) != "cuda":
+        raise ValueError(f"compile=True compiles the decode forwards that a CUDA GPU captures as graphs; the "
+                         f"model is on {device} (leave compile=False there)")
+    if exact not in (None, True, False):
+        raise ValueError(f"exact must be True, False or None (the default per device and dtype), got {exact!r}")
+    if exact and attention not in ("auto", "exact"):
+        raise ValueError(f"exact=True runs its own attention; it cannot be combined with attention={attention!r} "
+                         "(leave attention='auto')")
+
+
 class Decoder:
     """Lossless speculative decoding of a Hugging Face causal LM with draft-model-free sources.
 
@@ -102,26 +126,7 @@ class Decoder:
     def __init__(self, model: Any, tokenizer: Any = None, sources: Sequence[DraftSource] | None = None,
                  max_tree_nodes: int = 32, adaptive_budget: bool = True, attention: str = "auto",
                  cpu_kernels: str = "auto", exact: bool | None = None, compile: bool = False) -> None:
-        if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) \
-                or not 0 <= max_tree_nodes <= MAX_TREE_NODES:
-            raise ValueError(f"max_tree_nodes must be an int in [0, {MAX_TREE_NODES}] (0 = plain decoding), "
-                             f"got {max_tree_nodes!r}")
-        if attention not in ATTENTION_CHOICES:
-            raise ValueError(f"attention must be one of {list(ATTENTION_CHOICES)}, got {attention!r}")
-        if not isinstance(compile, bool):
-            raise ValueError(f"compile must be True or False, got {compile!r}")
-        if exact and compile:
-            raise ValueError("exact=True pads forwards to widths probed on the eager kernels; compile=True runs "
-                             "others, so the two cannot be combined (pass exact=False, or compile=False)")
-        device = getattr(model, "device", torch.device("cpu"))
-        if compile and getattr(device, "type", None) != "cuda":
-            raise ValueError(f"compile=True compiles the decode forwards that a CUDA GPU captures as graphs; the "
-                             f"model is on {device} (leave compile=False there)")
-        if exact not in (None, True, False):
-            raise ValueError(f"exact must be True, False or None (the default per device and dtype), got {exact!r}")
-        if exact and attention not in ("auto", "exact"):
-            raise ValueError(f"exact=True runs its own attention; it cannot be combined with attention={attention!r} "
-                             "(leave attention='auto')")
+        _check_options(model, max_tree_nodes, attention, exact, compile)
         #: whether forwards are padded and attention is exact (see the class docstring)
         self.exact: bool = (exact_default(model, attention) and not compile) if exact is None else exact
         #: the draft sources (a list the engine reads: a source added or removed here takes part

@@ -39,8 +39,9 @@ runs ``cpu_kernels="stock"``, ``@packed`` ``"packed"`` (oneDNN-packed linear wei
 reference is ``plain`` with the same suffix. ``@flash`` runs the method on the flash split
 (``Decoder(attention="flash")``, without exact mode; :mod:`specdraft.model.attention`), its
 reference ``plain@flash``. ``@compiled`` runs it with ``Decoder(compile=True)`` (a GPU's decode
-forwards through ``torch.compile``, without exact mode), its reference ``plain@compiled``. One suffix of each kind
-may be given together (``default@fixed@packed@exact``, ``default@fixed@flash@compiled``). ``baseline`` and ``hf-prompt-lookup``
+forwards through ``torch.compile``, without exact mode), its reference ``plain@compiled``. One
+suffix of each kind may be given together (``default@fixed@packed@exact``,
+``default@fixed@flash@compiled``). ``baseline`` and ``hf-prompt-lookup``
 always run stock ``model.generate``.
 
 **State across prompts.** Each method object is built once per dataset and keeps its draft

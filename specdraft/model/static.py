@@ -340,5 +340,6 @@ class CompiledPass:
                     return compiled(*args)
             except torch._dynamo.exc.TorchDynamoException as exc:  # compiling failed (a rerun is harmless)
                 cause = getattr(exc, "inner_exception", None) or exc
-                self.failure = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}"
+                first_line = next(iter(str(cause).strip().splitlines()), "")
+                self.failure = f"{type(cause).__name__}: {first_line}"
         return model_pass_eager(*args)
