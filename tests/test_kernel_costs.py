@@ -70,6 +70,18 @@ def test_measured_once_then_read_from_the_cache(cache_home: Path, monkeypatch: p
     assert len(list(cache_home.glob("*.json"))) == 2
 
 
+def test_measuring_leaves_the_callers_random_stream_alone() -> None:
+    """The measurement makes its sample layers and inputs without drawing from torch's global
+    generator: a decoder built (and measured) after ``torch.manual_seed`` samples as
+    ``model.generate`` would after the same seed."""
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    kc.measure(model, ["stock"], repeats=1)
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_a_cache_that_cannot_be_written_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -161,7 +161,8 @@ def _sample(model: nn.Module) -> list[tuple[nn.Linear, float]]:
         picked = layers[:: max(1, len(layers) // SAMPLE_PER_SHAPE)][:SAMPLE_PER_SHAPE]
         rows = min(out, MAX_SAMPLE_ROWS)
         for layer in picked:
-            copy = nn.Linear(inp, rows, bias=layer.bias is not None, dtype=layer.weight.dtype)
+            # (skip_init: no random initialization, whose draws would move the caller's random stream)
+            copy = nn.utils.skip_init(nn.Linear, inp, rows, bias=layer.bias is not None, dtype=layer.weight.dtype)
             with torch.no_grad():
                 copy.weight.copy_(layer.weight[:rows])
                 if layer.bias is not None:
@@ -194,7 +195,9 @@ def measure(model: nn.Module, paths: Sequence[str], widths: Sequence[int] = WIDT
     runs = {path: _path_layers(sample, path) for path in paths}
     runs = {path: layers for path, layers in runs.items() if layers is not None}
     dtype = model_dtype(model)
-    inputs = {(w, inp): torch.randn(1, w, inp).to(dtype) for w in widths for inp in {l.in_features for l, _ in sample}}
+    generator = torch.Generator().manual_seed(0)  # (its own: the caller's random stream stays where it was)
+    inputs = {(w, inp): torch.randn(1, w, inp, generator=generator).to(dtype)
+              for w in widths for inp in {l.in_features for l, _ in sample}}
     best = {path: [float("inf")] * len(widths) for path in runs}
     with torch.inference_mode():
         for _ in range(max(1, repeats)):
