@@ -8,8 +8,15 @@ needed), one forward's attention -- ``--layers`` calls over one mask, as the lay
 share it -- for every width (rows: a plain step or a tree) and store capacity (columns):
 
 ``sdpa``
-    ``torch.nn.functional.scaled_dot_product_attention`` with the bool mask (what a decode forward
-    runs outside exact mode);
+    ``torch.nn.functional.scaled_dot_product_attention`` with the bool mask and ``enable_gqa``
+    (the reference every mode is checked against);
+``hf-sdpa``
+    transformers' own ``sdpa`` attention function, as a decode forward outside exact mode calls it
+    through the model: with a mask, its versions up to 5.17 repeat the key/value heads over every
+    column (newer ones pack a one-row query's heads instead), and PyTorch picks the kernel;
+``hf-eager``
+    transformers' ``eager`` attention (the model's own products and softmax, an additive mask):
+    whether plain products beat ``sdpa``'s masked kernels at tree widths over long stores;
 ``triton``
     the exact attention in its Triton kernels;
 ``torch``
@@ -43,7 +50,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-MODES = ("sdpa", "triton", "torch", "flash")
+MODES = ("sdpa", "hf-sdpa", "hf-eager", "triton", "torch", "flash")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -127,12 +134,18 @@ def forward_of(mode: str, data: dict[str, Any], layers: int, groups: int) -> Cal
 
     class Module(torch.nn.Module):
         num_key_value_groups = groups
+        is_causal = True
 
     module = Module().eval()
     flash = {FLASH_LAYOUT_KEYWORD: flash_layout_of(data)} if mode == "flash" else {}
+    transformers_attention = _transformers_attention(mode)
 
     def run() -> Any:
         mask = data["allowed"][None, None]
+        layer_mask = mask  # what the model hands its attention: bool, or additive for eager
+        if mode == "hf-eager":
+            layer_mask = torch.zeros(mask.shape, dtype=data["q"].dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(data["q"].dtype).min)
         exact.TRITON = mode == "triton"
         out = None
         for _ in range(layers):
@@ -141,11 +154,27 @@ def forward_of(mode: str, data: dict[str, Any], layers: int, groups: int) -> Cal
                                                                        enable_gqa=True).transpose(1, 2)
             elif mode == "flash":
                 out = tree_flash_attention(module, data["q"], data["k"], data["v"], None, **flash)[0]
+            elif transformers_attention is not None:
+                out = transformers_attention(module, data["q"], data["k"], data["v"], layer_mask, dropout=0.0,
+                                             scaling=data["q"].shape[-1] ** -0.5)[0]
             else:
                 out = exact.exact_attention(module, data["q"], data["k"], data["v"], mask)[0]
         return out
 
     return run
+
+
+def _transformers_attention(mode: str) -> Callable[..., Any] | None:
+    """transformers' attention function a ``hf-`` mode times (``None`` for the other modes)."""
+    if mode == "hf-sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward
+    if mode == "hf-eager":
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        return eager_attention_forward
+    return None
 
 
 def time_forward(run: Callable[[], Any], device: Any, repeats: int) -> tuple[float, Any]:

@@ -2,9 +2,9 @@
 # A five-minute GPU check that needs no checkpoint: the CUDA suite (exactness, CUDA graphs) on tiny
 # models, the step profile of benchmarks/gpu_steps.py on random weights of the 0.5B model's shape
 # (forward ms per width, plain and tree steps with CUDA graphs, compiled and eagerly, syncs per step), then
-# the exact attention's price in CUDA graphs (benchmarks/exact_attention_price.py: sdpa, the
-# Triton kernels, and the torch layout or, where FlashAttention 4 is installed, the flash split,
-# per width and store size).
+# the attention's price in CUDA graphs (benchmarks/exact_attention_price.py: sdpa, transformers'
+# sdpa and eager functions, the Triton kernels and, where FlashAttention 4 is installed, the flash
+# split, per width and store size).
 # Writes into OUT_DIR (default: benchmarks/results/gpu-quick-<date>).
 #
 #   bash benchmarks/gpu_quick.sh [OUT_DIR]
@@ -21,9 +21,11 @@ timeout "${CUDA_SUITE_SECONDS:-240}" "$PY" -m pytest -m cuda -q -p no:cacheprovi
     | tee "$out/pytest-cuda.txt"
 timeout "${STEPS_SECONDS:-300}" "$PY" benchmarks/gpu_steps.py --shapes qwen2.5-0.5b --contexts 1024 --nodes 8,32 \
     --repeats 2 --new-tokens 128 --compile --out "$out" 2>&1 | tee "$out/steps.txt"
-# the attention modes priced: the flash split where FlashAttention 4 is installed (its prefix is a
-# dense product otherwise, which says nothing new), else the exact attention's torch layout
-modes=sdpa,triton,torch
-"$PY" -c "import flash_attn.cute" 2>/dev/null && modes=sdpa,triton,flash
+# the attention modes priced: transformers' own sdpa and eager functions as a decode forward calls
+# them (is the tree forward's extra time sdpa's masked kernel over the whole store?), the Triton
+# kernels, and the flash split where FlashAttention 4 is installed (its prefix is a dense product
+# otherwise, which says nothing new)
+modes=sdpa,hf-sdpa,hf-eager,triton
+"$PY" -c "import flash_attn.cute" 2>/dev/null && modes=$modes,flash
 timeout "${PRICE_SECONDS:-120}" "$PY" benchmarks/exact_attention_price.py --device cuda --modes "$modes" --out "$out/exact-attention-price" \
     2>&1 | tail -n 25 | tee "$out/exact-attention-price.txt"
