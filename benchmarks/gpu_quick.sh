@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A five-minute GPU check that needs no checkpoint: the CUDA suite (exactness, CUDA graphs) on tiny
 # models, the step profile of benchmarks/gpu_steps.py on random weights of the 0.5B model's shape
-# (forward ms per width, plain and tree steps with CUDA graphs, compiled and eagerly, syncs per step), then
+# (forward ms per width, plain and tree steps with CUDA graphs, compiled and eagerly, through sdpa and
+# transformers' eager attention, syncs per step), then
 # the attention's price in CUDA graphs (benchmarks/exact_attention_price.py: sdpa, transformers'
 # sdpa and eager functions, the Triton kernels and, where FlashAttention 4 is installed, the flash
 # split, per width and store size).
@@ -20,7 +21,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 timeout "${CUDA_SUITE_SECONDS:-240}" "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/ 2>&1 \
     | tee "$out/pytest-cuda.txt"
 timeout "${STEPS_SECONDS:-300}" "$PY" benchmarks/gpu_steps.py --shapes qwen2.5-0.5b --contexts 1024 --nodes 8,32 \
-    --repeats 2 --new-tokens 128 --compile --out "$out" 2>&1 | tee "$out/steps.txt"
+    --repeats 2 --new-tokens 128 --compile --attentions eager --out "$out" 2>&1 | tee "$out/steps.txt"
 # the attention modes priced: transformers' own sdpa and eager functions as a decode forward calls
 # them (is the tree forward's extra time sdpa's masked kernel over the whole store?), the Triton
 # kernels, and the flash split where FlashAttention 4 is installed (its prefix is a dense product

@@ -24,6 +24,10 @@ Measured, per model shape:
   figure is large), the prefill's span, and the synchronizing calls per step outside and inside
   the forward (``torch.cuda.set_sync_debug_mode``);
 * the adaptive default, sampling, and ``generate_batch`` (8 requests) for completeness.
+* with ``--compile``, plain decoding and the 32-node tree through ``torch.compile``; with
+  ``--attentions eager``, the same two through transformers' eager attention (a tree forward's
+  masked ``sdpa`` over the whole store may cost more than plain products: the attention price of
+  ``exact_attention_price.py`` says which part).
 
     python benchmarks/gpu_steps.py --shapes qwen2.5-0.5b,qwen2.5-7b --out DIR
 """
@@ -39,7 +43,7 @@ import subprocess
 import sys
 import time
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -252,7 +256,8 @@ def gpu_clocks() -> str:
 
 
 def run_shape(shape: str, device: str, dtype: torch.dtype, new: int, contexts: list[int],
-              nodes_list: list[int], repeats: int, compile: bool = False) -> dict[str, Any]:
+              nodes_list: list[int], repeats: int, compile: bool = False,
+              attentions: Sequence[str] = ()) -> dict[str, Any]:
     """Per context: the methods timed in turns, ``repeats`` rounds, without any probe (medians);
     then one probed run of each of our methods for the GPU/idle split and the sync counts."""
     started = time.perf_counter()
@@ -282,6 +287,12 @@ def run_shape(shape: str, device: str, dtype: torch.dtype, new: int, contexts: l
             decoders["default, fixed 32, compiled"] = lambda: Decoder(
                 model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=32, adaptive_budget=False,
                 compile=True)
+        for attention in attentions:  # the same steps through another attention implementation
+            decoders[f"ours, plain, {attention} attention"] = (lambda a=attention: Decoder(
+                model, None, sources=[], max_tree_nodes=0, attention=a))
+            decoders[f"default, fixed 32, {attention} attention"] = (lambda a=attention: Decoder(
+                model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=32, adaptive_budget=False,
+                attention=a))
         sampling = dict(do_sample=True, seed=0, temperature=0.8, top_p=0.9, repetition_penalty=1.1)
         timed_generate(model, prompt[:64], 8)  # warm-up
         built = {name: make() for name, make in decoders.items()}
@@ -405,7 +416,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="folder for results.json")
     parser.add_argument("--compile", action="store_true",
                         help="also time plain decoding and a fixed 32-node tree with compile=True (CUDA only)")
+    parser.add_argument("--attentions", default="",
+                        help="comma list of attention implementations (eager, flash) to time plain decoding and a "
+                             "fixed 32-node tree with as well (the model's own is sdpa)")
     args = parser.parse_args(argv)
+    attentions = [a for a in args.attentions.split(",") if a]
+    if any(a not in ("eager", "flash", "sdpa") for a in attentions):
+        parser.error(f"--attentions takes some of eager, flash, sdpa; got {args.attentions!r}")
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
         parser.error(f"unknown shapes {unknown}; allowed: {list(SHAPES)}")
@@ -416,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(results["config"]), flush=True)
     for shape in args.shapes.split(","):
         results["shapes"][shape] = run_shape(shape, args.device, dtype, args.new_tokens, contexts, nodes,
-                                               args.repeats, args.compile)
+                                               args.repeats, args.compile, attentions)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "results.json"), "w") as fh:
