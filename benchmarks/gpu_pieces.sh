@@ -120,7 +120,7 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
         [[ -e "$KEEP/quick.done" || -e "$KEEP/quick/exact-attention-price.txt" ]] && break; sleep 1
     done
     pkill -f gpu_quick.sh 2>/dev/null; pkill -f gpu_steps.py 2>/dev/null; pkill -f "pytest -m cuda" 2>/dev/null
-    pkill -f exact_attention_price.py 2>/dev/null
+    pkill -f exact_attention_price.py 2>/dev/null; pkill -f forward_kernels.py 2>/dev/null
     mkdir -p "$results/quick"; cp -r "$KEEP/quick/." "$results/quick/" 2>/dev/null; pack
     stage() {  # stage NAME SECONDS COMMAND...: run it if chosen and time is left, under its limit
         local name=$1 limit=$2; shift 2

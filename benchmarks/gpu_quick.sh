@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A five-minute GPU check that needs no checkpoint: the CUDA suite (exactness, CUDA graphs) on tiny
-# models, the step profile of benchmarks/gpu_steps.py on random weights of the 0.5B model's shape
+# models, a decode forward's kernel time by kind and width (benchmarks/forward_kernels.py), the
+# step profile of benchmarks/gpu_steps.py on random weights of the 0.5B model's shape
 # (forward ms per width, plain and tree steps with CUDA graphs, compiled and eagerly, through sdpa and
 # transformers' eager attention, syncs per step), then
 # the attention's price in CUDA graphs (benchmarks/exact_attention_price.py: sdpa, transformers'
@@ -20,6 +21,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
     | tee -a "$out/gpu.txt"
 timeout "${CUDA_SUITE_SECONDS:-240}" "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/ 2>&1 \
     | tee "$out/pytest-cuda.txt"
+# where a decode forward's device time goes at each width (kernels by kind): exact mode as the
+# decoder defaults to, and sdpa without it
+timeout "${KERNELS_SECONDS:-60}" "$PY" benchmarks/forward_kernels.py --device cuda --out "$out/forward-kernels" \
+    2>&1 | tail -n 30 | tee "$out/forward-kernels.txt"
+timeout "${KERNELS_SECONDS:-60}" "$PY" benchmarks/forward_kernels.py --device cuda --exact off \
+    --out "$out/forward-kernels-sdpa" 2>&1 | tail -n 30 | tee "$out/forward-kernels-sdpa.txt"
 timeout "${STEPS_SECONDS:-300}" "$PY" benchmarks/gpu_steps.py --shapes qwen2.5-0.5b --contexts 1024 --nodes 8,32 \
     --repeats 2 --new-tokens 128 --compile --attentions eager --out "$out" 2>&1 | tee "$out/steps.txt"
 # the attention modes priced: transformers' own sdpa and eager functions as a decode forward calls

@@ -268,3 +268,26 @@ def test_inductor_compiled_static_forwards_decode_exactly() -> None:
     result = dec.generate_batch(prompts, max_new_tokens=NEW, concurrency=2)
     assert [o.token_ids for o in result] == [reference_greedy(model, p, NEW) for p in prompts]
     assert static.note == "", static.note
+
+
+def test_the_forward_kernel_profile_charges_each_width_its_operations(tmp_path: Path) -> None:
+    """``benchmarks/forward_kernels.py`` on the CPU (its GPU run charges CUDA kernel time): every
+    decode forward is marked with its width, plain decoding runs one row, trees run at buckets, and
+    each width's time is split into kinds that add up to its total."""
+    import json
+
+    import forward_kernels
+
+    assert forward_kernels.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--context", "300",
+                                 "--new-tokens", "6", "--nodes", "0,8", "--out", str(tmp_path)]) == 0
+    runs = json.loads((tmp_path / "kernels.json").read_text())["runs"]
+    assert set(runs["nodes 0"]) == {"1"}
+    assert set(runs["nodes 8"]) - {"1"} and set(runs["nodes 8"]) <= {str(w) for w in WIDTHS}
+    for run in runs.values():
+        for row in run.values():
+            assert row["forwards"] >= 1 and {"matmul", "attention"} <= set(row["kinds"])
+            assert abs(sum(row["kinds"].values()) - row["us_per_forward"]) < 0.1 * len(row["kinds"])
+    assert "| **all** |" in (tmp_path / "kernels.md").read_text()
+    assert forward_kernels.kind_of("aten::addmm") == "matmul"
+    assert forward_kernels.kind_of("aten::_efficient_attention_forward") == "attention"
+    assert forward_kernels.kind_of("aten::index_copy_").startswith("copies")
