@@ -44,8 +44,7 @@ class TokenView(Sequence[int]):
 
     def __getitem__(self, index):  # type: ignore[override]
         if isinstance(index, slice):
-            start, stop, step = index.indices(self._length)
-            return self._tokens[start:stop:step]
+            return self._tokens[slice(*index.indices(self._length))]
         if index < 0:
             index += self._length
         if not 0 <= index < self._length:

@@ -320,12 +320,9 @@ class JacobiLookahead(SourceBase[LookaheadWindow]):
         levels, gen = st.levels, st.generated
         top = self.ngram - 2
         if st.filled < top:  # still filling: grow one level, drop one column everywhere
-            if st.filled == 0:
-                levels[:] = [levels[0][1:], new]
-                gen[:] = [gen[0][1:], [True] * len(new)]
-            else:
-                levels[:] = [lv[1:] for lv in levels] + [new[1:]]
-                gen[:] = [g[1:] for g in gen] + [[True] * (len(new) - 1)]
+            cut = min(st.filled, 1)  # (a level grown from level 0 alone is as wide as it must be)
+            levels[:] = [lv[1:] for lv in levels] + [new[cut:]]
+            gen[:] = [g[1:] for g in gen] + [[True] * (len(new) - cut)]
             return
         # full window: every column completes an n-gram
         for i in range(self.window):
@@ -333,13 +330,9 @@ class JacobiLookahead(SourceBase[LookaheadWindow]):
                 key = root if i == 0 else levels[0][i - 1]
                 st.pool.add(key, [levels[l][i] for l in range(1, top + 1)] + [new[i]])
         drop = 0 if self.advance == "one" else min(max(committed - 1, 0), self.window)
-        new_levels = [levels[1][1 + drop:]]
-        new_gen = [[True] * len(new_levels[0])]  # level-0 cells are keys and prefix only
-        for l in range(2, top + 1):
-            new_levels.append(levels[l][drop:])
-            new_gen.append(gen[l][drop:])
-        new_levels.append(new[drop:])
-        new_gen.append([True] * (len(new) - drop))
+        new_levels = [levels[1][1 + drop:], *(level[drop:] for level in levels[2:]), new[drop:]]
+        # level-0 cells are keys and prefix only
+        new_gen = [[True] * len(new_levels[0]), *(g[drop:] for g in gen[2:]), [True] * (len(new) - drop)]
         if drop:
             for l, level in enumerate(new_levels):
                 want = self.window - 1 if l == 0 else self.window

@@ -99,6 +99,7 @@ from typing import Iterator, Sequence
 
 from .bulk import collector_paused
 from .base import Context, Draft, Feedback
+from .ngram_running import RunningCounts
 
 __all__ = ["MultiLevelNGram", "NGramModel"]
 
@@ -401,14 +402,10 @@ class MultiLevelNGram:
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise ValueError(f"{label} must be an int >= {low}{' or None' if optional else ''}, got {value!r}")
-        if num_tokens < 1:
-            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-        if top_b < 1:
-            raise ValueError(f"top_b must be >= 1, got {top_b}")
-        if branch_depth < 0:
-            raise ValueError(f"branch_depth must be >= 0, got {branch_depth}")
-        if max_requests < 1:
-            raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+        for label, value, low in (("num_tokens", num_tokens, 1), ("top_b", top_b, 1),
+                                  ("branch_depth", branch_depth, 0), ("max_requests", max_requests, 1)):
+            if value < low:
+                raise ValueError(f"{label} must be >= {low}, got {value}")
         if shared:
             max_contexts = DEFAULT_SHARED_MAX_CONTEXTS if max_contexts is None else max_contexts
             max_followers = DEFAULT_SHARED_MAX_FOLLOWERS if max_followers is None else max_followers
@@ -430,11 +427,7 @@ class MultiLevelNGram:
         self._lock = threading.Lock()
         self._requests: OrderedDict[int, _Request] = OrderedDict()
         self._shared_model = self._new_model() if shared else None
-        self._running = None
-        if self._shared_model is not None:
-            from .ngram_running import RunningCounts
-
-            self._running = RunningCounts(self._shared_model)
+        self._running = RunningCounts(self._shared_model) if shared else None
         # rank vectors of the branching positions, best first (see the module docstring)
         depth = min(branch_depth, num_tokens) if top_b > 1 else 0
         self._rank_vectors = sorted(itertools.product(range(top_b), repeat=depth),
@@ -459,11 +452,7 @@ class MultiLevelNGram:
         stream, from where its counting started) into the shared model, and take its counts back
         from the running requests' view."""
         with self._lock:
-            state = self._requests.pop(context.request_id, None)
-            shared = self._shared_model
-            if state is not None and state.tokens is not None and shared is not None and state.seen > state.start:
-                shared.add(state.tokens[: state.seen], state.start)
-            self._drop(state)
+            self._drop(self._requests.pop(context.request_id, None), ended=True)
 
     def abort(self, context: Context) -> None:
         """The request failed: take its counts back from the running requests' view and drop its
@@ -492,9 +481,7 @@ class MultiLevelNGram:
         mode)."""
         with self._lock:
             state = self._requests.get(request_id)
-            if state is not None:
-                return state.model
-            return self._shared_model
+            return self._shared_model if state is None else state.model
 
     @property
     def shared_model(self) -> NGramModel | None:
@@ -544,9 +531,12 @@ class MultiLevelNGram:
             state.seen = len(tokens)
         return state
 
-    def _drop(self, state: _Request | None) -> None:
-        """Take a dropped shared-mode state's counts back from the running requests' view."""
+    def _drop(self, state: _Request | None, ended: bool = False) -> None:
+        """Take a dropped shared-mode state's counts back from the running requests' view; if its
+        request ``ended``, first count what it counted into the shared model."""
         if state is not None and state.tokens is not None and self._running is not None and state.seen > state.start:
+            if ended:
+                self._shared_model.add(state.tokens[: state.seen], state.start)  # type: ignore[union-attr]
             self._running.take_back(state.tokens, state.start, state.seen)
 
     def _tree(self, model: NGramModel, tail: tuple[int, ...], budget: int) -> list[list[int]]:

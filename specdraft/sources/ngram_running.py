@@ -71,13 +71,8 @@ class RunningCounts:
                 if not counted:
                     del pending[ctx]
             touched.add(ctx)
-        for ctx in touched:
-            self._rebuild(ctx)
-
-    def _rebuild(self, ctx: tuple[int, ...]) -> None:
-        """The view's statistics of ``ctx``: the shared ones plus what is pending, or none if nothing
-        is pending there."""
-        self.view.recount(ctx, self.pending.get(ctx))
+        for ctx in touched:  # the shared statistics plus what is still pending there (none if nothing is)
+            self.view.recount(ctx, pending.get(ctx))
 
     @property
     def empty(self) -> bool:

@@ -36,8 +36,8 @@ class _TailIndex:
         """Index every window ``tokens[i : i + n]`` with ``i + n <= end`` not indexed yet."""
         if end <= self.indexed:
             return
-        fresh = list(map(int, tokens[max(0, self.indexed - max_ngram + 1) : end]))
         offset = max(0, self.indexed - max_ngram + 1)
+        fresh = list(map(int, tokens[offset:end]))
         starts = self.starts
         for stop in range(self.indexed + 1, end + 1):  # windows ending at ``stop`` (exclusive)
             for n in range(min_ngram, max_ngram + 1):

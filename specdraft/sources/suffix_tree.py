@@ -143,8 +143,7 @@ class SuffixTree(SourceBase[_Request]):
             raise ValueError(f"max_spec_offset must be a finite number, got {max_spec_offset!r}")
         if not (isinstance(min_token_prob, (int, float)) and 0.0 <= min_token_prob <= 1.0):
             raise ValueError(f"min_token_prob must be a number in [0, 1], got {min_token_prob!r}")
-        if max_spec_tokens is None:
-            max_spec_tokens = max_depth
+        max_spec_tokens = max_depth if max_spec_tokens is None else max_spec_tokens
         if isinstance(max_spec_tokens, bool) or not isinstance(max_spec_tokens, int) or max_spec_tokens < 1:
             raise ValueError(f"max_spec_tokens must be an int >= 1 (or None for max_depth), got {max_spec_tokens!r}")
         if isinstance(max_cached_requests, bool) or not isinstance(max_cached_requests, int) or max_cached_requests < 0:

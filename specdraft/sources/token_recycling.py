@@ -87,6 +87,7 @@ copy the matrix under the lock and give the copy a new lock.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from fractions import Fraction
@@ -122,10 +123,7 @@ _TOP1_PRIOR = Fraction(1, 2)
 def _prior_score(path: Sequence[int]) -> Fraction:
     """``prod(0.5 / (rank + 1))``: a Zipf-like prior on how often the node is accepted (exact, so
     ties are ties)."""
-    score = Fraction(1)
-    for rank in path:
-        score *= _TOP1_PRIOR / (rank + 1)
-    return score
+    return math.prod((_TOP1_PRIOR / (rank + 1) for rank in path), start=Fraction(1))
 
 
 @dataclass(frozen=True)
@@ -192,13 +190,9 @@ class TreeTemplate:
             order = sorted(range(len(keyed)), key=lambda i: (-_prior_score(keyed[i]), len(keyed[i]), i))
         else:  # stable by depth: parents first, the list's order otherwise
             order = sorted(range(len(keyed)), key=lambda i: len(keyed[i]))
-        index: dict[tuple[int, ...], int] = {}
-        pairs = []
-        for new, old in enumerate(order):
-            p = keyed[old]
-            pairs.append((index[p[:-1]] if len(p) > 1 else -1, p[-1]))
-            index[p] = new
-        return cls.from_pairs(pairs, name)
+        ordered = [keyed[i] for i in order]
+        index = {p: i for i, p in enumerate(ordered)}
+        return cls.from_pairs([(index.get(p[:-1], -1), p[-1]) for p in ordered], name)
 
     @classmethod
     def named(cls, name: str) -> "TreeTemplate":
@@ -504,16 +498,9 @@ class TokenRecycling(SourceBase[_Undo]):
         branches: list[list[int]] = []
         for i, parent in enumerate(self.template.parents):
             token = values[i]
-            if token < 0:
+            if token < 0:  # (so is every node below: an empty parent read the empty last row)
                 continue
-            if parent < 0:
-                path = [token]
-            else:
-                parent_path = paths[parent]
-                if parent_path is None:
-                    continue
-                path = parent_path + [token]
-            paths[i] = path
+            path = paths[i] = [token] if parent < 0 else paths[parent] + [token]  # type: ignore[operator]
             branches.append(path)
             if len(branches) >= budget:
                 break

@@ -151,11 +151,6 @@ class _Request:
         self.first = first  # start of the first output window
         self.ticks: list[int] = []  # the running clock of each output window counted, in order
 
-    @property
-    def next_start(self) -> int:
-        """The start of the first output window not counted yet."""
-        return self.first + len(self.ticks)
-
 
 class FrequencyTrie:
     """Draft source: a frequency trie over prompt and output windows, shared across requests.
@@ -213,8 +208,7 @@ class FrequencyTrie:
             raise ValueError(f"decoding_length must be an int >= 1, got {decoding_length!r}")
         if not isinstance(branch_length, int) or branch_length < 1:
             raise ValueError(f"branch_length must be an int >= 1, got {branch_length!r}")
-        if capacity is None:
-            capacity = 16 * decoding_length
+        capacity = 16 * decoding_length if capacity is None else capacity
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1 (or None for 16 x decoding_length), got {capacity!r}")
         if not isinstance(max_nodes, int) or max_nodes < 1:
@@ -222,8 +216,7 @@ class FrequencyTrie:
         if (isinstance(prompt_weight, bool) or not isinstance(prompt_weight, numbers.Real)
                 or not (prompt_weight >= 1 and math.isfinite(prompt_weight))):
             raise ValueError(f"prompt_weight must be a finite number >= 1, got {prompt_weight!r}")
-        if min_nodes is None:
-            min_nodes = branch_length
+        min_nodes = branch_length if min_nodes is None else min_nodes
         if not isinstance(min_nodes, int) or min_nodes < 1:
             raise ValueError(f"min_nodes must be an int >= 1, got {min_nodes!r}")
         if mode not in (HIERARCHICAL, PARALLEL):
@@ -259,9 +252,7 @@ class FrequencyTrie:
         prompt = [int(t) for t in context.tokens[: context.prompt_length]]
         request = _Request(prompt, len(prompt), self._first_output_window(len(prompt)))
         with self._lock:
-            old = self._requests.pop(context.request_id, None)
-            if old is not None:
-                self._take_back(old)
+            self._take_back(self._requests.pop(context.request_id, None))
             if self.insert_prompt and len(prompt) > 1:
                 request.prompt_tick = self._store.add_all(prompt, 0, self.branch_length + 1, True, shared=False)
                 self._store.prune_if_needed()
@@ -285,12 +276,9 @@ class FrequencyTrie:
             tokens.extend(map(int, context.tokens[len(tokens) :]))
             if not self.insert_output:
                 return
-            width = self.branch_length + 1
-            store, ticks = self._store, request.ticks
-            start = request.next_start
-            while start + width <= len(tokens):
+            store, ticks, width = self._store, request.ticks, self.branch_length + 1
+            for start in range(request.first + len(ticks), len(tokens) - width + 1):  # (not counted yet)
                 ticks.append(store.add_running(tokens, start, start + width))
-                start += 1
             store.prune_if_needed()
 
     def end(self, context: Context) -> None:
@@ -303,8 +291,7 @@ class FrequencyTrie:
                 return
             self._take_back(request)
             tokens = [int(t) for t in context.tokens]
-            width = self.branch_length + 1
-            store = self._store
+            store, width = self._store, self.branch_length + 1
             if self.insert_output and len(tokens) > request.prompt_length:
                 store.add_all(tokens, request.first, width)
             if not self.eliminate and self.insert_prompt:  # the ablation: the prompt stays
@@ -317,11 +304,9 @@ class FrequencyTrie:
         was before the request began, whatever other requests did meanwhile. Unknown request ids
         are ignored."""
         with self._lock:
-            request = self._requests.pop(context.request_id, None)
-            if request is not None:
-                self._take_back(request)
+            self._take_back(self._requests.pop(context.request_id, None))
 
-    # -- public helpers ------------------------------------------------------------------------
+    # -- beyond the protocol -------------------------------------------------------------------
 
     def retrieve(self, tokens: Sequence[int], budget: int) -> list[list[int]]:
         """Draft branches for the context ``tokens`` using at most ``budget`` draft tokens, from the
@@ -374,9 +359,7 @@ class FrequencyTrie:
         if target is not None:
             return store.prune_global(max(0, int(target)))
         low = store.tree_watermark()
-        removed = 0
-        for t in [t for t, n in store.tree_size.items() if n > low]:
-            removed += store.prune_tree(t, low)
+        removed = sum(store.prune_tree(t, low) for t in [t for t, n in store.tree_size.items() if n > low])
         return removed + store.prune_global(store.global_watermark())
 
     def clear(self) -> None:
@@ -420,10 +403,6 @@ class FrequencyTrie:
 
     def __len__(self) -> int:
         """The number of shared nodes (distinct non-empty prefixes of inserted windows)."""
-        return self._store.size
-
-    @property
-    def node_count(self) -> int:
         return self._store.size
 
     @property
@@ -513,15 +492,16 @@ class FrequencyTrie:
         """The first window holding a generated token starts ``branch_length`` tokens before them."""
         return max(0, prompt_length - self.branch_length)
 
-    def _take_back(self, request: _Request) -> None:
-        """Take every running count of ``request`` back: its prompt windows and its output windows."""
-        store, width = self._store, self.branch_length + 1
-        tokens = request.tokens
+    def _take_back(self, request: _Request | None) -> None:
+        """Take every running count of ``request`` back: its prompt windows and its output windows
+        (nothing for ``None``, a request id not running)."""
+        if request is None:
+            return
+        store, width, tokens = self._store, self.branch_length + 1, request.tokens
         if request.prompt_tick:
             n = request.prompt_length
             for start in range(n - 1):
                 store.take_back(tokens, start, min(start + width, n), True, request.prompt_tick + start)
-        for i, tick in enumerate(request.ticks):
-            start = request.first + i
+        for start, tick in enumerate(request.ticks, request.first):
             store.take_back(tokens, start, start + width, False, tick)
         store.sort_free()  # (outside any step: the next steps' new nodes take runs of what went)

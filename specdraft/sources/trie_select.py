@@ -99,9 +99,8 @@ def branches(selected: list[Selected], k: int, parallel: bool) -> list[list[int]
     leaves = [i for i in range(len(selected)) if not has_child[i]]
     leaves.sort(key=lambda i: (-selected[i][1], -selected[i][2], i))
     paths: list[list[int]] = []
-    for leaf in leaves:
+    for i in leaves:
         path = []
-        i = leaf
         while i >= 0:
             t, _, _, i = selected[i]
             path.append(t)

@@ -181,7 +181,7 @@ class NodeStore:
             counts[child] -= 1
             if out[child] == shared_out[child] and prompt[child] == shared_prompt[child]:
                 if not out[child] and not prompt[child]:  # it only held this window: so does what is below
-                    self._cut(node, tokens[i], child, tokens[start])
+                    self.remove(child, tokens[start])
                     return
                 self.stamp[child] = self.shared_stamp[child]  # no running part left
             node = child
@@ -191,28 +191,6 @@ class NodeStore:
         chains to take (see :meth:`_make`). Cheap on a list of sorted runs; worth it after many
         nodes went (a request's counts taken back)."""
         self._free.sort()
-
-    def _cut(self, parent: int, token: int, child: int, tree: int) -> None:
-        """Remove ``child``, a running-only node, and its subtree (what :meth:`remove` does, knowing
-        the tree and that every node below is running-only)."""
-        children, parents, free = self.children, self.parent, self._free
-        kids = children[parent]
-        del kids[token]  # type: ignore[union-attr]
-        if not kids:
-            children[parent] = None
-        gone = 0
-        stack = [child]
-        while stack:
-            node = stack.pop()
-            kids = children[node]
-            if kids:
-                stack.extend(kids.values())
-            children[node] = None
-            parents[node] = _GONE
-            free.append(node)
-            gone += 1
-        self._count_sizes(tree, 0, -gone)
-        self.version += 1
 
     def _make(self, node: int, tokens: Sequence[int], start: int, first: int, stop: int, as_prompt: bool,
               shared: bool) -> None:
@@ -336,9 +314,7 @@ class NodeStore:
         node = ROOT
         for i in range(start, stop):
             kids = children[node]
-            if kids is None:
-                return -1
-            node = kids.get(tokens[i], -1)
+            node = kids.get(tokens[i], -1) if kids is not None else -1
             if node < 0:
                 return -1
         return node
@@ -346,15 +322,6 @@ class NodeStore:
     def is_shared(self, node: int) -> bool:
         """Whether the node has a shared part."""
         return bool(self.shared_out[node] or self.shared_prompt[node])
-
-    def key(self, node: int) -> tuple[int, ...]:
-        """The tokens from the root to ``node``."""
-        key = []
-        token, parent = self.token, self.parent
-        while node != ROOT:
-            key.append(token[node])
-            node = parent[node]
-        return tuple(reversed(key))
 
     def first_token(self, node: int) -> int:
         """The first token of ``node``'s key: the tree it belongs to."""
@@ -398,23 +365,28 @@ class NodeStore:
         the node's first token, if known."""
         if tree is None:
             tree = self.first_token(node)
-        parent = self.parent
-        kids = self.children[parent[node]]
-        del kids[self.token[node]]
+        children, parents, free, shared_out, shared_prompt = (self.children, self.parent, self._free,
+                                                              self.shared_out, self.shared_prompt)
+        kids = children[parents[node]]
+        del kids[self.token[node]]  # type: ignore[union-attr]
         if not kids:
-            self.children[parent[node]] = None
-        gone = self.subtree(node)
-        children, shared_out, shared_prompt = self.children, self.shared_out, self.shared_prompt
-        shared = 0
-        for n in gone:
-            parent[n] = _GONE
+            children[parents[node]] = None
+        gone = shared = 0
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            kids = children[n]
+            if kids:
+                stack.extend(kids.values())
             children[n] = None
+            parents[n] = _GONE
+            free.append(n)
+            gone += 1
             if shared_out[n] or shared_prompt[n]:
                 shared += 1
-        self._free.extend(gone)
-        self._count_sizes(tree, -shared, shared - len(gone))
+        self._count_sizes(tree, -shared, shared - gone)
         self.version += 1
-        return len(gone)
+        return gone
 
     # -- pruning (Sec. 4.3.1, node pruning) -----------------------------------------------------
 
