@@ -280,12 +280,8 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                                           ("--top-p", args.top_p)) if value is not None]
         if given:
             raise UsageError(f"{', '.join(given)} only apply to sampling; add --sample")
-    kwargs: dict[str, Any] = {"do_sample": bool(args.sample)}
-    for key in ("temperature", "top_k", "top_p", "repetition_penalty"):
-        value = getattr(args, key)
-        if value is not None:
-            kwargs[key] = value
-    return kwargs
+    options = {key: getattr(args, key) for key in ("temperature", "top_k", "top_p", "repetition_penalty")}
+    return {"do_sample": bool(args.sample), **{key: value for key, value in options.items() if value is not None}}
 
 
 def _encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
@@ -298,16 +294,6 @@ def _encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
     if not ids:
         raise UsageError("the prompt is empty (it encodes to no tokens)")
     return list(ids)
-
-
-def _stats_dict(stats: Any) -> dict[str, Any]:
-    if hasattr(stats, "as_dict"):
-        return stats.as_dict()
-    import dataclasses
-
-    if dataclasses.is_dataclass(stats):
-        return dataclasses.asdict(stats)
-    return dict(vars(stats))
 
 
 def _summary(stats: dict[str, Any]) -> str:
@@ -357,7 +343,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     # One warm-up forward serves both runs (same weights, same threads); then one timed run each.
     warmup_forward(model, prompt_ids)
-    comparison: dict[str, Any] | None = None
     plain_ids: list[int] = []
     plain_seconds = 0.0
     if args.compare:
@@ -368,10 +353,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = decoder.generate(prompt_ids, max_new_tokens=args.max_new_tokens, **options, **seed_kw)
     ours_seconds = time.perf_counter() - start
-    stats = _stats_dict(out.stats)
-
-    if args.compare:
-        comparison = _comparison(out.token_ids, ours_seconds, plain_ids, plain_seconds, args.sample)
+    stats = out.stats.as_dict()
+    comparison = (_comparison(out.token_ids, ours_seconds, plain_ids, plain_seconds, args.sample)
+                  if args.compare else None)
 
     if args.json:
         record = {"model": args.model, "dtype": args.dtype, "sources": source_names,
@@ -472,11 +456,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for round_index in range(args.repeats):  # interleaved, so machine drift hits every method alike
         if not args.quiet:
             print(f"{PROG}: round {round_index + 1}/{args.repeats}", file=sys.stderr, flush=True)
-        outputs["plain"], seconds = time_plain_generate(model, prompt_ids, args.max_new_tokens, do_sample=False)
-        times["plain"].append(seconds)
-        outputs["hf-prompt-lookup"], seconds = time_plain_generate(
-            model, prompt_ids, args.max_new_tokens, do_sample=False, prompt_lookup_num_tokens=10)
-        times["hf-prompt-lookup"].append(seconds)
+        for name, lookup in (("plain", {}), ("hf-prompt-lookup", {"prompt_lookup_num_tokens": 10})):
+            outputs[name], seconds = time_plain_generate(model, prompt_ids, args.max_new_tokens, do_sample=False,
+                                                         **lookup)
+            times[name].append(seconds)
         start = time.perf_counter()
         out = decoder.generate(prompt_ids, max_new_tokens=args.max_new_tokens, do_sample=False)
         times["specdraft"].append(time.perf_counter() - start)
@@ -515,22 +498,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
 
-    from specdraft.models import ModelFetchError, ModelNotFoundError
-
-    try:
-        from specdraft.sampling import UnsupportedOptionError
-    except ImportError:  # pragma: no cover - the sampling module is always there in a release
-        UnsupportedOptionError = UsageError  # type: ignore[misc,assignment]
+    from specdraft.models import ModelFetchError
 
     try:
         return args.func(args)
-    except (UsageError, ModelNotFoundError, UnsupportedOptionError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
     except ModelFetchError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
-    except (ValueError, TypeError) as exc:  # the library's own checks (a prompt past the context, ...)
+    # ModelNotFoundError and UnsupportedOptionError are ValueErrors; ValueError and TypeError are
+    # also the library's own checks (a prompt past the context, ...)
+    except (UsageError, ValueError, TypeError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

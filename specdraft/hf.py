@@ -115,13 +115,11 @@ class _Rows:
             raise UnsupportedOptionError(f"specdraft.hf needs input_ids of shape [batch, length >= 1], got {shape}; "
                                          "inputs_embeds alone cannot be decoded speculatively")
         batch, length = input_ids.shape
-        if attention_mask is None:
-            mask = torch.ones((batch, length), dtype=torch.long)
-        else:
-            if tuple(attention_mask.shape) != (batch, length):
-                raise UnsupportedOptionError(f"attention_mask must have the shape of input_ids {(batch, length)}, "
-                                             f"got {tuple(attention_mask.shape)}")
-            mask = attention_mask.detach().to("cpu", torch.long)
+        if attention_mask is not None and tuple(attention_mask.shape) != (batch, length):
+            raise UnsupportedOptionError(f"attention_mask must have the shape of input_ids {(batch, length)}, "
+                                         f"got {tuple(attention_mask.shape)}")
+        mask = (torch.ones((batch, length), dtype=torch.long) if attention_mask is None
+                else attention_mask.detach().to("cpu", torch.long))
         ids = input_ids.detach().to("cpu", torch.long)
         pads, prompts = [], []
         for row in range(batch):
@@ -135,15 +133,14 @@ class _Rows:
                 raise UnsupportedOptionError(f"row {row} of the batch is all padding: give every row at least one token")
             pads.append(pad)
             prompts.append(ids[row, pad:].tolist())
-        if position_ids is not None:
+        if position_ids is not None and tuple(position_ids.shape) == (batch, length):
             positions = position_ids.detach().to("cpu", torch.long)
-            if tuple(positions.shape) == (batch, length):
-                for row in range(batch):
-                    real = positions[row, pads[row]:].tolist()
-                    if real != list(range(length - pads[row])):
-                        raise UnsupportedOptionError(
-                            f"position_ids of row {row} are {real[:8]}...: the decoder numbers each prompt's "
-                            "tokens 0, 1, 2, ... after its padding, as generate does; custom positions are not supported")
+            for row in range(batch):
+                real = positions[row, pads[row]:].tolist()
+                if real != list(range(length - pads[row])):
+                    raise UnsupportedOptionError(
+                        f"position_ids of row {row} are {real[:8]}...: the decoder numbers each prompt's "
+                        "tokens 0, 1, 2, ... after its padding, as generate does; custom positions are not supported")
         return cls(input_ids, pads, prompts)
 
 
@@ -206,18 +203,15 @@ def _read_processors(processors: Sequence[Any], do_sample: bool, rows: _Rows) ->
                 "RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, "
                 "MinPLogitsWarper, MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor "
                 "(generation options repetition_penalty, temperature, top_k, top_p, min_p, min_length, min_new_tokens)")
-    if not do_sample:
-        options = {"do_sample": False, "repetition_penalty": penalty}
-        return _Processors(options, SamplingSettings(do_sample=False, repetition_penalty=penalty), min_tokens)
-    temperature = float(warps[TemperatureLogitsWarper].temperature) if TemperatureLogitsWarper in warps else 1.0
-    top_k = int(warps[TopKLogitsWarper].top_k) if TopKLogitsWarper in warps else 0
-    top_p = float(warps[TopPLogitsWarper].top_p) if TopPLogitsWarper in warps else 1.0
-    min_p = float(warps[MinPLogitsWarper].min_p) if MinPLogitsWarper in warps else None
-    options = {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-               "repetition_penalty": penalty}
-    expected = SamplingSettings(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                repetition_penalty=penalty)
-    return _Processors(options, expected, min_tokens)
+    options: dict[str, Any] = {"do_sample": False, "repetition_penalty": penalty}
+    if do_sample:
+        temperature = float(warps[TemperatureLogitsWarper].temperature) if TemperatureLogitsWarper in warps else 1.0
+        top_k = int(warps[TopKLogitsWarper].top_k) if TopKLogitsWarper in warps else 0
+        top_p = float(warps[TopPLogitsWarper].top_p) if TopPLogitsWarper in warps else 1.0
+        min_p = float(warps[MinPLogitsWarper].min_p) if MinPLogitsWarper in warps else None
+        options = {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+                   "repetition_penalty": penalty}
+    return _Processors(options, SamplingSettings(**options), min_tokens)
 
 
 def _check_penalty_prefix(processor: Any, rows: _Rows) -> None:
@@ -230,13 +224,9 @@ def _check_penalty_prefix(processor: Any, rows: _Rows) -> None:
     ignore = getattr(processor, "prompt_ignore_length", None)
     length = rows.input_ids.shape[1]
     ids = rows.input_ids.detach().to("cpu")
+    per_row = isinstance(ignore, torch.Tensor) and ignore.numel() > 1
     for row, pad in enumerate(rows.pads):
-        if ignore is None:
-            skip = 0
-        elif isinstance(ignore, torch.Tensor):
-            skip = int(ignore.reshape(-1)[row]) if ignore.numel() > 1 else int(ignore)
-        else:
-            skip = int(ignore)
+        skip = 0 if ignore is None else int(ignore.reshape(-1)[row] if per_row else ignore)
         if skip > length:
             raise UnsupportedOptionError(f"RepetitionPenaltyLogitsProcessor(prompt_ignore_length={skip}) would ignore "
                                          f"generated tokens (the prompt has {length}); not supported")
@@ -273,9 +263,8 @@ def _check_config(config: GenerationConfig, model: Any) -> None:
 
     if getattr(model.config, "is_encoder_decoder", False):
         raise UnsupportedOptionError("specdraft.hf decodes decoder-only models; this model is encoder-decoder")
-    num_beams = getattr(config, "num_beams", 1) or 1
-    if num_beams > 1:
-        refuse("num_beams", num_beams, "beam search keeps several hypotheses; use num_beams=1")
+    if (getattr(config, "num_beams", 1) or 1) > 1:
+        refuse("num_beams", config.num_beams, "beam search keeps several hypotheses; use num_beams=1")
     if (getattr(config, "num_beam_groups", 1) or 1) > 1:
         refuse("num_beam_groups", config.num_beam_groups, "group beam search; use num_beams=1")
     if getattr(config, "penalty_alpha", None) and (getattr(config, "top_k", None) or 0) > 1:
@@ -318,10 +307,8 @@ def _eos_ids(value: Any) -> list[int]:
     if value is None:
         return []
     if isinstance(value, torch.Tensor):
-        return [int(v) for v in value.reshape(-1).tolist()]
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
+        value = value.reshape(-1).tolist()
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
 # -- stopping, one generated position at a time ----------------------------------------------
@@ -347,8 +334,7 @@ class _Positions:
             raise UnsupportedOptionError("an EOS stopping criterion without a pad token: set pad_token_id so that "
                                          "finished rows can be padded")
         self.pad = pad
-        lengths = [int(c.max_length) for c in criteria if type(c) is MaxLengthCriteria]
-        self.max_length = min(lengths) if lengths else None
+        self.max_length = min((int(c.max_length) for c in criteria if type(c) is MaxLengthCriteria), default=None)
         self.eos = frozenset(t for c in criteria if type(c) is EosTokenCriteria for t in _eos_ids(c.eos_token_id))
         self.others = StoppingCriteriaList([c for c in criteria if type(c) not in (MaxLengthCriteria, EosTokenCriteria)])
         self.buffer: torch.Tensor | None = None
@@ -383,9 +369,7 @@ class _Positions:
                 break
             step = [self.tokens[r][t] if self.produces(r) else self.pad for r in range(self.batch)]
             self.released.append(step)
-            done = [False] * self.batch
-            if self.max_length is not None and self.length + t + 1 >= self.max_length:
-                done = [True] * self.batch
+            done = [self.max_length is not None and self.length + t + 1 >= self.max_length] * self.batch
             if self.eos:
                 done = [d or token in self.eos for d, token in zip(done, step)]
             if self.buffer is not None:
@@ -498,11 +482,9 @@ class SpecdraftLoop:
         def bound(model: Any, input_ids: torch.LongTensor, logits_processor: Any = None,
                   stopping_criteria: Any = None, generation_config: GenerationConfig | None = None,
                   synced_gpus: bool = False, streamer: Any = None, **model_kwargs: Any) -> Any:
-            if streamer is not None:  # generate handed one after all: it has sent the prompt
-                return self._run(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                 synced_gpus, streamer, False, model_kwargs)
+            # a streamer generate handed after all has had the prompt from generate
             return self._run(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-                             attached, True, model_kwargs)
+                             attached if streamer is None else streamer, streamer is None, model_kwargs)
 
         return bound
 
@@ -528,9 +510,8 @@ class SpecdraftLoop:
         limit = min(lengths) - input_ids.shape[1]
         eos = sorted({t for c in criteria if type(c) is EosTokenCriteria for t in _eos_ids(c.eos_token_id)})
         pad = generation_config.pad_token_id
-        if pad is None:
-            configured = _eos_ids(generation_config.eos_token_id)
-            pad = configured[0] if configured else None  # what generate pads with when no pad token is set
+        if pad is None:  # what generate pads with when no pad token is set
+            pad = next(iter(_eos_ids(generation_config.eos_token_id)), None)
         if streamer is not None and put_prompt:
             streamer.put(input_ids.cpu())
         positions = _Positions(rows, criteria, max(limit, 0), pad, streamer)

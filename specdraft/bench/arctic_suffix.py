@@ -90,8 +90,7 @@ class ArcticSuffix(SourceBase[_Request]):
                 self._responses.pop(context.request_id, None)
                 self._responses[context.request_id] = []
                 kept = self._cache.cached_requests
-                for rid in [r for r in self._responses if r not in kept]:
-                    del self._responses[rid]
+                self._responses = {rid: tokens for rid, tokens in self._responses.items() if rid in kept}
         state = _Request(context.prompt_length, context.prompt_length)
         self._sync(state, context)
         return state
@@ -115,8 +114,7 @@ class ArcticSuffix(SourceBase[_Request]):
         self._sync(self.request_state(feedback.context), feedback.context)
 
     def end(self, context: Context) -> None:
-        known = self.peek_state(context.request_id) is not None
-        if known:
+        if self.peek_state(context.request_id) is not None:
             with self._lock:
                 self._cache.stop_request(context.request_id)
         super().end(context)

@@ -67,9 +67,7 @@ def dumps_with_locks(obj: Any) -> bytes:
     """``pickle.dumps`` that writes a (R)Lock as a new unlocked one."""
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table = copyreg.dispatch_table.copy()
-    for lock_type in _LOCK_TYPES:
-        pickler.dispatch_table[lock_type] = _reduce_lock
+    pickler.dispatch_table = {**copyreg.dispatch_table, **dict.fromkeys(_LOCK_TYPES, _reduce_lock)}
     pickler.dump(obj)
     return buffer.getvalue()
 

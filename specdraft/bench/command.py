@@ -14,11 +14,12 @@ import os
 import platform
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .checkpoint import CheckpointMismatch
-from .datasets import DatasetError, DatasetSpec, load_prompts, resolve_dataset
+from .datasets import DatasetError, DatasetSpec, PromptRecord, load_prompts, resolve_dataset
 from .methods import MethodError, build_methods, parse_methods
 from .report import PlotUnavailableError, markdown_report, plot, require_matplotlib, summarize, write_specbench_jsonl
 from .runner import run_benchmark
@@ -36,6 +37,24 @@ def _usage_error(message: str) -> Exception:
     return UsageError(message)
 
 
+@contextmanager
+def _usage_errors(*errors: type[Exception], prefix: str = "") -> Iterator[None]:
+    """Report ``errors`` raised inside the block as usage errors (exit 2, no traceback)."""
+    try:
+        yield
+    except errors as exc:
+        raise _usage_error(prefix + str(exc)) from None
+
+
+def _prompts(spec: DatasetSpec, args: argparse.Namespace, tokenizer: Any, chat: Any) -> list[PromptRecord]:
+    with _usage_errors(DatasetError):
+        return load_prompts(spec, args.limit or None, tokenizer, chat=chat)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+
+
 def _dataset_specs(text: str) -> list[DatasetSpec]:
     whole = Path(text).expanduser()
     items = [text] if whole.is_file() else [t for t in (p.strip() for p in text.split(",")) if t]
@@ -46,10 +65,8 @@ def _dataset_specs(text: str) -> list[DatasetSpec]:
         raise _usage_error(f"dataset {twice!r} is listed twice in --dataset")
     specs: list[DatasetSpec] = []
     for item in items:
-        try:
+        with _usage_errors(DatasetError):
             spec = resolve_dataset(item)
-        except DatasetError as exc:
-            raise _usage_error(str(exc)) from None
         if any(s.key == spec.key for s in specs):
             raise _usage_error(f"dataset {spec.key!r} is listed twice in --dataset")
         specs.append(spec)
@@ -102,8 +119,8 @@ def _cpu() -> dict[str, Any]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return info
-    fields = dict(line.split(":", 1) for line in text.splitlines()[:40] if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    pairs = (line.split(":", 1) for line in text.splitlines()[:40] if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in pairs}
     info["model"] = fields.get("model name", info["model"])
     if "cpu family" in fields:
         info["family"] = fields["cpu family"]
@@ -114,20 +131,16 @@ def _cpu() -> dict[str, Any]:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark described by the parsed arguments; print the markdown table on stdout."""
-    try:
+    with _usage_errors(MethodError):
         method_names = parse_methods(args.methods)
-    except MethodError as exc:
-        raise _usage_error(str(exc)) from None
     specs = _dataset_specs(args.dataset)
     chat: Any = {"auto": "auto", "on": True, "off": False}[args.chat]
     out_dir = Path(args.out).expanduser()
     if out_dir.exists() and not out_dir.is_dir():
         raise _usage_error(f"--out {args.out!r} exists and is not a directory")
     if not args.no_plot:
-        try:
+        with _usage_errors(PlotUnavailableError):
             require_matplotlib()
-        except PlotUnavailableError as exc:
-            raise _usage_error(str(exc)) from None
     out_dir.mkdir(parents=True, exist_ok=True)
 
     import torch
@@ -164,20 +177,15 @@ def _run(args: argparse.Namespace, model: Any, tokenizer: Any, method_names: lis
         return _run_concurrency(args, model, tokenizer, specs, chat, out_dir, config, say)
     summaries: list[dict[str, Any]] = []
     for spec in specs:
-        try:
-            prompts = load_prompts(spec, args.limit or None, tokenizer, chat=chat)
-        except DatasetError as exc:
-            raise _usage_error(str(exc)) from None
+        prompts = _prompts(spec, args, tokenizer, chat)
         say(f"{spec.key}: {len(prompts)} prompts x {len(method_names)} methods x {args.repeats} repeat(s), "
             f"max {args.max_new_tokens} new tokens")
         # Fresh method objects per dataset: a learning source starts each dataset empty.
         methods = build_methods(method_names, model, tokenizer, args.max_tree_nodes, getattr(args, "exact", None))
-        try:
+        with _usage_errors(CheckpointMismatch, prefix="--resume: "):
             run = run_benchmark(model, prompts, methods, args.max_new_tokens, repeats=args.repeats, dataset=spec.key,
                                 progress=not args.quiet, checkpoint=out_dir / spec.key / CHECKPOINT_NAME,
                                 resume=args.resume, setup=setup)
-        except CheckpointMismatch as exc:
-            raise _usage_error(f"--resume: {exc}") from None
         if run.resumed:
             say(f"{spec.key}: resumed after {run.resumed} finished prompt(s) from the checkpoint")
         files = write_specbench_jsonl(run, out_dir / spec.key, config["model_id"] + f"-{args.dtype}", tokenizer)
@@ -195,8 +203,7 @@ def _run(args: argparse.Namespace, model: Any, tokenizer: Any, method_names: lis
 def _write_outputs(out_dir: Path, config: dict[str, Any], summaries: list[dict[str, Any]],
                    plot_it: bool) -> list[Path]:
     summary_path = out_dir / "summary.json"
-    summary_path.write_text(json.dumps({"config": config, "datasets": {s["dataset"]: s for s in summaries}},
-                                       indent=2, default=str) + "\n", encoding="utf-8")
+    _write_json(summary_path, {"config": config, "datasets": {s["dataset"]: s for s in summaries}})
     table_path = out_dir / "results.md"
     table_path.write_text(markdown_report(summaries, config), encoding="utf-8")
     paths = [summary_path, table_path]
@@ -214,21 +221,16 @@ def _run_concurrency(args: argparse.Namespace, model: Any, tokenizer: Any, specs
     config = {**config, "concurrency": list(args.concurrency)}
     datasets: dict[str, str] = {}
     for spec in specs:
-        try:
-            prompts = load_prompts(spec, args.limit or None, tokenizer, chat=chat)
-        except DatasetError as exc:
-            raise _usage_error(str(exc)) from None
+        prompts = _prompts(spec, args, tokenizer, chat)
         say(f"{spec.key}: {len(prompts)} prompts at concurrency {args.concurrency}")
         summary = run_concurrency(model, tokenizer, [p.token_ids for p in prompts], args.concurrency,
                                   args.max_new_tokens, args.max_tree_nodes, out_dir / spec.key, say=say)
         summary["config"] = config
-        (out_dir / spec.key / "concurrency.json").write_text(json.dumps(summary, indent=2, default=str) + "\n",
-                                                             encoding="utf-8")
+        _write_json(out_dir / spec.key / "concurrency.json", summary)
         if not args.no_plot:
             plot_tree_sizes(summary, out_dir / spec.key / "tree-sizes.png",
                             title=f"{config['model_id']} {args.dtype}: tree size per request by load")
         print(f"## {spec.key}\n\n" + markdown(summary), end="", flush=True)
         datasets[spec.key] = f"{spec.key}/concurrency.json"
-        (out_dir / "summary.json").write_text(json.dumps({"config": config, "concurrency": datasets}, indent=2,
-                                                         default=str) + "\n", encoding="utf-8")
+        _write_json(out_dir / "summary.json", {"config": config, "concurrency": datasets})
     return 0

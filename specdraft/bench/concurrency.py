@@ -49,12 +49,8 @@ def _groups(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
 
 def trim_at_eos(tokens: Sequence[int], eos: set[int]) -> list[int]:
     """Tokens up to and including the first EOS (a batched ``generate`` pads rows after it)."""
-    out = []
-    for t in tokens:
-        out.append(int(t))
-        if int(t) in eos:
-            break
-    return out
+    out = [int(t) for t in tokens]
+    return out[: next((i + 1 for i, t in enumerate(out) if t in eos), len(out))]
 
 
 def run_generate(model: Any, prompts: Sequence[list[int]], n: int, max_new_tokens: int
@@ -172,9 +168,8 @@ def run_concurrency(model: Any, tokenizer: Any, prompts: Sequence[list[int]], le
                    "tokens_per_s": rate, "vs_generate": rate / base_rate if base_rate else 0.0,
                    "latency_median": statistics.median(r["latencies"]), "latency_p90": _percentile(r["latencies"], 90),
                    "identical": sum(a == b for a, b in zip(r["outputs"], reference)), "requests": len(reference)}
-            for key in ("forwards", "rows_per_forward", "tree_nodes_per_request", "tree_sizes"):
-                if key in r:
-                    row[key] = r[key]
+            row.update({k: r[k] for k in ("forwards", "rows_per_forward", "tree_nodes_per_request", "tree_sizes")
+                        if k in r})
             rows.append(row)
     summary = {"levels": list(levels), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
                "max_tree_nodes": max_tree_nodes, "kernels": ours.kernels.describe(), "rows": rows}

@@ -40,8 +40,8 @@ from typing import Any, Iterable, Literal
 
 from ..prompts import encode_prompt
 
-__all__ = ["BFCL_CATEGORIES", "BUILTIN", "DatasetError", "DatasetSpec", "PromptRecord", "dataset_key", "load_prompts",
-           "read_prompts", "resolve_dataset", "bfcl_prompt"]
+__all__ = ["BFCL_CATEGORIES", "BUILTIN", "DatasetError", "DatasetSpec", "PromptRecord", "load_prompts", "read_prompts",
+           "resolve_dataset", "bfcl_prompt"]
 
 Chat = Literal["auto"] | bool
 
@@ -137,11 +137,6 @@ def resolve_dataset(name_or_path: str) -> DatasetSpec:
     return DatasetSpec("jsonl", path.stem or "dataset", path)
 
 
-def dataset_key(name_or_path: str) -> str:
-    """The short name used for a dataset's output directory."""
-    return resolve_dataset(name_or_path).key
-
-
 # --------------------------------------------------------------------------------------------
 # raw records
 # --------------------------------------------------------------------------------------------
@@ -205,8 +200,7 @@ def _read_bfcl(path: Path) -> Iterable[_Raw]:
 
 
 def _read_jsonl(path: Path) -> Iterable[_Raw]:
-    index = 0
-    for number, obj in _json_lines(path):
+    for index, (number, obj) in enumerate(_json_lines(path)):  # every line yields a prompt or raises
         if not isinstance(obj, dict):
             raise DatasetError(f"{path}:{number}: expected a JSON object with a 'prompt' field, got "
                                f"{type(obj).__name__}")
@@ -216,10 +210,7 @@ def _read_jsonl(path: Path) -> Iterable[_Raw]:
             raise DatasetError(f"{path}:{number}: {what}; every line needs a string 'prompt'")
         if not text.strip():
             raise DatasetError(f"{path}:{number}: the 'prompt' is empty")
-        pid = obj.get("id", obj.get("question_id", index))
-        category = obj.get("category", path.stem)
-        yield _Raw(pid, text, str(category))
-        index += 1
+        yield _Raw(obj.get("id", obj.get("question_id", index)), text, str(obj.get("category", path.stem)))
 
 
 def read_prompts(spec: DatasetSpec, limit: int | None = None) -> list[_Raw]:
@@ -254,10 +245,6 @@ def _use_chat(spec: DatasetSpec, tokenizer: Any, chat: Chat) -> bool:
     return bool(chat)
 
 
-#: Kept under its old name: the benchmark's prompts are encoded exactly as the CLI's.
-encode = encode_prompt
-
-
 def load_prompts(name_or_path: str | DatasetSpec, limit: int | None, tokenizer: Any,
                  chat: Chat = "auto") -> list[PromptRecord]:
     """Load up to ``limit`` prompts (None or 0: all) and encode them with ``tokenizer``.
@@ -269,7 +256,7 @@ def load_prompts(name_or_path: str | DatasetSpec, limit: int | None, tokenizer: 
     use_chat = _use_chat(spec, tokenizer, chat)
     records = []
     for raw in read_prompts(spec, limit):
-        ids = encode(tokenizer, raw.text, use_chat)
+        ids = encode_prompt(tokenizer, raw.text, use_chat)  # exactly as the CLI encodes its prompt
         if not ids:
             raise DatasetError(f"prompt {raw.id!r} of {spec.key} encodes to no tokens")
         records.append(PromptRecord(raw.id, raw.text, ids, raw.category, use_chat))

