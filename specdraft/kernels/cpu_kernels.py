@@ -197,15 +197,19 @@ class PackedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+def linear_modules(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The ``(name, module)`` of every ``nn.Linear`` inside ``model`` (the layers a packed path replaces)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and name]
+
+
 def packing_bytes(model: nn.Module, kind: str) -> int:
     """Bytes a packed copy of ``model``'s linear weights takes for ``kind`` (an upper bound for
     ``"fbgemm"``: a float32 weight may need two float16 terms, 4 bytes, where one suffices)."""
     total = 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and name:
-            weight = module.weight
-            per = weight.element_size() if kind == "packed" else (2 if weight.element_size() <= 2 else 4)
-            total += weight.numel() * per
+    for _, module in linear_modules(model):
+        weight = module.weight
+        per = weight.element_size() if kind == "packed" else (2 if weight.element_size() <= 2 else 4)
+        total += weight.numel() * per
     return total
 
 
@@ -286,7 +290,7 @@ class PackedModel:
             raise RuntimeError(f"cannot pack this model's weights while another decoder runs a forward of it on packed "
                                f"kernels; decoders sharing one model across threads must use the same cpu_kernels "
                                f"(this one: {kind!r})")
-        linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear) and name]
+        linears = linear_modules(model)
         #: names of the linear layers left on the stock kernel (float16 cannot hold their weights)
         self.stock_layers: list[str] = []
         self.layers: dict[str, PackedLinear | Fp16Linear | MixedLinear] = {}

@@ -59,9 +59,7 @@ What a decoder in exact mode does with it
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,10 +302,9 @@ def rule_cache_key(model: nn.Module, layers: Sequence[nn.Module]) -> dict[str, A
 
 
 def rule_cache_path(key: dict[str, Any]) -> Path:
-    from .kernel_costs import cache_dir
+    from .kernel_costs import cache_dir, cache_path
 
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_dir().parent / "exact-rows" / f"{digest}.json"
+    return cache_dir().parent / "exact-rows" / cache_path(key).name
 
 
 def load_or_probe(model: nn.Module, packed: "object | None" = None) -> RowRule:
@@ -325,17 +322,11 @@ def load_or_probe(model: nn.Module, packed: "object | None" = None) -> RowRule:
                            bool(data["wider"]))
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    from .kernel_costs import model_dtype
+    from .kernel_costs import model_dtype, write_cache
 
     rule = probe_rule(layers, model_dtype(model))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "widths": list(rule.widths), "wider": rule.wider,
-                                   "per_shape": [[list(shape), list(widths)] for shape, widths in rule.per_shape]}))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    write_cache(path, json.dumps({"key": key, "widths": list(rule.widths), "wider": rule.wider,
+                                  "per_shape": [[list(shape), list(widths)] for shape, widths in rule.per_shape]}))
     return rule
 
 

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from .cpu_kernels import (PACKED_KINDS, CpuKernelError, PackedLinear, PackedModel, check_cpu_kernels,
-                          memory_problem, packed_model)
+                          linear_modules, memory_problem, packed_model)
 from .fp16_linear import Fp16Linear
 
 #: Forward widths measured (rows); the curve is interpolated linearly in between.
@@ -88,19 +88,15 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and name]
-
-
 def model_dtype(model: nn.Module) -> torch.dtype:
     """The dtype of the model's linear weights (the first one's; ``float32`` without any)."""
-    linears = _linears(model)
+    linears = linear_modules(model)
     return linears[0][1].weight.dtype if linears else torch.float32
 
 
 def cache_key(model: nn.Module) -> dict[str, Any]:
     """What a measurement depends on: CPU, torch, threads, dtype and the linear layers' shapes."""
-    shapes = Counter((m.out_features, m.in_features, m.bias is not None) for _, m in _linears(model))
+    shapes = Counter((m.out_features, m.in_features, m.bias is not None) for _, m in linear_modules(model))
     return {"version": CACHE_VERSION, "cpu": cpu_name(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "dtype": str(model_dtype(model)).removeprefix("torch."),
             "linears": sorted([list(shape) + [count] for shape, count in shapes.items()])}
@@ -154,7 +150,7 @@ def _sample(model: nn.Module) -> list[tuple[nn.Linear, float]]:
     """Copies of up to :data:`SAMPLE_PER_SHAPE` real layers per distinct shape, each with the factor
     that scales its time to all layers of that shape."""
     groups: dict[tuple[int, int, bool], list[nn.Linear]] = {}
-    for _, m in _linears(model):
+    for _, m in linear_modules(model):
         groups.setdefault((m.out_features, m.in_features, m.bias is not None), []).append(m)
     sample = []
     for (out, inp, _), layers in groups.items():
@@ -221,24 +217,26 @@ def load_or_measure(model: nn.Module, paths: Sequence[str]) -> KernelCosts:
     try:
         cached = KernelCosts.from_json(path.read_text())
         same = {k: v for k, v in cached.key.items() if k != "unrunnable"} == key
-        if same and set(paths) <= set(cached.seconds) | _unrunnable(cached):
+        if same and set(paths) <= set(cached.seconds) | set(cached.key.get("unrunnable", [])):
             return cached
     except (OSError, ValueError, KeyError, TypeError):
         pass
     costs = measure(model, paths)
     costs.key["unrunnable"] = sorted(set(paths) - set(costs.seconds))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(costs.to_json())
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    write_cache(path, costs.to_json())
     return costs
 
 
-def _unrunnable(costs: KernelCosts) -> set[str]:
-    return set(costs.key.get("unrunnable", []))
+def write_cache(path: Path, text: str) -> None:
+    """Write a cache file whole (through a temporary file and a rename, so that a reader never
+    sees half of it); skipped where the cache cannot be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 @dataclass
@@ -266,10 +264,9 @@ class KernelChoice:
 
     def widths_on(self, path: str) -> list[int]:
         """The widths (1..64) that run on ``path``."""
-        if self.plan is None:
-            return list(range(1, MAX_ROWS + 1)) if path == self.kind else []
-        fast = [w for w, use in enumerate(self.plan, 1) if use]
-        return fast if path == self.kind else [w for w in range(1, MAX_ROWS + 1) if w not in fast]
+        every = range(1, MAX_ROWS + 1)
+        fast = list(every) if self.plan is None else [w for w, use in enumerate(self.plan, 1) if use]
+        return fast if path == self.kind else [w for w in every if w not in fast]
 
     def describe(self) -> str:
         """One line: which path runs which widths, what the packed copy costs in memory, and why a

@@ -72,13 +72,6 @@ def merge_partial_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: tor
     return wa * out_a.to(work) + wb * out_b.to(work)
 
 
-def _allowed(mask: torch.Tensor) -> torch.Tensor:
-    """A bool "may attend" mask from either a bool or an additive float mask."""
-    if mask.dtype == torch.bool:
-        return mask
-    return mask > torch.finfo(mask.dtype).min / 2
-
-
 def tree_flash_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                          is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -108,9 +101,7 @@ def tree_flash_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
 
 def _fused_merge(query: torch.Tensor) -> bool:
     """Whether part (b) and the merge run as one Triton kernel (:mod:`specdraft.model.flash_merge_triton`)."""
-    if TRITON_MERGE is not None:
-        return TRITON_MERGE
-    return query.is_cuda and flash_merge_triton.available()
+    return TRITON_MERGE if TRITON_MERGE is not None else query.is_cuda and flash_merge_triton.available()
 
 
 def _split_by_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: FlashLayout,
@@ -148,8 +139,9 @@ def _split_by_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         q_pos = torch.arange(prefix, kv_len, device=query.device)
         allowed = torch.arange(kv_len, device=query.device)[None, :] <= q_pos[:, None]
         allowed = allowed[None, None].expand(batch, 1, q_len, kv_len)
-    else:
-        allowed = _allowed(attention_mask[..., -kv_len:])
+    else:  # a bool mask, or an additive float one
+        mask = attention_mask[..., -kv_len:]
+        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
     allowed = allowed.expand(batch, heads, q_len, kv_len)
 
     new_out, new_lse = dense_with_lse(query, key[:, :, prefix:], value[:, :, prefix:], scale, allowed[..., prefix:])

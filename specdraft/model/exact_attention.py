@@ -143,9 +143,8 @@ def _pairwise_sum(partial: torch.Tensor) -> torch.Tensor:
     however many there are."""
     size = 1 << (partial.shape[1] - 1).bit_length()
     if size > partial.shape[1]:
-        shape = list(partial.shape)
-        shape[1] = size - partial.shape[1]
-        partial = torch.cat([partial, partial.new_zeros(shape)], dim=1)
+        zeros = partial.new_zeros(partial.shape[0], size - partial.shape[1], *partial.shape[2:])
+        partial = torch.cat([partial, zeros], dim=1)
     while size > 1:
         partial = partial[:, 0::2] + partial[:, 1::2]
         size //= 2
@@ -232,35 +231,6 @@ def _attend_block(block: _Block, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # 4. chunks added in rank order, pairwise over a power-of-two count: the zeros of chunks a row
     #    does not have change nothing, so the sum is the same as over the row's own chunks
     return _pairwise_sum(partial.view(heads_kv, chunks, rows, groups, dim)).transpose(0, 1)
-
-
-class _LayoutCache:
-    """The layout of the last mask seen. Every layer of a forward gets the same mask, and the layout
-    (each row's visible columns sorted into ranks) is the same for all of them, so it is computed
-    once per forward; a mask with other contents (compared bit for bit, a cheap pass) is laid out
-    anew."""
-
-    def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._mask: torch.Tensor | None = None
-        self._layout: list[list[_Block]] = []
-        self._lock = threading.Lock()
-
-    def get(self, mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device: torch.device
-            ) -> list[list[_Block]]:
-        key = (batch, q_len, kv_len, str(device), None if mask is None else (tuple(mask.shape), mask.dtype))
-        with self._lock:
-            if key == self._key and (mask is None or torch.equal(mask, self._mask)):
-                return self._layout
-        allowed = _allowed(mask, batch, q_len, kv_len, device)
-        layout = [_layout(allowed[b]) for b in range(batch)]
-        with self._lock:
-            self._key, self._layout = key, layout
-            self._mask = None if mask is None else mask.clone()
-        return layout
-
-
-_LAYOUTS = _LayoutCache()
 
 
 # -- fixed shapes: what a CUDA graph can capture ----------------------------------------------------
@@ -367,9 +337,12 @@ def _attend_fixed(block: _FixedBlock, q: torch.Tensor, k: torch.Tensor, v_ext: t
 class _PerMask:
     """What was laid out for the mask of the current forward. Every layer gets the same mask object,
     so the layout is kept for that object (held, so that no later mask can take its identity) and
-    made again for any other: no comparison of contents, which would read the device."""
+    made again for any other: no comparison of contents, which would read the device. The host
+    layout (``by_contents``) keeps a copy of the mask instead and compares contents bit for bit, a
+    cheap pass on the host; ``key`` then holds the mask's shape and dtype (or ``None`` for none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, by_contents: bool = False) -> None:
+        self._by_contents = by_contents
         self._mask: torch.Tensor | None = None
         self._key: tuple | None = None
         self._value: Any = None
@@ -377,14 +350,17 @@ class _PerMask:
 
     def get(self, mask: torch.Tensor | None, key: tuple, make: Callable[[], Any]) -> Any:
         with self._lock:
-            if key == self._key and mask is self._mask:
+            if key == self._key and (mask is self._mask or (self._by_contents and mask is not None
+                                                            and torch.equal(mask, self._mask))):
                 return self._value
         value = make()
         with self._lock:
-            self._mask, self._key, self._value = mask, key, value
+            self._key, self._value = key, value
+            self._mask = mask.clone() if self._by_contents and mask is not None else mask
         return value
 
 
+_LAYOUTS = _PerMask(by_contents=True)
 _FIXED_LAYOUTS = _PerMask()
 _ROW_ORDERS = _PerMask()
 
@@ -491,9 +467,7 @@ def check_exact_runs_on(device: torch.device) -> None:
 
 
 def _uses_triton(device: torch.device) -> bool:
-    if TRITON is not None:
-        return TRITON
-    return device.type == "cuda" and triton_runs_on(device)
+    return TRITON if TRITON is not None else device.type == "cuda" and triton_runs_on(device)
 
 
 def _exact_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -549,7 +523,10 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             check_exact_runs_on(query.device)  # (TRITON = False: the torch layout on purpose, anywhere)
             out = _exact_fixed(query, key, value, attention_mask, scale, groups, columns)
         return out.to(query.dtype), None
-    layout = _LAYOUTS.get(attention_mask, batch, q_len, kv_len, query.device)
+    layout_key = (batch, q_len, kv_len, str(query.device),
+                  None if attention_mask is None else (tuple(attention_mask.shape), attention_mask.dtype))
+    layout = _LAYOUTS.get(attention_mask, layout_key, lambda: [  # (laid out once for all layers of a forward)
+        _layout(allowed) for allowed in _allowed(attention_mask, batch, q_len, kv_len, query.device)])
     out = query.new_zeros(batch, q_len, heads, dim, dtype=torch.float32)
     for b in range(batch):
         q = (query[b].to(torch.float32) * scale).reshape(heads_kv, groups, q_len, dim)

@@ -70,22 +70,23 @@ class FlashLayout:
         return fa4_sequences(self, self.segment.shape[0])
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # (a parent package that is missing or not a package)
+        return False
+
+
 def fa2_available() -> bool:
     """Whether flash-attn 2 (``flash_attn.flash_attn_interface``) is importable. ``flash-attn-4``
     alone installs ``flash_attn`` as a namespace holding only ``cute``, so the package name says
     nothing."""
-    try:
-        return importlib.util.find_spec("flash_attn.flash_attn_interface") is not None
-    except (ImportError, ValueError):
-        return False
+    return _importable("flash_attn.flash_attn_interface")
 
 
 def fa4_available() -> bool:
     """Whether FlashAttention 4 (``flash-attn-4``: ``flash_attn.cute``) is importable."""
-    try:
-        return importlib.util.find_spec("flash_attn.cute") is not None
-    except (ImportError, ValueError):
-        return False
+    return _importable("flash_attn.cute")
 
 
 def cpu_flash_available() -> bool:
@@ -127,9 +128,8 @@ def flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     if not cpu_flash_available():
         raise AttentionBackendError("this torch build has no CPU flash kernel "
                                     "(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu); use attention='sdpa'")
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=None,
-                                                                           scale=scale)[:2]
-    return out, lse
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=None,
+                                                                       scale=scale)[:2]
 
 
 def dense_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -114,8 +114,7 @@ class _StoreLayer(DynamicLayer):
             buffer.index_copy_(-2, destination, buffer.index_select(-2, source))
 
     def get_seq_length(self, *args, **kwargs) -> int:
-        writes = self._store.writes
-        return writes.past if writes is not None else 0
+        return self._store.get_seq_length()
 
 
 class KVStore(DynamicCache):

@@ -289,14 +289,10 @@ class ModelRunner:
         """Whether the model's own causal attention is already right: one request at row 0, with no
         sliding window, running one row over its whole cache or its whole prompt from scratch
         (the model's fast, maskless path, as ``model.generate`` runs it)."""
-        if len(segments) != 1 or self.has_sliding_window:
+        if len(segments) != 1 or self.has_sliding_window or segments[0].region.start != 0:
             return False
         seg = segments[0]
-        if seg.region.start != 0:
-            return False
-        if seg.block is None:
-            return seg.region.length == 0
-        return len(seg.tokens) == 1
+        return seg.region.length == 0 if seg.block is None else len(seg.tokens) == 1
 
     def _check_layout(self, segments: Sequence[Segment]) -> None:
         if len(segments) > 1 or segments[0].region.start != 0:
@@ -360,7 +356,6 @@ class _Plan:
         blocks: list[np.ndarray] = []
         spans, logit_spans, id_spans = [], [], []
         width = at = kept = 0
-        all_trees = True
         for index, seg in enumerate(segments):
             q, region = len(seg.tokens), seg.region
             if region.released:
@@ -378,8 +373,6 @@ class _Plan:
             regions[:, rows] = ((region.start,), (region.length,), (index,))
             if seg.block is not None:
                 blocks.append(np.asarray(seg.block, dtype=bool))
-            else:
-                all_trees = False
             logit_rows = seg.logit_rows
             if isinstance(logit_rows, range) and logit_rows.step == 1:
                 keep_rows.append(np.arange(at + logit_rows.start, at + logit_rows.stop, dtype=np.int64))
@@ -393,7 +386,7 @@ class _Plan:
             at += q
         if max_positions is not None and int(positions.max()) >= max_positions:
             raise ValueError(f"position {int(positions.max())} exceeds the model's context of {max_positions} tokens")
-        if all_trees:
+        if len(blocks) == len(segments):  # every segment a tree
             tree = np.arange(total, dtype=np.int64)
         else:
             tree = np.concatenate([np.arange(s, e, dtype=np.int64) for (s, e, _, _), seg in zip(spans, segments)
@@ -453,6 +446,4 @@ def _logits_for_decoding(logits: torch.Tensor) -> torch.Tensor:
     bfloat16 or float16 model's logits are returned as they are (float32 holds them exactly, so an
     argmax or top-k gives the same ids without a full-width cast every step); a float64 model's
     are rounded to float32, as ``model.generate`` rounds them (its greedy ties are float32 ties)."""
-    if logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        return logits
-    return logits.to(torch.float32)
+    return logits if logits.dtype in (torch.float32, torch.bfloat16, torch.float16) else logits.to(torch.float32)

@@ -88,8 +88,7 @@ class StaticForwards:
                  graph_kind: Callable[[Callable[[], torch.Tensor]], Any] | None = None,
                  compile_backend: str | Callable[..., Any] | None = None) -> None:
         self.widths = tuple(sorted(widths))
-        self.max_width = self.widths[-1]
-        w = self.max_width
+        w = self.max_width = self.widths[-1]
         self._ints = 8 * w * len(_FIELDS)
         self._bools = w * w
         size = self._ints + self._bools + 8 * RIDER_CAPACITY
@@ -161,15 +160,12 @@ class StaticForwards:
         block[:n, :n] = plan.tree_block
         host = self._host_bytes
         at, out = self._ints + self._bools, []
-        shapes = []
-        for rider in riders:
+        for rider in riders:  # (views of the device buffer: the one copy below fills them)
             rider = np.ascontiguousarray(rider, dtype=np.int64)
             host[at : at + rider.nbytes] = rider.reshape(-1).view(np.uint8)
-            shapes.append((at, rider.shape, rider.nbytes))
+            out.append(self.buffer[at : at + rider.nbytes].view(torch.int64).view(rider.shape))
             at += rider.nbytes
         self.buffer.copy_(self.host, non_blocking=True)
-        for start, shape, nbytes in shapes:
-            out.append(self.buffer[start : start + nbytes].view(torch.int64).view(shape))
         return out
 
     def run(self, width: int, forward: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
@@ -178,11 +174,9 @@ class StaticForwards:
         the captured graph replayed, or ``forward`` run eagerly."""
         inputs, block = self.views(width)
         self._follow(store)
-        if not self.capture:
-            return forward(inputs, block)
-        if width not in self._graphs:
+        if self.capture and width not in self._graphs:
             self._capture(width, lambda: forward(inputs, block), store)
-        if width in self._graphs:
+        if self.capture and width in self._graphs:  # (a failed capture stops replays too)
             return self._graphs[width].replay()
         return forward(inputs, block)
 

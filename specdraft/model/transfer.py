@@ -28,11 +28,10 @@ def upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Ten
     copied once and each part is a view of the device copy, reshaped as its array was.
     """
     arrays = [np.ascontiguousarray(a) for a in arrays]
+    offsets, total = [], 0
     for a in arrays:
         if a.dtype not in _TORCH_DTYPES:
             raise TypeError(f"upload takes int64, int32, uint8 or bool arrays, got {a.dtype}")
-    offsets, total = [], 0
-    for a in arrays:
         offsets.append(total)
         total += -(-a.nbytes // 8) * 8  # every part starts 8-byte aligned, so int64 views are legal
     host = np.zeros(max(total, 8), dtype=np.uint8)
@@ -43,8 +42,5 @@ def upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Ten
         if device.type == "cuda" and torch.cuda.is_available():
             buffer = buffer.pin_memory()
         buffer = buffer.to(device, non_blocking=True)
-    out = []
-    for a, at in zip(arrays, offsets):
-        part = buffer[at : at + a.nbytes]
-        out.append(part.view(_TORCH_DTYPES[a.dtype]).reshape(a.shape))
-    return out
+    return [buffer[at : at + a.nbytes].view(_TORCH_DTYPES[a.dtype]).reshape(a.shape)
+            for a, at in zip(arrays, offsets)]
