@@ -76,7 +76,8 @@ def test_exact_speculation_equals_exact_plain_decoding(dtype, seed, names, adapt
     dec = speculative(dtype, names, exact=True, adaptive_budget=adaptive)
     out = dec.generate(repetitive_prompt(seed), max_new_tokens=NEW)
     assert tuple(out.token_ids) == plain_exact(dtype, seed)
-    assert out.stats.steps < NEW  # trees were really checked
+    if not adaptive:  # trees were really checked (an adaptive budget may judge them dear on a
+        assert out.stats.steps < NEW  # machine, and a source that must warm up never drafts then)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
