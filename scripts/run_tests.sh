@@ -13,12 +13,13 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 # the suite runs in WORKERS processes (pytest-xdist; every test is independent of the others):
-# on CI's 2 cores that halves its time
+# on CI's 2 cores that halves its time; work stealing lets an idle process take tests queued for
+# the other, so a few long tests at the end do not leave one core waiting
 WORKERS=${WORKERS:-2}
 
 bash scripts/ensure_torch.sh
 "$PY" -m pip install --quiet -e ".[test,docs]"
-"$PY" -m pytest -q -n "$WORKERS"
+"$PY" -m pytest -q -n "$WORKERS" --dist worksteal
 
 if [[ "${SPECDRAFT_SKIP_OLDEST:-0}" != "1" ]]; then
     oldest=$("$PY" - <<'PYEOF'
@@ -45,7 +46,7 @@ PYEOF
 import torch, transformers
 print(f"exactness core on the oldest declared transformers: transformers {transformers.__version__}, torch {torch.__version__}")
 PYEOF
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider -n "$WORKERS" \
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist worksteal \
         tests/test_greedy_identity.py tests/test_sampling_stats.py tests/test_verify_exact.py \
         tests/test_runner.py tests/test_bench.py tests/test_batch.py tests/test_hf_generate.py
     rm -rf "$(dirname "$venv")"
