@@ -12,8 +12,8 @@ share it -- for every width (rows: a plain step or a tree) and store capacity (c
     (the reference every mode is checked against);
 ``hf-sdpa``
     transformers' own ``sdpa`` attention function, as a decode forward outside exact mode calls it
-    through the model: with a mask, its versions up to 5.17 repeat the key/value heads over every
-    column (newer ones pack a one-row query's heads instead), and PyTorch picks the kernel;
+    through the model: with a mask, its 5.17 release repeats the key/value heads over every column
+    (5.24 packs a one-row query's heads instead), and PyTorch picks the kernel;
 ``hf-eager``
     transformers' ``eager`` attention (the model's own products and softmax, an additive mask):
     whether plain products beat ``sdpa``'s masked kernels at tree widths over long stores;
@@ -131,6 +131,7 @@ def forward_of(mode: str, data: dict[str, Any], layers: int, groups: int) -> Cal
     import specdraft.model.exact_attention as exact
     from specdraft.model.attention import tree_flash_attention
     from specdraft.model.flash_kernels import FLASH_LAYOUT_KEYWORD
+    from specdraft.model.masks import model_mask
 
     class Module(torch.nn.Module):
         num_key_value_groups = groups
@@ -142,10 +143,8 @@ def forward_of(mode: str, data: dict[str, Any], layers: int, groups: int) -> Cal
 
     def run() -> Any:
         mask = data["allowed"][None, None]
-        layer_mask = mask  # what the model hands its attention: bool, or additive for eager
-        if mode == "hf-eager":
-            layer_mask = torch.zeros(mask.shape, dtype=data["q"].dtype, device=mask.device).masked_fill(
-                ~mask, torch.finfo(data["q"].dtype).min)
+        # what the model hands its attention: bool, or additive for eager (the decoder's own mask maker)
+        layer_mask = model_mask(data["allowed"], "additive" if mode == "hf-eager" else "bool", data["q"].dtype)
         exact.TRITON = mode == "triton"
         out = None
         for _ in range(layers):

@@ -417,8 +417,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="also time plain decoding and a fixed 32-node tree with compile=True (CUDA only)")
     parser.add_argument("--attentions", default="",
-                        help="comma list of attention implementations (eager, flash) to time plain decoding and a "
-                             "fixed 32-node tree with as well (the model's own is sdpa)")
+                        help="comma list of attention implementations (eager, flash, sdpa) to time plain decoding "
+                             "and a fixed 32-node tree with as well")
     args = parser.parse_args(argv)
     attentions = [a for a in args.attentions.split(",") if a]
     if any(a not in ("eager", "flash", "sdpa") for a in attentions):
