@@ -21,12 +21,13 @@
 #   main      specdraft bench, HumanEval 10 and MT-Bench 10 x 128: eager generate, compiled
 #             static-cache generate, our plain decoding and our default (the GPU's defaults:
 #             exact mode on in bfloat16, Token Recycling among the sources), each also with
-#             compiled forwards (@compiled, without exact mode), and where FlashAttention 4 is
-#             installed both on the flash split (@flash)
-#             (MAIN_METHODS overrides the list)
-#   edits     the code-edit set, 6 x 256
+#             compiled forwards (@compiled, without exact mode) (MAIN_METHODS overrides the list)
+#   flash     where FlashAttention 4 is installed and the CUDA suite's flash tests did not fail:
+#             our plain decoding and default beside the same on the flash split (@flash),
+#             HumanEval and MT-Bench, FLASH_LIMIT (5) prompts each
 #   chatsteps benchmarks/host_critical_path.py --model: the default beside our plain decoding on 4
 #             MT-Bench prompts, every phase of the step timed (where chat's extra time goes)
+#   edits     the code-edit set, 6 x 256
 #   exact     the same prompts with --exact for every method (only when named in STAGES)
 #   batch     --concurrency 1,8 on HumanEval 8 x 64 (batched generate against our batched decoding;
 #             last: its target was met at 7a7546a)
@@ -90,7 +91,7 @@ start)
     # tree over this one, and a module imported while that happens is missing
     rm -rf "$KEEP/repo" "$KEEP/quick" "$KEEP/quick.done"
     mkdir -p "$KEEP/repo"
-    tar cf - --exclude="./$PARTS" --exclude=./.whl . | tar xf - -C "$KEEP/repo"
+    tar cf - --exclude="./$PARTS" --exclude=./.whl --exclude=./.fa4_parts . | tar xf - -C "$KEEP/repo"
     (cd "$KEEP/repo" && PYTHONPATH="$KEEP/site:$KEEP/site/nvidia_cutlass_dsl/dsl_packages" setsid bash -c \
         "bash benchmarks/gpu_quick.sh '$KEEP/quick' > '$KEEP/quick.log' 2>&1; touch '$KEEP/quick.done'" \
         < /dev/null > /dev/null 2>&1 &)
@@ -140,17 +141,17 @@ model, tokenizer = load_model(sys.argv[1], dtype='bfloat16', progress=False)
 model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gguf" "$model" 2>&1 | grep -v "it/s\]" | tail -3
     fi
     # the background checks share the GPU: once the checkpoint is ready (its conversion runs on the
-    # CPU), wait for them until the exact attention's price begins (at most WAIT s: the step
-    # profile takes about 3 minutes after the suite's 2), then stop them
+    # CPU), wait for them until the step profile, their last part, begins (at most WAIT s), then
+    # stop them
     for _ in $(seq "${WAIT:-90}"); do
-        [[ -e "$KEEP/quick.done" || -e "$KEEP/quick/exact-attention-price.txt" ]] && break; sleep 1
+        [[ -e "$KEEP/quick.done" || -e "$KEEP/quick/steps.txt" ]] && break; sleep 1
     done
     pkill -f gpu_quick.sh 2>/dev/null; pkill -f gpu_steps.py 2>/dev/null; pkill -f "pytest -m cuda" 2>/dev/null
     pkill -f exact_attention_price.py 2>/dev/null; pkill -f forward_kernels.py 2>/dev/null
     mkdir -p "$results/quick"; cp -r "$KEEP/quick/." "$results/quick/" 2>/dev/null; pack
     stage() {  # stage NAME SECONDS COMMAND...: run it if chosen and time is left, under its limit
         local name=$1 limit=$2; shift 2
-        [[ ",${STAGES:-main,edits,chatsteps,batch}," == *",$name,"* ]] || return 0
+        [[ ",${STAGES:-main,flash,chatsteps,edits,batch}," == *",$name,"* ]] || return 0
         local left=$(( deadline - $(date +%s) ))
         if (( left < 30 )); then say "stage $name skipped: ${left} s left"; return 0; fi
         (( limit > left )) && limit=$left
@@ -161,16 +162,22 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     }
     common=(--model "$model" --dtype bfloat16 --device "${DEVICE:-cuda}" --no-plot -q)
     count=${LIMIT:-10}
-    main_methods=baseline,generate-static,plain,default,plain@compiled,default@compiled
-    if "$PY" -c "import flash_attn.cute" 2>/dev/null; then main_methods+=,plain@flash,default@flash; fi
     stage main 300 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" \
-        --methods "${MAIN_METHODS:-$main_methods}" \
+        --methods "${MAIN_METHODS:-baseline,generate-static,plain,default,plain@compiled,default@compiled}" \
         --out "$results/main"
+    # the flash split apart from the main stage, so that a failure on it costs only its own stage
+    if "$PY" -c "import flash_attn.cute" 2>/dev/null && grep -q " passed" "$results/quick/pytest-cuda.txt" 2>/dev/null \
+        && ! grep -q "^FAILED.*flash" "$results/quick/pytest-cuda.txt"; then
+        stage flash 120 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "${FLASH_LIMIT:-5}" \
+            --methods plain,default,plain@flash,default@flash --out "$results/flash"
+    else
+        say "stage flash skipped: FlashAttention 4 not installed, or the CUDA suite's flash tests failed or did not end"
+    fi
+    stage chatsteps 90 "$PY" benchmarks/host_critical_path.py --device "${DEVICE:-cuda}" --model "$model" \
+        --dataset mtbench --prompts 4 --new-tokens 128 --out "$results/chatsteps"
     "$PY" benchmarks/code_edit.py --jsonl "$KEEP/code_edits.jsonl" >/dev/null 2>&1
     stage edits 150 "$PY" -m specdraft bench "${common[@]}" --dataset "$KEEP/code_edits.jsonl" --limit "$(( count < 6 ? count : 6 ))" \
         --max-new-tokens 256 --methods "${EDIT_METHODS:-baseline,generate-static,plain,default,default@compiled}" --out "$results/edits"
-    stage chatsteps 90 "$PY" benchmarks/host_critical_path.py --device "${DEVICE:-cuda}" --model "$model" \
-        --dataset mtbench --prompts 4 --new-tokens 128 --out "$results/chatsteps"
     stage exact 120 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" --exact \
         --methods plain,default --out "$results/exact"
     stage batch 100 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval --limit "$(( count < 8 ? count : 8 ))" --max-new-tokens 64 \

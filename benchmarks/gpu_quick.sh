@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# A five-minute GPU check that needs no checkpoint: the CUDA suite (exactness, CUDA graphs) on tiny
-# models, a decode forward's kernel time by kind and width (benchmarks/forward_kernels.py), the
-# step profile of benchmarks/gpu_steps.py on random weights of the 0.5B model's shape
-# (forward ms per width, plain and tree steps with CUDA graphs, compiled and eagerly, through sdpa and
-# transformers' eager attention, syncs per step), then
-# the attention's price in CUDA graphs (benchmarks/exact_attention_price.py: sdpa, transformers'
-# sdpa and eager functions, the Triton kernels and, where FlashAttention 4 is installed, the flash
-# split, per width and store size).
+# A GPU check that needs no checkpoint, in order of what it answers first: the CUDA suite
+# (exactness, CUDA graphs) on tiny models, a decode forward's kernel time by kind and width
+# (benchmarks/forward_kernels.py: exact mode, sdpa and, where FlashAttention 4 is installed, the
+# flash split), the attention's price in CUDA graphs (benchmarks/exact_attention_price.py: sdpa,
+# transformers' sdpa and eager functions, the Triton kernels and the flash split, per width and
+# store size), then the step profile of benchmarks/gpu_steps.py on random weights of the 0.5B
+# model's shape (forward ms per width, plain and tree steps with CUDA graphs, compiled and eagerly,
+# through sdpa and transformers' eager attention, syncs per step). gpu_pieces.sh stops it when the
+# step profile begins.
 # Writes into OUT_DIR (default: benchmarks/results/gpu-quick-<date>).
 #
 #   bash benchmarks/gpu_quick.sh [OUT_DIR]
@@ -27,13 +28,18 @@ timeout "${KERNELS_SECONDS:-60}" "$PY" benchmarks/forward_kernels.py --device cu
     2>&1 | tail -n 30 | tee "$out/forward-kernels.txt"
 timeout "${KERNELS_SECONDS:-60}" "$PY" benchmarks/forward_kernels.py --device cuda --exact off \
     --out "$out/forward-kernels-sdpa" 2>&1 | tail -n 30 | tee "$out/forward-kernels-sdpa.txt"
-timeout "${STEPS_SECONDS:-300}" "$PY" benchmarks/gpu_steps.py --shapes qwen2.5-0.5b --contexts 1024 --nodes 8,32 \
-    --repeats 2 --new-tokens 128 --compile --attentions eager --out "$out" 2>&1 | tee "$out/steps.txt"
+if "$PY" -c "import flash_attn.cute" 2>/dev/null; then  # and on the flash split, where FlashAttention 4 is installed
+    timeout "${KERNELS_SECONDS:-60}" "$PY" benchmarks/forward_kernels.py --device cuda --exact off --attention flash \
+        --out "$out/forward-kernels-flash" 2>&1 | tail -n 30 | tee "$out/forward-kernels-flash.txt"
+fi
 # the attention modes priced: transformers' own sdpa and eager functions as a decode forward calls
 # them (is the tree forward's extra time sdpa's masked kernel over the whole store?), the Triton
 # kernels, and the flash split where FlashAttention 4 is installed (its prefix is a dense product
 # otherwise, which says nothing new)
 modes=sdpa,hf-sdpa,hf-eager,triton
 "$PY" -c "import flash_attn.cute" 2>/dev/null && modes=$modes,flash
-timeout "${PRICE_SECONDS:-120}" "$PY" benchmarks/exact_attention_price.py --device cuda --modes "$modes" --out "$out/exact-attention-price" \
+timeout "${PRICE_SECONDS:-120}" "$PY" benchmarks/exact_attention_price.py --device cuda --modes "$modes" \
+    --widths "${PRICE_WIDTHS:-1,8,32}" --capacities "${PRICE_CAPACITIES:-2048,8192}" --out "$out/exact-attention-price" \
     2>&1 | tail -n 25 | tee "$out/exact-attention-price.txt"
+timeout "${STEPS_SECONDS:-300}" "$PY" benchmarks/gpu_steps.py --shapes qwen2.5-0.5b --contexts 1024 --nodes 8,32 \
+    --repeats 2 --new-tokens 128 --compile --attentions eager --out "$out" 2>&1 | tee "$out/steps.txt"
