@@ -107,8 +107,9 @@ class Decoder:
     ``exact=True`` makes every logit row of a decode forward bit for bit what a plain one-token
     step of this decoder computes for the same prefix, whatever else shares the forward (other
     tree nodes, side blocks, other requests, padding): each forward is padded to a width at which
-    the linear layers compute every row alike (:mod:`specdraft.kernels.exact_rows`, probed once
-    per machine and model) and attention runs :mod:`specdraft.model.exact_attention`. Then
+    the linear and normalization layers compute every row alike
+    (:mod:`specdraft.kernels.exact_rows`, probed once per machine and model) and attention runs
+    :mod:`specdraft.model.exact_attention`. Then
     speculation gives the very tokens of plain decoding in bfloat16 and float16 too, where
     rounding otherwise parts them at near-ties. The default (``None``) is on where it costs
     little: bfloat16 and float16 models on a CPU, with ``attention="auto"``.

@@ -4,7 +4,8 @@ The model is issue 43's random 896-wide Llama (two layers, MLP 4864, 14 heads on
 heads, vocabulary 512): wide enough that a forward of several rows computes a row's logits in
 other last bits than a one-row forward, so that without exact mode speculation parts from plain
 decoding at near-ties on most prompts. With ``exact=True`` (the default for these dtypes on a
-CPU) every decode forward is padded to a width at which the linear layers compute every row alike
+CPU) every decode forward is padded to a width at which the linear and normalization layers compute
+every row alike
 and the attention is :mod:`specdraft.model.exact_attention`: speculation, alone or batched, greedy
 or sampled, equals exact plain decoding token for token, whatever the sources proposed.
 """
@@ -19,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdraft import BatchRequest, Decoder
+from specdraft.kernels import exact_rows
 from specdraft.sources.registry import SOURCES, make_sources
 
 from conftest import FAST, repetitive_prompt, wide_llama
@@ -165,3 +167,43 @@ def test_prompts_run_alone_where_wide_forwards_differ(dtype) -> None:
                   exact=True, cpu_kernels="stock")
     result = dec.generate_batch([repetitive_prompt(s) for s in seeds], max_new_tokens=NEW, concurrency=4)
     assert [out.token_ids for out in result] == expected
+
+
+def _reordered_rms_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+    """LlamaRMSNorm's forward, with the variance a little otherwise below ``self.cut`` rows: what
+    torch's CUDA reduction does to a row's mean when fewer rows share a launch."""
+    dtype = hidden.dtype
+    hidden = hidden.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    if hidden.numel() // hidden.shape[-1] < self.cut:
+        variance = variance * (1 + 2.0 ** -12)
+    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon)).to(dtype)
+
+
+def test_exact_mode_pads_past_the_widths_where_a_norm_rounds_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose RMSNorms round otherwise below 16 rows (as on CUDA): exact mode pads every
+    forward to 16 rows and more, and speculation gives exact plain decoding's tokens; with a rule
+    of the linear layers alone it does not (the test has teeth)."""
+    def reordered_model() -> torch.nn.Module:
+        model = wide_llama(torch.bfloat16)
+        model.generation_config.eos_token_id = None
+        for norm in exact_rows.norm_layers(model):
+            norm.__class__ = type(f"Reordered{type(norm).__name__}", (type(norm),),
+                                  {"forward": _reordered_rms_norm, "cut": 16})
+        return model
+
+    def outputs(model: torch.nn.Module) -> tuple[list[list[int]], list[list[int]], int]:
+        plain = Decoder(model, sources=[], max_tree_nodes=0, exact=True, cpu_kernels="stock")
+        dec = Decoder(model, sources=make_sources(["prompt", "ngram", "suffix"]), max_tree_nodes=24, exact=True,
+                      cpu_kernels="stock", adaptive_budget=False)
+        seeds = range(3)  # (with the linear layers' rule alone, prompts 1 and 2 part)
+        return ([plain.generate(repetitive_prompt(s), max_new_tokens=NEW).token_ids for s in seeds],
+                [dec.generate(repetitive_prompt(s), max_new_tokens=NEW).token_ids for s in seeds],
+                plain.engine.padding.rule.min_rows)
+
+    expected, speculated, narrowest = outputs(reordered_model())
+    assert narrowest == 16
+    assert speculated == expected
+    monkeypatch.setattr(exact_rows, "row_layers", exact_rows.linear_layers)
+    expected, speculated, narrowest = outputs(reordered_model())
+    assert narrowest < 16 and speculated != expected

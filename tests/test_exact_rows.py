@@ -22,8 +22,8 @@ from conftest import AttentionModule, ancestor_block, check_exact_attention_matc
 from specdraft.model.compat import cache_keyword
 from specdraft.model.exact_attention import (CHUNK, EXACT_NAME, ExactAttentionError, exact_attention,
                                        register_exact_backend)
-from specdraft.kernels.exact_rows import (ExactRowsError, RowRule, agreeing_widths, invariant_from, linear_layers, pad_block,
-                                  probe_rule, width_classes)
+from specdraft.kernels.exact_rows import (ExactRowsError, RowRule, agreeing_widths, invariant_from, linear_layers, norm_layers,
+                                  pad_block, probe_rule, row_layers, width_classes)
 
 PROMPT = 70  # cache length before a tree: more than one attention chunk
 WIDEST = 64
@@ -317,6 +317,44 @@ def test_width_classes_and_rule() -> None:
     assert invariant_from([[1], [2, 3]]) == 2 and invariant_from([[1, 2, 3]]) == 1 and invariant_from([[1, 3], [2]]) is None
 
 
+class _NormByRowsRMSNorm(nn.Module):
+    """A stand-in for an RMSNorm on CUDA, whose reduction takes a row's mean in another order
+    below ``cut`` rows (torch's reduction gives a row fewer threads as rows grow): the variance
+    comes out a little different there."""
+
+    def __init__(self, features: int, cut: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(features))
+        self.cut = cut
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        if rows < self.cut:
+            variance = variance * (1 + 2.0 ** -12)
+        return self.weight * (x.float() * torch.rsqrt(variance + 1e-6)).to(x.dtype)
+
+
+def test_norm_layers_are_probed_beside_the_linear_layers() -> None:
+    """The probe covers the model's RMSNorm / LayerNorm modules: a norm whose rows come out
+    otherwise below 16 rows keeps exact mode at 16 rows and up, where the linear layers alone
+    would allow every width."""
+    from conftest import tiny_model
+
+    llama, gpt2 = tiny_model("llama"), tiny_model("gpt2")
+    assert {type(m).__name__ for m in norm_layers(llama)} == {"LlamaRMSNorm"}
+    assert {type(m).__name__ for m in norm_layers(gpt2)} == {"LayerNorm"}
+    assert len(row_layers(llama)) == len(linear_layers(llama)) + len(norm_layers(llama))
+    layer = _OrderByRows(64, 64, cut=1)
+    norm = _NormByRowsRMSNorm(64, cut=16)
+    assert probe_rule([layer], torch.bfloat16, max_rows=32, rows_per_width=64).widths == tuple(range(1, 33))
+    rule = probe_rule([layer, norm], torch.bfloat16, max_rows=32, rows_per_width=64, wide=(48,))
+    assert rule.widths == tuple(range(16, 33)) and rule.wider
+    assert sorted(rule.per_shape) == [((64, 64), tuple(range(1, 33))), ((64, 64), tuple(range(16, 33)))]
+    with pytest.raises(ValueError, match="neither linear nor a normalization layer"):
+        probe_rule([nn.ReLU()], torch.float32)
+
+
 def test_rule_is_kept_per_machine_and_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe runs once per machine and model; the next call reads the file it wrote."""
     from conftest import tiny_model
@@ -325,7 +363,7 @@ def test_rule_is_kept_per_machine_and_model(monkeypatch: pytest.MonkeyPatch) -> 
 
     model = tiny_model("llama")
     first = exact_rows.load_or_probe(model)
-    path = exact_rows.rule_cache_path(exact_rows.rule_cache_key(model, exact_rows.linear_layers(model)))
+    path = exact_rows.rule_cache_path(exact_rows.rule_cache_key(model, exact_rows.row_layers(model)))
     assert path.exists()
 
     def no_probe(*args, **kwargs):

@@ -1,4 +1,4 @@
-"""Row-count invariant linear layers: the width every decode forward is padded to in exact mode.
+"""Row-count invariant layers: the width every decode forward is padded to in exact mode.
 
 Why
     A CPU matrix kernel picks its blocking and its order of additions by the shape of the call,
@@ -26,6 +26,18 @@ The rule
     where those agree with :data:`MAX_WIDTH` too, the rule runs wider forwards as they are
     (:attr:`RowRule.wider`), and a prompt's keys and values do not depend on how it was cut into
     chunks. Widths between the checked ones are assumed to agree as well.
+
+Normalization layers count too
+    A transformers RMSNorm takes its mean with torch's generic reduction. On a CPU each row is
+    summed alike whatever the row count. On CUDA the reduction picks its threads per row by the
+    number of rows reduced (torch's ``ReduceConfig.set_block_dimension``: over a row of 512 or more
+    values, 512 threads share a row at one row, 256 at two, 128 at four, 64 at eight, 32 from 16
+    rows on), and with them its order of additions: a hidden state's variance can have other last
+    bits at 1-15 rows than at 16 and more, and a bfloat16 output then now and then rounds the other
+    way. On an NVIDIA H200, while the probe covered the linear layers alone, exact-mode speculation
+    gave exact plain decoding's tokens on 7 of 10 prompts (``benchmarks/results/
+    gpu-h200-2026-11-27-1ab377a``). So the probe runs the model's RMSNorm and LayerNorm modules
+    (:func:`norm_layers`) at every width as well.
 
 On a GPU
     The probe runs the layers where they are. A GPU library may give a row other bits at every
@@ -232,18 +244,55 @@ def linear_layers(model: nn.Module, packed: "object | None" = None) -> list[nn.M
     return list(layers.values())
 
 
+#: Class-name endings of the normalization modules the probe runs (row-wise over the last
+#: dimension: transformers' ``*RMSNorm`` classes, ``nn.LayerNorm`` and its subclasses)
+NORM_CLASS_ENDINGS = ("RMSNorm", "LayerNorm")
+
+
+def norm_layers(model: nn.Module) -> list[nn.Module]:
+    """The normalization layers of ``model`` that act on each row's last dimension alone (see
+    :data:`NORM_CLASS_ENDINGS`), with that dimension known from their weight or shape."""
+    return [module for name, module in model.named_modules()
+            if name and type(module).__name__.endswith(NORM_CLASS_ENDINGS) and _norm_features(module)]
+
+
+def _norm_features(module: nn.Module) -> int | None:
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        return int(weight.shape[0])
+    shape = getattr(module, "normalized_shape", None)
+    return int(shape[-1]) if isinstance(shape, (tuple, list)) and len(shape) == 1 else None
+
+
+def row_layers(model: nn.Module, packed: "object | None" = None) -> list[nn.Module]:
+    """Every layer whose rows the probe checks: :func:`linear_layers` and :func:`norm_layers`."""
+    return linear_layers(model, packed) + norm_layers(model)
+
+
+def _features(layer: nn.Module) -> tuple[int, int]:
+    """``(in, out)`` features of a linear layer or a normalization layer (``(n, n)``)."""
+    if hasattr(layer, "in_features"):
+        return int(layer.in_features), int(layer.out_features)
+    features = _norm_features(layer)
+    if features is None:
+        raise ValueError(f"cannot tell the row width of {type(layer).__name__}: it is neither linear nor a "
+                         f"normalization layer with a 1-D weight")
+    return features, features
+
+
 def probe_rule(layers: Iterable[nn.Module], dtype: torch.dtype, max_rows: int = MAX_WIDTH,
                rows_per_width: int = ROWS_PER_WIDTH, wide: Sequence[int] = WIDE_CHECKS) -> RowRule:
-    """The :class:`RowRule` of these linear layers (one of each distinct shape is run; see the module
-    docstring). Raises :class:`ExactRowsError` when a layer has no invariant width up to ``max_rows``."""
-    shapes: dict[tuple[int, int], nn.Module] = {}
+    """The :class:`RowRule` of these linear and normalization layers (one of each distinct shape and
+    kernel is run; see the module docstring). Raises :class:`ExactRowsError` when a layer has no
+    invariant width up to ``max_rows``."""
+    kinds: dict[tuple[tuple[int, int], str], nn.Module] = {}
     for layer in layers:
-        shapes.setdefault((int(layer.in_features), int(layer.out_features)), layer)
-    if not shapes:
+        kinds.setdefault((_features(layer), _kernel_id(layer)), layer)
+    if not kinds:
         return RowRule(tuple(range(1, max_rows + 1)), wider=True)
     wide = tuple(sorted(w for w in set(wide) if w > max_rows))
-    return _probe(tuple(sorted((shape, _kernel_id(layer), layer) for shape, layer in shapes.items())), dtype,
-                  max_rows, rows_per_width, wide, torch.get_num_threads())
+    return _probe(tuple((shape, kernel, layer) for (shape, kernel), layer in sorted(kinds.items(), key=lambda kv: kv[0])),
+                  dtype, max_rows, rows_per_width, wide, torch.get_num_threads())
 
 
 def _kernel_id(layer: nn.Module) -> str:
@@ -273,7 +322,7 @@ def _probe(entries: tuple, dtype: torch.dtype, max_rows: int, rows_per_width: in
         agree = tuple(w for w in agree_all if w <= max_rows)
         wider = wider and set(wide) <= set(agree_all)
         if agree == (max_rows,) and max_rows > 1 and _device_of(layer).type == "cpu":
-            raise ExactRowsError(f"the {shape[0]}->{shape[1]} linear layer ({type(layer).__name__}, {dtype}) gives a "
+            raise ExactRowsError(f"the {shape[0]}->{shape[1]} layer ({type(layer).__name__}, {dtype}) gives a "
                                  f"{max_rows}-row forward other bits than any narrower width (classes: {classes}); "
                                  "no padding width makes it row-count invariant")
         per_shape.append((shape, agree))
@@ -287,8 +336,8 @@ def _probe(entries: tuple, dtype: torch.dtype, max_rows: int, rows_per_width: in
 _RULES: dict[tuple, RowRule] = {}
 
 
-#: Version of the cache files' content (a new one probes again).
-CACHE_VERSION = 1
+#: Version of the cache files' content (a new one probes again; 2: normalization layers probed too).
+CACHE_VERSION = 2
 
 
 def rule_cache_key(model: nn.Module, layers: Sequence[nn.Module]) -> dict[str, Any]:
@@ -296,7 +345,7 @@ def rule_cache_key(model: nn.Module, layers: Sequence[nn.Module]) -> dict[str, A
     (CPU, torch, threads, dtype, layer shapes) plus the kernels that run each shape."""
     from .kernel_costs import cache_key
 
-    kernels = sorted({f"{layer.in_features}x{layer.out_features}:{_kernel_id(layer)}" for layer in layers})
+    kernels = sorted({"{}x{}:{}".format(*_features(layer), _kernel_id(layer)) for layer in layers})
     return {**cache_key(model), "device": _device_name(layers), "version": CACHE_VERSION, "kernels": kernels,
             "max_rows": MAX_WIDTH, "rows_per_width": ROWS_PER_WIDTH, "wide": list(WIDE_CHECKS)}
 
@@ -311,7 +360,7 @@ def load_or_probe(model: nn.Module, packed: "object | None" = None) -> RowRule:
     """The :class:`RowRule` of the layers a forward of ``model`` runs (``packed``: the
     :class:`~specdraft.kernels.cpu_kernels.PackedModel` swapped in, if any): read from the cache when this
     machine probed them before, else probed and written there (skipped where it cannot be written)."""
-    layers = linear_layers(model, packed)
+    layers = row_layers(model, packed)
     key = rule_cache_key(model, layers)
     path = rule_cache_path(key)
     try:
