@@ -205,6 +205,22 @@ def test_sampling_law_on_cuda_chi_square() -> None:
     assert impossible == 0 and pvalue > law_test.P_THRESHOLD
 
 
+def assert_greedy_up_to_near_ties(reference: torch.nn.Module, prompt: list[int], tokens: list[int],
+                                  ulps: int = 4) -> None:
+    """Every one of ``tokens`` (a decoder's greedy output for ``prompt``) is the reference model's
+    top token after the tokens before it, or within ``ulps`` bfloat16 steps of the top logit (a
+    near-tie, which another kernel's rounding may tip): how two attention kernels in bfloat16 may
+    part, where a wrong kernel parts by whole logits."""
+    ids = torch.tensor([prompt + tokens], device=reference.device)
+    with torch.inference_mode():
+        logits = reference(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(tokens)].float()
+    top = logits.max(dim=-1).values
+    chosen = logits[torch.arange(len(tokens), device=logits.device), torch.tensor(tokens, device=logits.device)]
+    step = 2.0 ** (torch.floor(torch.log2(logits.abs().max())) - 7)  # bfloat16's spacing at the largest logit
+    gaps = (top - chosen) / step
+    assert gaps.max().item() <= ulps, [(i, round(g, 1)) for i, g in enumerate(gaps.tolist()) if g > ulps]
+
+
 def test_flash_backend_matches_sdpa_on_cuda() -> None:
     from specdraft.model.flash_kernels import fa2_available, fa4_available
 
@@ -212,12 +228,10 @@ def test_flash_backend_matches_sdpa_on_cuda() -> None:
         pytest.skip("the flash backend on CUDA needs flash-attn 2 or 4 (pip install -e '.[flash]' or '.[flash4]')")
     sdpa = cuda_model("llama", "sdpa", torch.bfloat16)
     flash = copy.deepcopy(sdpa)
-    reference = Decoder(sdpa, None, max_tree_nodes=16, adaptive_budget=False).generate(PROMPT, max_new_tokens=NEW)
     out = Decoder(flash, None, max_tree_nodes=16, adaptive_budget=False, attention="flash").generate(
         PROMPT, max_new_tokens=NEW)
-    # bfloat16 (flash-attn has no float32 kernel): the two backends may part at a near-tie, late
-    agree = next((i for i, (a, b) in enumerate(zip(out.token_ids, reference.token_ids)) if a != b), NEW)
-    assert agree >= NEW // 2, (out.token_ids, reference.token_ids)
+    # bfloat16 (flash-attn has no float32 kernel): the two backends may part at a near-tie
+    assert_greedy_up_to_near_ties(sdpa, PROMPT, out.token_ids)
 
 
 def _needs_flash4() -> None:
@@ -254,11 +268,12 @@ def test_flash4_prefix_matches_the_dense_product_on_cuda(dtype: torch.dtype) -> 
     layout, q, k, v = _flash_layout_case(dtype, seed=0)
     assert fk.fa4_runs(q)
     out, lse = fk._prefix_fa4(q, k, v, layout, 0.125)
-    ref_out, ref_lse = fk._prefix_dense(q, k, v, layout, 0.125)
+    ref_out, ref_lse = fk._prefix_dense(q, k, v, layout, 0.125)  # (float32)
+    seen = torch.isfinite(ref_lse)  # a row with nothing committed: FlashAttention's value there is not read
+    rows_seen = seen[0, 0]
+    out, ref_out = out.float()[:, :, rows_seen], ref_out[:, :, rows_seen]
     assert torch.allclose(out, ref_out, atol=2e-2), (out - ref_out).abs().max()
-    seen = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), seen)
-    assert torch.allclose(lse[seen], ref_lse[seen], atol=1e-2)
+    assert torch.allclose(lse[seen].float(), ref_lse[seen], atol=1e-2), (lse[seen] - ref_lse[seen]).abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -279,8 +294,8 @@ def test_flash_split_fused_merge_matches_the_torch_operations_on_cuda(dtype: tor
 
 def test_flash4_decoding_in_cuda_graphs_matches_sdpa(monkeypatch) -> None:
     """The flash backend on FlashAttention 4: decode forwards captured as CUDA graphs with the
-    variable-length call inside, alone and batched; greedy tokens as sdpa's (bfloat16: the two may
-    part at a near-tie, late)."""
+    variable-length call inside, alone and batched; greedy tokens as sdpa's up to near-ties
+    (:func:`assert_greedy_up_to_near_ties`)."""
     _needs_flash4()
     import specdraft.model.flash_kernels as fk
 
@@ -289,18 +304,14 @@ def test_flash4_decoding_in_cuda_graphs_matches_sdpa(monkeypatch) -> None:
     monkeypatch.setattr(fk, "_fa4_varlen", lambda: lambda *a, **k: (calls.append(1), varlen(*a, **k))[1])
     sdpa = wide_cuda_model(torch.bfloat16)
     flash = copy.deepcopy(sdpa)
-    reference = Decoder(sdpa, None, max_tree_nodes=16, adaptive_budget=False, exact=False)
     dec = Decoder(flash, None, max_tree_nodes=16, adaptive_budget=False, attention="flash")
     prompts = [PROMPT, PROMPT[:8], PROMPT[3:]]
     outs = [dec.generate(PROMPT, max_new_tokens=NEW), *dec.generate_batch(prompts, max_new_tokens=NEW, concurrency=3)]
-    refs = [reference.generate(PROMPT, max_new_tokens=NEW),
-            *reference.generate_batch(prompts, max_new_tokens=NEW, concurrency=3)]
     static = dec.runner.static
     assert static is not None and static.captured, static.note if static else "no static path"
     assert calls
-    for out, ref in zip(outs, refs):
-        agree = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref.token_ids)) if a != b), NEW)
-        assert agree >= NEW // 2, (out.token_ids, ref.token_ids)
+    for prompt, out in zip([PROMPT, *prompts], outs):
+        assert_greedy_up_to_near_ties(sdpa, prompt, out.token_ids)
 
 
 def test_real_model_greedy_identity_on_cuda() -> None:
