@@ -9,10 +9,11 @@
 #   bash benchmarks/gpu_flash4.sh add     # optional, before start: one call per FlashAttention 4 piece
 #                                         # (.fa4_parts/, see gpu_flash4.sh); start installs it, and the
 #                                         # checks and the main stage then include the flash split
-#   bash benchmarks/gpu_pieces.sh start   # first call: the wheels installed, the pieces it carries
-#                                         # kept, and the CUDA suite and the step profile on random
-#                                         # weights started in the background (benchmarks/gpu_quick.sh)
-#   bash benchmarks/gpu_pieces.sh add     # each further call: the pieces it carries kept
+#   bash benchmarks/gpu_pieces.sh start   # first call, carrying .whl/ alone (with a piece beside it the
+#                                         # call passes 64 MiB): the wheels installed, and the CUDA
+#                                         # suite and the step profile on random weights started in the
+#                                         # background (benchmarks/gpu_quick.sh)
+#   bash benchmarks/gpu_pieces.sh add     # each further call: the pieces it carries kept (part00 on)
 #   bash benchmarks/gpu_pieces.sh bench   # last call: the pieces assembled and checked against the
 #                                         # mirror's sha256, converted once to a bfloat16 checkpoint,
 #                                         # then the stages below, each under its own time limit
@@ -20,13 +21,16 @@
 # Stages of `bench` (STAGES, comma-separated; the default runs all, in this order):
 #   main      specdraft bench, HumanEval 10 and MT-Bench 10 x 128: eager generate, compiled
 #             static-cache generate, our plain decoding and our default (the GPU's defaults:
-#             exact mode on in bfloat16, Token Recycling among the sources), each also with
-#             compiled forwards (@compiled, without exact mode) (MAIN_METHODS overrides the list)
+#             exact mode on in bfloat16, Token Recycling among the sources) (MAIN_METHODS
+#             overrides the list; with the @compiled methods beside these, HumanEval alone passed
+#             300 s on an H200)
 #   flash     where FlashAttention 4 is installed and the CUDA suite's flash tests did not fail:
 #             our plain decoding and default beside the same on the flash split (@flash),
 #             HumanEval and MT-Bench, FLASH_LIMIT (5) prompts each
 #   chatsteps benchmarks/host_critical_path.py --model: the default beside our plain decoding on 4
 #             MT-Bench prompts, every phase of the step timed (where chat's extra time goes)
+#   compiled  our plain decoding and default with compiled forwards (@compiled, without exact
+#             mode) beside the same uncompiled, HumanEval and MT-Bench, COMPILED_LIMIT (5) prompts
 #   edits     the code-edit set, 6 x 256
 #   exact     the same prompts with --exact for every method (only when named in STAGES)
 #   batch     --concurrency 1,8 on HumanEval 8 x 64 (batched generate against our batched decoding;
@@ -151,7 +155,7 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     mkdir -p "$results/quick"; cp -r "$KEEP/quick/." "$results/quick/" 2>/dev/null; pack
     stage() {  # stage NAME SECONDS COMMAND...: run it if chosen and time is left, under its limit
         local name=$1 limit=$2; shift 2
-        [[ ",${STAGES:-main,flash,chatsteps,edits,batch}," == *",$name,"* ]] || return 0
+        [[ ",${STAGES:-main,flash,chatsteps,compiled,edits,batch}," == *",$name,"* ]] || return 0
         local left=$(( deadline - $(date +%s) ))
         if (( left < 30 )); then say "stage $name skipped: ${left} s left"; return 0; fi
         (( limit > left )) && limit=$left
@@ -163,7 +167,7 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     common=(--model "$model" --dtype bfloat16 --device "${DEVICE:-cuda}" --no-plot -q)
     count=${LIMIT:-10}
     stage main 300 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" \
-        --methods "${MAIN_METHODS:-baseline,generate-static,plain,default,plain@compiled,default@compiled}" \
+        --methods "${MAIN_METHODS:-baseline,generate-static,plain,default}" \
         --out "$results/main"
     # the flash split apart from the main stage, so that a failure on it costs only its own stage
     if "$PY" -c "import flash_attn.cute" 2>/dev/null && grep -q " passed" "$results/quick/pytest-cuda.txt" 2>/dev/null \
@@ -175,6 +179,8 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     fi
     stage chatsteps 90 "$PY" benchmarks/host_critical_path.py --device "${DEVICE:-cuda}" --model "$model" \
         --dataset mtbench --prompts 4 --new-tokens 128 --out "$results/chatsteps"
+    stage compiled 180 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "${COMPILED_LIMIT:-5}" \
+        --methods plain,default,plain@compiled,default@compiled --out "$results/compiled"
     "$PY" benchmarks/code_edit.py --jsonl "$KEEP/code_edits.jsonl" >/dev/null 2>&1
     stage edits 150 "$PY" -m specdraft bench "${common[@]}" --dataset "$KEEP/code_edits.jsonl" --limit "$(( count < 6 ? count : 6 ))" \
         --max-new-tokens 256 --methods "${EDIT_METHODS:-baseline,generate-static,plain,default,default@compiled}" --out "$results/edits"
