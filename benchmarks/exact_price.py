@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     import specdraft.model.runner as runner_module
     from row_invariance import machine
     from specdraft.kernels.cpu_kernels import CpuKernelError, check_cpu_kernels, packed_model
-    from specdraft.kernels.exact_rows import ExactRowsError, linear_layers, pad_block, probe_rule
+    from specdraft.kernels.exact_rows import ExactRowsError, pad_block, probe_rule, row_layers
     from specdraft.models import load_model
 
     torch.set_num_threads(args.threads)
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             check_cpu_kernels(model, path)
             packs[path] = None if path == "stock" else packed_model(model, path)
             started = time.perf_counter()
-            rules[path] = probe_rule(linear_layers(model, packs[path]), dtype)
+            rules[path] = probe_rule(row_layers(model, packs[path]), dtype)
             probe_seconds[path] = round(time.perf_counter() - started, 1)
             paths.append(path)
             say(f"{path}: {rules[path].describe()}, probed in "
