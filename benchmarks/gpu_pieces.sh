@@ -136,22 +136,34 @@ print((words[0] if words else 'gpu').lower())")
         exit 3
     fi
     model=$KEEP/qwen-bf16
+    converting=""
     if [[ ! -e "$model/config.json" ]]; then
-        say "converting the GGUF to a bfloat16 checkpoint (once, so each stage loads in seconds)"
+        # once, so each stage loads in seconds; on the CPU, while the background checks use the GPU
+        say "converting the GGUF to a bfloat16 checkpoint in the background"
         "$PY" -c "
 import sys
 from specdraft.models import load_model
 model, tokenizer = load_model(sys.argv[1], dtype='bfloat16', progress=False)
-model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gguf" "$model" 2>&1 | grep -v "it/s\]" | tail -3
+model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gguf" "$model" > "$KEEP/convert.log" 2>&1 &
+        converting=$!
     fi
-    # the background checks share the GPU: once the checkpoint is ready (its conversion runs on the
-    # CPU), wait for them until the step profile, their last part, begins (at most WAIT s), then
-    # stop them
-    for _ in $(seq "${WAIT:-90}"); do
-        [[ -e "$KEEP/quick.done" || -e "$KEEP/quick/steps.txt" ]] && break; sleep 1
+    # the background checks share the GPU: wait for them until the step profile, their last part,
+    # begins (at most WAIT s) and for the conversion, then stop them
+    waited=0
+    while :; do
+        quick_over=0
+        [[ -e "$KEEP/quick.done" || -e "$KEEP/quick/steps.txt" ]] || (( waited >= ${WAIT:-90} )) && quick_over=1
+        if (( quick_over )) && { [[ -z "$converting" ]] || ! kill -0 "$converting" 2>/dev/null; }; then break; fi
+        sleep 1; waited=$(( waited + 1 ))
     done
+    if [[ -n "$converting" ]] && ! wait "$converting"; then
+        say "the conversion failed: $(tail -n 3 "$KEEP/convert.log")"
+        pack
+        exit 4
+    fi
     pkill -f gpu_quick.sh 2>/dev/null; pkill -f gpu_steps.py 2>/dev/null; pkill -f "pytest -m cuda" 2>/dev/null
     pkill -f exact_attention_price.py 2>/dev/null; pkill -f forward_kernels.py 2>/dev/null
+    say "checkpoint ready; background checks stopped after ${waited} s of waiting"
     mkdir -p "$results/quick"; cp -r "$KEEP/quick/." "$results/quick/" 2>/dev/null; pack
     stage() {  # stage NAME SECONDS COMMAND...: run it if chosen and time is left, under its limit
         local name=$1 limit=$2; shift 2
