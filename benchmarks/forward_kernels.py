@@ -136,7 +136,8 @@ def profile_decoder(dec: Decoder, prompt: list[int], new_tokens: int) -> dict[in
     return result
 
 
-def _charge_loose_kernels(events: Any, by_kind: dict[int, dict[str, float]], by_op: dict[int, dict[str, float]]) -> None:
+def _charge_loose_kernels(events: Any, by_kind: dict[int, dict[str, float]],
+                          by_op: dict[int, dict[str, float]]) -> None:
     """Charge the GPU kernels that no CPU operation launched as the profiler sees it (Triton's
     own launcher: the exact attention's and the flash merge's kernels) to the decode forward whose
     launch last began before them, as :data:`OUTSIDE`. Their launches happen inside that forward,

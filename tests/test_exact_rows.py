@@ -22,8 +22,8 @@ from conftest import AttentionModule, ancestor_block, check_exact_attention_matc
 from specdraft.model.compat import cache_keyword
 from specdraft.model.exact_attention import (CHUNK, EXACT_NAME, ExactAttentionError, exact_attention,
                                        register_exact_backend)
-from specdraft.kernels.exact_rows import (ExactRowsError, RowRule, agreeing_widths, invariant_from, linear_layers, norm_layers,
-                                  pad_block, probe_rule, row_layers, width_classes)
+from specdraft.kernels.exact_rows import (ExactRowsError, RowRule, agreeing_widths, invariant_from, linear_layers,
+                                          norm_layers, pad_block, probe_rule, row_layers, width_classes)
 
 PROMPT = 70  # cache length before a tree: more than one attention chunk
 WIDEST = 64

@@ -3,11 +3,12 @@
 Exact mode pads every forward of ``k`` rows to a width at which the model's linear and
 normalization layers give each row the bits a plain one-token step gives it (a
 :class:`~specdraft.kernels.exact_rows.RowRule`, probed per machine and model); a plain step is
-padded by the same rule, so plain decoding and speculation compute every row alike. Forwards wider than the rule covers (a prompt's chunks)
-run as they are where the rule found wide forwards agreeing too; where it did not, a prompt runs
-whole and alone in its forward, as when its request runs by itself (:attr:`Widths.mixes_prompts`),
-and the budget keeps every decode step within the rule (:attr:`Widths.widest`), so a request's
-rows never depend on what else is in the batch.
+padded by the same rule, so plain decoding and speculation compute every row alike. Forwards
+wider than the rule covers (a prompt's chunks) run as they are where the rule found wide forwards
+agreeing too; where it did not, a prompt runs whole and alone in its forward, as when its
+request runs by itself (:attr:`Widths.mixes_prompts`), and the budget keeps every decode step
+within the rule (:attr:`Widths.widest`), so a request's rows never depend on what else is in the
+batch.
 """
 
 from __future__ import annotations

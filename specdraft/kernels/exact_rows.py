@@ -291,8 +291,8 @@ def probe_rule(layers: Iterable[nn.Module], dtype: torch.dtype, max_rows: int = 
     if not kinds:
         return RowRule(tuple(range(1, max_rows + 1)), wider=True)
     wide = tuple(sorted(w for w in set(wide) if w > max_rows))
-    return _probe(tuple((shape, kernel, layer) for (shape, kernel), layer in sorted(kinds.items(), key=lambda kv: kv[0])),
-                  dtype, max_rows, rows_per_width, wide, torch.get_num_threads())
+    entries = tuple((shape, kernel, layer) for (shape, kernel), layer in sorted(kinds.items(), key=lambda kv: kv[0]))
+    return _probe(entries, dtype, max_rows, rows_per_width, wide, torch.get_num_threads())
 
 
 def _kernel_id(layer: nn.Module) -> str:
