@@ -345,6 +345,14 @@ def test_norm_layers_are_probed_beside_the_linear_layers() -> None:
     assert {type(m).__name__ for m in norm_layers(llama)} == {"LlamaRMSNorm"}
     assert {type(m).__name__ for m in norm_layers(gpt2)} == {"LayerNorm"}
     assert len(row_layers(llama)) == len(linear_layers(llama)) + len(norm_layers(llama))
+
+    class ConditionedLayerNorm(nn.LayerNorm):  # needs more than the rows: left out
+        def forward(self, x: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * condition
+
+    holder = nn.Module()
+    holder.plain, holder.conditioned = nn.LayerNorm(8), ConditionedLayerNorm(8)
+    assert norm_layers(holder) == [holder.plain]
     layer = _OrderByRows(64, 64, cut=1)
     norm = _NormByRowsRMSNorm(64, cut=16)
     assert probe_rule([layer], torch.bfloat16, max_rows=32, rows_per_width=64).widths == tuple(range(1, 33))

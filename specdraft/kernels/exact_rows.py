@@ -71,6 +71,7 @@ What a decoder in exact mode does with it
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 from dataclasses import dataclass
@@ -251,9 +252,23 @@ NORM_CLASS_ENDINGS = ("RMSNorm", "LayerNorm")
 
 def norm_layers(model: nn.Module) -> list[nn.Module]:
     """The normalization layers of ``model`` that act on each row's last dimension alone (see
-    :data:`NORM_CLASS_ENDINGS`), with that dimension known from their weight or shape."""
+    :data:`NORM_CLASS_ENDINGS`), with that dimension known from their weight or shape. A norm
+    whose forward needs more than the hidden states (a conditioned one) is left out: the probe
+    cannot run it on rows alone."""
     return [module for name, module in model.named_modules()
-            if name and type(module).__name__.endswith(NORM_CLASS_ENDINGS) and _norm_features(module)]
+            if name and type(module).__name__.endswith(NORM_CLASS_ENDINGS) and _norm_features(module)
+            and _takes_rows_alone(module)]
+
+
+def _takes_rows_alone(module: nn.Module) -> bool:
+    """Whether ``module(x)`` is a complete call: its forward has one required argument."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in parameters if p.default is p.empty and p.kind in positional]
+    return len(required) == 1
 
 
 def _norm_features(module: nn.Module) -> int | None:
