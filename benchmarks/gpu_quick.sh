@@ -28,7 +28,9 @@ timeout "${KERNELS_SECONDS:-60}" "$PY" benchmarks/forward_kernels.py --device cu
     2>&1 | tail -n 30 | tee "$out/forward-kernels.txt"
 timeout "${KERNELS_SECONDS:-60}" "$PY" benchmarks/forward_kernels.py --device cuda --exact off \
     --out "$out/forward-kernels-sdpa" 2>&1 | tail -n 30 | tee "$out/forward-kernels-sdpa.txt"
-if "$PY" -c "import flash_attn.cute" 2>/dev/null; then  # and on the flash split, where FlashAttention 4 is installed
+flash4=0  # whether FlashAttention 4 is installed (its import loads the CUTLASS DSL: checked once)
+"$PY" -c "import flash_attn.cute" 2>/dev/null && flash4=1
+if (( flash4 )); then  # and on the flash split
     timeout "${KERNELS_SECONDS:-60}" "$PY" benchmarks/forward_kernels.py --device cuda --exact off --attention flash \
         --out "$out/forward-kernels-flash" 2>&1 | tail -n 30 | tee "$out/forward-kernels-flash.txt"
 fi
@@ -37,7 +39,7 @@ fi
 # kernels, and the flash split where FlashAttention 4 is installed (its prefix is a dense product
 # otherwise, which says nothing new)
 modes=sdpa,hf-sdpa,hf-eager,triton
-"$PY" -c "import flash_attn.cute" 2>/dev/null && modes=$modes,flash
+(( flash4 )) && modes=$modes,flash
 timeout "${PRICE_SECONDS:-120}" "$PY" benchmarks/exact_attention_price.py --device cuda --modes "$modes" \
     --widths "${PRICE_WIDTHS:-1,8,32}" --capacities "${PRICE_CAPACITIES:-2048,8192}" --out "$out/exact-attention-price" \
     2>&1 | tail -n 25 | tee "$out/exact-attention-price.txt"
