@@ -257,3 +257,24 @@ def test_without_buckets_the_step_is_not_limited():
     budget = Budget(32, warmup=3)
     asks = [Ask([0.9] * 32, 32, 0, 1) for _ in range(8)]
     assert budget.row_limit is None and budget.allocate(asks) == [Grant(32, True)] * 8
+
+
+def test_where_plain_steps_run_padded_their_width_is_the_unit_of_price():
+    """On a GPU in exact mode every forward runs at 16 rows or more: a one-token step is observed
+    at 16 rows. Its time must still be the unit every width is priced in, or no plain step is
+    ever seen, every width gets the same guessed price, and a 64-row tree that doubles the step
+    looks as cheap as a plain one."""
+    from specdraft.model.static import Buckets
+
+    budget = Budget(48, warmup=0, smoothing=1.0, acceptance_smoothing=1.0)
+    budget.costs.padding = Buckets((16, 32, 64))
+    budget.observe_step(16, 0.004)  # a plain step (or a tree of up to 15 nodes): 16 rows
+    budget.observe_step(64, 0.008)
+    assert budget.costs.level == pytest.approx(0.004)
+    assert budget.costs.shape(1) == budget.costs.shape(16) == 1.0
+    assert budget.costs.shape(64) == pytest.approx(2.0)
+    assert budget.costs.seconds(1) == pytest.approx(0.004)
+    # 15 sure nodes ride in the plain step's 16 rows for free; 33 more that never hit do not buy
+    # twice the price
+    ask = Ask([1.0] * 15 + [0.0] * 33, 48, 0, 1)
+    assert budget.allocate([ask]) == [Grant(15, True)]

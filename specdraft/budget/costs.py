@@ -23,7 +23,9 @@ So the cost of a step is split into two numbers:
     cannot price a width out of use) and never above ``width`` (rows can always be run one by one).
     Widths not measured yet are interpolated between measured neighbours (one-token steps cost
     1.0) and take the widest measured one's shape beyond it: optimistic guesses that make the
-    budget try them, after which they are known.
+    budget try them, after which they are known. Where forwards are padded to fixed widths, a
+    one-token step is one at the narrowest (:attr:`StepCosts.plain_width`), and shapes are
+    learned relative to it.
 
 Each width is priced on its own: kernels do not follow powers of two (FBGEMM streams weights in
 blocks of six rows; MKL on AMD makes 2-3 rows dearer than 4).
@@ -103,6 +105,13 @@ class StepCosts:
         self._one_row_seconds = values[0]
 
     @property
+    def plain_width(self) -> int:
+        """Rows a one-token step's forward runs at: the unit learned shapes are measured in. Where
+        every forward is padded (exact mode on a GPU pads to 16 rows), a one-token step runs at
+        the narrowest width, and a tree that fits in it costs what a plain step does."""
+        return self.padding.rows_for(1) if self.padding is not None else 1
+
+    @property
     def known(self) -> bool:
         """Whether any step has been measured yet (before that :meth:`seconds` is ``None``)."""
         return self.level is not None or bool(self._unpriced)
@@ -113,16 +122,17 @@ class StepCosts:
         """Cost of a step of ``width`` rows in one-token steps."""
         if self.padding is not None:
             width = self.padding.rows_for(max(1, width))
-        if width <= 1:
-            return 1.0
         if self.curve is not None:
-            return _from_curve(self.curve, width)
+            return 1.0 if width <= 1 else _from_curve(self.curve, width)
+        plain = self.plain_width
+        if width <= plain:
+            return 1.0
         # before any plain step the wide ones seen count as two plain steps: a guess that makes
         # the budget try a plain step, after which the real prices are known
-        points = sorted(self.learned.items()) or [(w, min(2.0, float(w))) for w in sorted(self._unpriced)]
+        points = sorted(self.learned.items()) or [(w, min(2.0, w / plain)) for w in sorted(self._unpriced)]
         if not points:
             return 1.0
-        below = [(1, 1.0)] + [(w, s) for w, s in points if w < width]
+        below = [(plain, 1.0)] + [(w, s) for w, s in points if w < width]
         above = [(w, s) for w, s in points if w >= width]
         if not above:
             return below[-1][1]  # wider than anything measured: the widest's price (optimistic)
@@ -164,7 +174,7 @@ class StepCosts:
         if self.curve is not None:
             self.level = _moving_average(self.level, seconds / self.shape(width), self.weight)
             return
-        if width == 1:
+        if width <= self.plain_width:
             self.level = _moving_average(self.level, seconds, self.weight)
             for w, s in self._unpriced.items():  # the warm-up's wide steps, now that a plain one is known
                 self._learn(w, s / self.level)
