@@ -48,11 +48,14 @@ METHODS = ("plain", "no-pause", "default")
 
 class EmulatedClock:
     """CPU time of this process, with every forward's own CPU time replaced by ``forward_s`` per
-    ``rows_per_forward`` rows (a forward hook measures what to take out)."""
+    ``rows_per_forward`` rows (a forward hook measures what to take out), a forward of ``k <=
+    rows_per_forward`` rows costing ``1 + width_cost * (k - 1) / (rows_per_forward - 1)`` times one
+    of a single row."""
 
-    def __init__(self, model: Any, forward_s: float, rows_per_forward: int = 64) -> None:
+    def __init__(self, model: Any, forward_s: float, rows_per_forward: int = 64, width_cost: float = 0.0) -> None:
         self.forward_s = forward_s
         self.rows = rows_per_forward
+        self.width_cost = width_cost
         self.correction = 0.0
         self.last_forward_s = 0.0
         self._started: float | None = None
@@ -65,7 +68,10 @@ class EmulatedClock:
     def _pre(self, module: Any, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         width = ids.shape[-1] if ids is not None else kwargs["inputs_embeds"].shape[1]
-        self.last_forward_s = self.forward_s * math.ceil(width / self.rows)
+        full, rest = divmod(width, self.rows)
+        growth = self.width_cost / max(1, self.rows - 1)
+        self.last_forward_s = self.forward_s * (full * (1 + growth * (self.rows - 1))
+                                                + (1 + growth * (rest - 1) if rest else 0))
         self.correction += self.last_forward_s
         self._started = time.process_time()
 
@@ -83,6 +89,23 @@ class EmulatedClock:
 
         step_module.Step.behind_forward = behind
 
+    def read_on_device(self) -> None:
+        """Count the step's read (every row's argmax and the top-k, over the vocabulary) as free:
+        on a GPU those are kernels launched behind the forward, while on a CPU they are host work
+        that grows with the rows and would price wide trees as a GPU does not."""
+        from specdraft.engine import step as step_module
+
+        original = step_module.Step.read_back
+
+        def read_back(step: Any, *args: Any) -> Any:
+            started = time.process_time()
+            try:
+                return original(step, *args)
+            finally:
+                self.correction -= time.process_time() - started
+
+        step_module.Step.read_back = read_back
+
     def _post(self, module: Any, args: tuple, output: Any) -> None:
         self.correction -= time.process_time() - self._started
 
@@ -96,8 +119,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--forward-ms", type=float, default=3.4)
+    parser.add_argument("--width-cost", type=float, default=0.0,
+                        help="how much dearer a forward of 64 rows is than one of 1 (0.15: 15%%), linear between; "
+                             "the step's read counts as device work (free) when this is given")
+    parser.add_argument("--max-tree-nodes", type=int, default=32, help="the decoders' max_tree_nodes")
+    parser.add_argument("--builtin", default=",".join(METHODS),
+                        help=f"which of {', '.join(METHODS)} to run beside the --extra ones (plain always runs)")
     parser.add_argument("--extra", action="append", default=[], metavar="NAME=SOURCES",
-                        help="another method: the default decoder with these sources (repeatable)")
+                        help="another method: the default decoder with these sources (repeatable); a NAME "
+                             "with @fixed runs it with a fixed budget, with @<N>n at max_tree_nodes=N")
     parser.add_argument("--hide", action="store_true",
                         help="the accelerator's order: host work the read does not need runs behind the forward "
                              "and counts as free up to the forward's time; adds the method default-nolag (drafting "
@@ -117,7 +147,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--extra takes NAME=SOURCES with a new name, got {item!r}")
         extras[name] = parse_source_names(sources)
     args.extras = extras
+    builtin = [m.strip() for m in args.builtin.split(",") if m.strip()]
+    if any(m not in METHODS for m in builtin):
+        parser.error(f"--builtin takes some of {', '.join(METHODS)}, got {args.builtin!r}")
+    args.builtin = ["plain", *[m for m in METHODS if m in builtin and m != "plain"]]
     return args
+
+
+def _suffix_nodes(name: str, default: int) -> int:
+    """``max_tree_nodes`` of an ``--extra`` method: a ``@<N>n`` suffix of its name, else ``default``."""
+    sizes = [int(part[:-1]) for part in name.split("@")[1:] if part.endswith("n") and part[:-1].isdigit()]
+    return sizes[-1] if sizes else default
 
 
 def run_method(decoders: dict[str, Any], method: str, prompt: list[int], new_tokens: int,
@@ -141,30 +181,41 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     model, tokenizer = load_model(args.model, dtype=args.dtype, progress=False)
-    clock: Callable[[], float] = EmulatedClock(model, args.forward_ms / 1e3) if args.forward_ms else time.process_time
+    clock: Callable[[], float] = (EmulatedClock(model, args.forward_ms / 1e3, width_cost=args.width_cost)
+                                  if args.forward_ms else time.process_time)
     if args.hide:
         clock.hide_behind_forwards()
+    if args.width_cost:
+        clock.read_on_device()
     kernels = "stock" if args.forward_ms else "auto"
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"setup": setup(args), "datasets": {}}
     for dataset in [d.strip() for d in args.datasets.split(",") if d.strip()]:
         prompts = [r.token_ids for r in load_prompts(dataset, args.prompts, tokenizer)]
+        nodes = args.max_tree_nodes
         decoders = {"plain": Decoder(model, tokenizer, max_tree_nodes=0, cpu_kernels=kernels),
-                    "no-pause": Decoder(model, tokenizer, cpu_kernels=kernels),
-                    "default": Decoder(model, tokenizer, cpu_kernels=kernels)}
-        decoders.update({name: Decoder(model, tokenizer, sources=make_sources(names), cpu_kernels=kernels)
+                    "no-pause": Decoder(model, tokenizer, max_tree_nodes=nodes, cpu_kernels=kernels),
+                    "default": Decoder(model, tokenizer, max_tree_nodes=nodes, cpu_kernels=kernels)}
+        decoders.update({name: Decoder(model, tokenizer, sources=make_sources(names),
+                                       max_tree_nodes=_suffix_nodes(name, nodes),
+                                       adaptive_budget="@fixed" not in name, cpu_kernels=kernels)
                          for name, names in args.extras.items()})
-        if args.hide:
+        if args.hide and "default" in args.builtin:
             lagless = decoders["default-nolag"] = Decoder(model, tokenizer, cpu_kernels=kernels)
             drafter = lagless.engine.drafter
             drafter.propose_lagged = lambda request, d=drafter: d.propose(request, False)  # a budget of 0
             drafter.draft_behind = lambda request: None
-        methods = [*METHODS, *(["default-nolag"] if args.hide else []), *args.extras]
-        decoders["no-pause"].budget.drafting_share = 0.0
+        methods = [*args.builtin, *(["default-nolag"] if args.hide and "default" in args.builtin else []),
+                   *args.extras]
+        decoders = {m: decoders[m] for m in methods}
+        if "no-pause" in decoders:
+            decoders["no-pause"].budget.drafting_share = 0.0
         for dec in decoders.values():
             dec.clock = clock
             dec.engine.hide_host_work = True if args.hide else None
+            if args.width_cost:
+                dec.row_choices = "batched"  # a GPU's: every row's choice made at once, in the read
             dec.generate(prompts[0][:64], max_new_tokens=8)  # warm: kernels chosen, budget priced
         rows = []
         for index, prompt in enumerate(prompts):
@@ -214,7 +265,9 @@ def render(results: dict[str, Any]) -> str:
     s = results["setup"]
     lines = [f"# Drafting pauses ({s['date']}, commit {s['commit']})", "",
              f"{s['model']} ({s['dtype']}) on {s['cpu']}, one thread; "
-             + (f"each forward counted as {s['forward_ms']} ms per 64 rows (stock CPU kernels)" if s["forward_ms"]
+             + (f"each forward counted as {s['forward_ms']} ms per 64 rows (stock CPU kernels)"
+                + (f", 64 rows {s['width_cost']:.0%} dearer than 1, the read on the device" if s.get("width_cost") else "")
+                if s["forward_ms"]
                 else "the CPU's own forward times (default CPU kernels), CPU time")
              + ("; the accelerator's order, work behind each forward free up to its time" if s.get("hide") else "")
              + f"; greedy, {s['new_tokens']} new tokens; {s['prompts']} prompts per set.", "",
@@ -242,7 +295,9 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
         pass
     return {"date": time.strftime("%Y-%m-%d"), "commit": commit, "model": args.model, "dtype": args.dtype,
             "cpu": cpu, "torch": torch.__version__, "forward_ms": args.forward_ms, "new_tokens": args.new_tokens,
-            "prompts": args.prompts, "extra": args.extra, "hide": args.hide}
+            "prompts": args.prompts, "extra": args.extra, "builtin": args.builtin, "hide": args.hide,
+            "width_cost": args.width_cost,
+            "max_tree_nodes": args.max_tree_nodes}
 
 
 if __name__ == "__main__":

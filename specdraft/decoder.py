@@ -112,7 +112,9 @@ class Decoder:
     :mod:`specdraft.model.exact_attention`. Then
     speculation gives the very tokens of plain decoding in bfloat16 and float16 too, where
     rounding otherwise parts them at near-ties. The default (``None``) is on where it costs
-    little: bfloat16 and float16 models on a CPU, with ``attention="auto"``.
+    little, with ``attention="auto"``: bfloat16 and float16 models on a CPU, and bfloat16 on a
+    CUDA GPU where exact attention's Triton kernels run
+    (:func:`~specdraft.engine.widths.exact_default`).
 
     ``compile=True`` (CUDA only) runs the decode forwards through ``torch.compile`` before they
     are captured as CUDA graphs: the compiler fuses the model's many small kernels (norms, rotary
