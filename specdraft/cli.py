@@ -108,6 +108,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 #: The ``--cpu-kernels`` help of ``generate`` and ``demo``.
+TREE_NODES_DEFAULTS = "32 on a CPU, 63 on a CUDA GPU"
+
 CPU_KERNELS_HELP = ("auto = measure the exact kernel paths below once on this machine and model (cached) and run each "
                     "forward width on the cheapest; stock = the model's own modules; packed = linear layers on "
                     "weights packed once for oneDNN (CPU, float32/bfloat16); fbgemm = FBGEMM's float16-weight "
@@ -152,8 +154,8 @@ def _add_generate_command(sub: Any) -> None:
                           f"{','.join(DEFAULT_SOURCES)}; on a CUDA GPU {','.join(GPU_DEFAULT_SOURCES)})")
     gen.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="N",
                      help="stop after N new tokens (or at end of sequence) (default: %(default)s)")
-    gen.add_argument("--max-tree-nodes", type=_int_at_least(0), default=32, metavar="N",
-                     help="draft tokens checked per forward pass; 0 = plain decoding (default: %(default)s)")
+    gen.add_argument("--max-tree-nodes", type=_int_at_least(0), default=None, metavar="N",
+                     help=f"draft tokens checked per forward pass; 0 = plain decoding (default: {TREE_NODES_DEFAULTS})")
     gen.add_argument("--fixed-budget", action="store_true",
                      help="check --max-tree-nodes every step instead of sizing the tree adaptively")
     gen.add_argument("--attention", choices=["auto", "sdpa", "eager", "flash"], default="auto",
@@ -188,7 +190,8 @@ def _add_demo_command(sub: Any) -> None:
                     "and specdraft. Reports median speed ratios and whether the greedy outputs are identical.")
     _add_model_arguments(demo)
     demo.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="N", help="(default: %(default)s)")
-    demo.add_argument("--max-tree-nodes", type=_int_at_least(0), default=32, metavar="N", help="(default: %(default)s)")
+    demo.add_argument("--max-tree-nodes", type=_int_at_least(0), default=None, metavar="N",
+                      help=f"(default: {TREE_NODES_DEFAULTS})")
     demo.add_argument("--fixed-budget", action="store_true",
                       help="check --max-tree-nodes every step instead of sizing the tree adaptively")
     demo.add_argument("--cpu-kernels", choices=list(CPU_KERNELS), default="auto", help=CPU_KERNELS_HELP)
@@ -219,8 +222,8 @@ def _add_bench_command(sub: Any) -> None:
                        help="first K prompts of each dataset; 0 = all (default: %(default)s)")
     bench.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="T",
                        help="(default: %(default)s)")
-    bench.add_argument("--max-tree-nodes", type=_int_at_least(0), default=32, metavar="N",
-                       help="draft tokens per forward for our methods (default: %(default)s)")
+    bench.add_argument("--max-tree-nodes", type=_int_at_least(0), default=None, metavar="N",
+                       help=f"draft tokens per forward for our methods (default: {TREE_NODES_DEFAULTS})")
     _add_exact_argument(bench)
     bench.add_argument("--repeats", type=_int_at_least(1), default=1, metavar="R",
                        help="time each method R times per prompt and take the median (default: %(default)s)")
@@ -359,7 +362,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.json:
         record = {"model": args.model, "dtype": args.dtype, "sources": source_names,
-                  "max_tree_nodes": args.max_tree_nodes, "sampling": options, "seed": args.seed,
+                  "max_tree_nodes": decoder.max_tree_nodes, "sampling": options, "seed": args.seed,
                   "prompt_tokens": len(prompt_ids), **stats, "kernels": decoder.kernels.describe(),
                   "text": out.text, "token_ids": list(out.token_ids)}
         if comparison is not None:

@@ -35,6 +35,22 @@ from .stopping import StopRule, eos_ids
 #: are the useful range), and small enough that a typo cannot make every step a huge forward.
 MAX_TREE_NODES = 1024
 
+#: ``max_tree_nodes`` when none is given, by device kind (:func:`default_max_tree_nodes`).
+DEFAULT_MAX_TREE_NODES = {"cpu": 32, "cuda": 63}
+
+
+def default_max_tree_nodes(device: Any = None) -> int:
+    """The largest tree a decoder checks by default on ``device``. On a CPU every row of a forward
+    costs, and the adaptive budget rarely checks more than about 16 nodes there, so 32 leaves it
+    room. On a CUDA GPU a forward of 64 rows, the widest captured width, costs little more than
+    one of 1 (``benchmarks/results/gpu-h200-2026-11-27-1ab377a``: the matrix products alike, the
+    rest 22% dearer), and a tree that fills it accepts more: on MT-Bench, with Token Recycling's
+    80-node template among the sources, a fixed tree of 63 nodes commits more tokens per step than
+    one of 32 (``benchmarks/results/tree-width-*``). The budget still sizes each step below it."""
+    kind = torch.device(device).type if device is not None else "cpu"
+    return DEFAULT_MAX_TREE_NODES.get(kind, DEFAULT_MAX_TREE_NODES["cpu"])
+
+
 #: Steps every decoder gives its sources at the full budget before the budget judges them.
 WARMUP_STEPS = 3
 
@@ -85,7 +101,8 @@ class Decoder:
     one :meth:`generate_batch` call, which decodes them together in one forward per step. Sources
     may be shared.
 
-    ``max_tree_nodes`` caps the draft nodes checked per forward. With ``adaptive_budget`` (the
+    ``max_tree_nodes`` caps the draft nodes checked per forward (``None``: 32 on a CPU, 63 on a
+    CUDA GPU, :func:`default_max_tree_nodes`). With ``adaptive_budget`` (the
     default) each step's tree is sized below that cap from measured acceptance and step cost, down
     to plain one-token decoding when drafts do not pay (see :mod:`specdraft.budget`); pass
     ``adaptive_budget=False`` to always use the cap, e.g. to benchmark fixed budgets.
@@ -127,8 +144,10 @@ class Decoder:
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, sources: Sequence[DraftSource] | None = None,
-                 max_tree_nodes: int = 32, adaptive_budget: bool = True, attention: str = "auto",
+                 max_tree_nodes: int | None = None, adaptive_budget: bool = True, attention: str = "auto",
                  cpu_kernels: str = "auto", exact: bool | None = None, compile: bool = False) -> None:
+        if max_tree_nodes is None:
+            max_tree_nodes = default_max_tree_nodes(getattr(model, "device", None))
         _check_options(model, max_tree_nodes, attention, exact, compile)
         #: whether forwards are padded and attention is exact (see the class docstring)
         self.exact: bool = (exact_default(model, attention) and not compile) if exact is None else exact
@@ -171,7 +190,7 @@ class Decoder:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, sources: Sequence[DraftSource] | None = None,
-                        dtype: str | torch.dtype = "float32", max_tree_nodes: int = 32,
+                        dtype: str | torch.dtype = "float32", max_tree_nodes: int | None = None,
                         adaptive_budget: bool = True, attention: str = "auto",
                         cpu_kernels: str = "auto") -> "Decoder":
         """Load model and tokenizer (a checkpoint dir, a ``.gguf`` file or a hub id, see

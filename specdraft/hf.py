@@ -425,12 +425,14 @@ class SpecdraftLoop:
     did not run: one that ended within the tokens ``min_new_tokens`` forces).
     """
 
-    def __init__(self, sources: Sequence[DraftSource] | None = None, max_tree_nodes: int = 32,
+    def __init__(self, sources: Sequence[DraftSource] | None = None, max_tree_nodes: int | None = None,
                  adaptive_budget: bool = True, attention: str = "auto", cpu_kernels: str = "auto",
                  compile: bool = False) -> None:
         _check_transformers()
-        if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) or max_tree_nodes < 0:
-            raise ValueError(f"max_tree_nodes must be an int >= 0, got {max_tree_nodes!r}")
+        if max_tree_nodes is not None and (isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int)
+                                           or max_tree_nodes < 0):
+            raise ValueError(f"max_tree_nodes must be an int >= 0 or None (the device's default), "
+                             f"got {max_tree_nodes!r}")
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, got {compile!r}")
         #: the draft sources every decoder of this loop uses (``None``: each decoder makes the default ones)
@@ -672,7 +674,7 @@ def _check_transformers() -> None:
                           "use specdraft.Decoder directly")
 
 
-def loop(sources: Sequence[DraftSource] | None = None, max_tree_nodes: int = 32, adaptive_budget: bool = True,
+def loop(sources: Sequence[DraftSource] | None = None, max_tree_nodes: int | None = None, adaptive_budget: bool = True,
          attention: str = "auto", cpu_kernels: str = "auto", compile: bool = False) -> SpecdraftLoop:
     """A decoding loop to pass as ``model.generate(..., custom_generate=loop(...))``.
 

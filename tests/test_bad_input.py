@@ -225,11 +225,19 @@ def test_stop_strings_need_a_tokenizer(dec) -> None:
 # -- decoder construction --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, "8", None])
+@pytest.mark.parametrize("bad", [-1, 1.5, "8", True])
 def test_bad_max_tree_nodes(model, bad) -> None:
     with pytest.raises(ValueError, match="max_tree_nodes") as info:
         Decoder(model, max_tree_nodes=bad)
     assert repr(bad) in str(info.value)
+
+
+def test_max_tree_nodes_left_out_is_the_devices_default(model) -> None:
+    from specdraft.decoder import default_max_tree_nodes
+
+    assert Decoder(model).max_tree_nodes == Decoder(model, max_tree_nodes=None).max_tree_nodes == 32
+    assert default_max_tree_nodes("cpu") == default_max_tree_nodes(None) == 32
+    assert default_max_tree_nodes("cuda:0") == 63  # the widest captured width (64 rows) with its root
 
 
 @pytest.mark.parametrize("bad", [object(), "prompt", PromptLookup, 3])

@@ -162,6 +162,10 @@ def run_bench(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, model: Any, tokenizer: Any, method_names: list[str], specs: list[DatasetSpec],
          chat: Any, out_dir: Path) -> int:
     say = (lambda msg: None) if args.quiet else (lambda msg: print(f"{PROG}: {msg}", file=sys.stderr, flush=True))
+    if args.max_tree_nodes is None:  # the device's default, named in the results
+        from ..decoder import default_max_tree_nodes
+
+        args.max_tree_nodes = default_max_tree_nodes(getattr(model, "device", None))
     config = {
         "model": _portable(args.model), "model_id": _model_id(args.model), "dtype": args.dtype, "threads": args.threads,
         "max_new_tokens": args.max_new_tokens, "max_tree_nodes": args.max_tree_nodes,

@@ -455,7 +455,7 @@ class SpecdraftMethod:
     docstring on state across prompts)."""
 
     def __init__(self, name: str, model: Any, tokenizer: Any, source_names: Sequence[str],
-                 max_tree_nodes: int = 32, adaptive_budget: bool = True, cpu_kernels: str = DEFAULT_KERNELS,
+                 max_tree_nodes: int | None = None, adaptive_budget: bool = True, cpu_kernels: str = DEFAULT_KERNELS,
                  exact: bool | None = None, drafting_pauses: bool = True, attention: str = "auto",
                  compile: bool = False) -> None:
         from specdraft.sources.registry import make_sources
@@ -470,7 +470,7 @@ class SpecdraftMethod:
         self.drafting_pauses = drafting_pauses
         self.description = (("specdraft Decoder with sources " + "+".join(self.source_names) if self.source_names
                              else "specdraft Decoder, plain decoding (no sources, max_tree_nodes=0)")
-                            + ("" if adaptive_budget else f", fixed budget of {max_tree_nodes} nodes")
+                            + ("" if adaptive_budget else ", fixed budget")
                             + ("" if drafting_pauses else ", no drafting pauses")
                             + f", cpu_kernels={cpu_kernels!r}"
                             + ("" if attention == "auto" else f", attention={attention!r}")
@@ -482,7 +482,8 @@ class SpecdraftMethod:
         self.decoder = self._decoder_for(self.sources)
         #: the cache length an untimed first call sized the decoder for (:meth:`warm_up`)
         self.warm_tokens = 0
-        self.description += f" ({self.decoder.kernels.describe()})"  # which path ran, what it costs
+        self.description += ((f", max_tree_nodes={self.decoder.max_tree_nodes}" if self.source_names else "")
+                             + f" ({self.decoder.kernels.describe()})")  # which path ran, what it costs
         if self.decoder.exact:
             self.description += f", exact mode ({self.decoder.engine.padding})"
 
@@ -545,7 +546,7 @@ class SpecdraftMethod:
         self.decoder.budget = state["budget"]
 
 
-def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32, exact: bool | None = None
+def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int | None = None, exact: bool | None = None
                  ) -> Method:
     """A method object for a canonical name (see :func:`parse_methods`); ``exact`` is
     ``Decoder(exact=...)`` for each of our methods without ``@exact`` (``None``: the library's
@@ -578,6 +579,6 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int = 32
                            split_top_level(canonical[len(PREFIX):], "+"), max_tree_nodes, **options)
 
 
-def build_methods(names: Sequence[str], model: Any, tokenizer: Any, max_tree_nodes: int = 32,
+def build_methods(names: Sequence[str], model: Any, tokenizer: Any, max_tree_nodes: int | None = None,
                   exact: bool | None = None) -> list[Method]:
     return [build_method(n, model, tokenizer, max_tree_nodes, exact) for n in names]
