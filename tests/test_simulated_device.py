@@ -88,12 +88,16 @@ def test_the_adopted_model_reports_the_device() -> None:
 
 def test_a_decoder_on_the_gpu_takes_the_gpu_default_sources() -> None:
     """Without sources a decoder takes its device's default combination: on CUDA the default and
-    Token Recycling (measured best there), on the CPU the default alone."""
+    Token Recycling on the paper's 80-node template, with trees of up to 63 nodes (the widest
+    captured width); on the CPU the default alone, up to 32 nodes."""
     model, sim = simulated("llama", "sdpa")
     with sim:
         on_gpu = Decoder(model, None)
-    assert [s.name for s in on_gpu.sources] == list(GPU_DEFAULT_SOURCES) and "recycle" in GPU_DEFAULT_SOURCES
-    assert [s.name for s in Decoder(tiny_model("llama", "sdpa"), None).sources] == list(DEFAULT_SOURCES)
+    assert [s.name for s in on_gpu.sources] == [*DEFAULT_SOURCES, "recycle"]
+    assert on_gpu.sources[-1].template.name == "tr80" and len(on_gpu.sources[-1].template.parents) == 80
+    assert on_gpu.max_tree_nodes == 63
+    on_cpu = Decoder(tiny_model("llama", "sdpa"), None)
+    assert [s.name for s in on_cpu.sources] == list(DEFAULT_SOURCES) and on_cpu.max_tree_nodes == 32
 
 
 

@@ -45,12 +45,16 @@ SOURCES: dict[str, Callable[..., Any]] = {
 #: Recycling because mixed in it gained 0-1.5% for a top-k read of every tree row.
 DEFAULT_SOURCES: tuple[str, ...] = ("prompt", "trie", "ngram", "suffix")
 
-#: The default combination on a CUDA GPU: :data:`DEFAULT_SOURCES` and Token Recycling. There a
-#: forward of 64 rows costs about what one of 1 costs, so its wide trees are nearly free: measured
-#: on an H100 (``benchmarks/results/gpu-h100-2026-11-27-7a7546a``, Qwen2.5-Coder-0.5B in
-#: bfloat16), adding it raised HumanEval from 1.39x to 1.70x our plain decoding and MT-Bench from
-#: 0.91x to 0.94x (medians per prompt).
-GPU_DEFAULT_SOURCES: tuple[str, ...] = ("prompt", "trie", "ngram", "suffix", "recycle")
+#: The default combination on a CUDA GPU: :data:`DEFAULT_SOURCES` and Token Recycling with the
+#: paper's whole 80-node tree template. There a forward of 64 rows costs about what one of 1
+#: costs, so wide trees are nearly free: measured on an H100
+#: (``benchmarks/results/gpu-h100-2026-11-27-7a7546a``, Qwen2.5-Coder-0.5B in bfloat16), adding
+#: Token Recycling raised HumanEval from 1.39x to 1.70x our plain decoding and MT-Bench from 0.91x
+#: to 0.94x (medians per prompt). Its template's 16-node prefix, the CPU's choice, leaves tokens
+#: out there: with fixed trees on MT-Bench (``benchmarks/results/tree-width-2026-11-27-*``) these
+#: sources commit 1.89 tokens per step at 32 nodes with it, 2.00 with the 80-node template, and
+#: 2.29 with that template at 64 nodes (a GPU decoder checks up to 63, its widest forward less the root).
+GPU_DEFAULT_SOURCES: tuple[str, ...] = ("prompt", "trie", "ngram", "suffix", "recycle[template=tr80]")
 
 
 def parse_source_names(text: str) -> list[str]:
