@@ -123,6 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="how much dearer a forward of 64 rows is than one of 1 (0.15: 15%%), linear between; "
                              "the step's read counts as device work (free) when this is given")
     parser.add_argument("--max-tree-nodes", type=int, default=32, help="the decoders' max_tree_nodes")
+    parser.add_argument("--buckets", default=None, metavar="W,W,...",
+                        help="run every decoder's forwards at these fixed widths over static buffers, as on a GPU "
+                             "(16,32,64: exact mode's buckets there; eagerly here, without exact mode)")
     parser.add_argument("--builtin", default=",".join(METHODS),
                         help=f"which of {', '.join(METHODS)} to run beside the --extra ones (plain always runs)")
     parser.add_argument("--extra", action="append", default=[], metavar="NAME=SOURCES",
@@ -147,6 +150,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--extra takes NAME=SOURCES with a new name, got {item!r}")
         extras[name] = parse_source_names(sources)
     args.extras = extras
+    if args.buckets is not None:
+        try:
+            args.buckets = tuple(sorted({int(w) for w in args.buckets.split(",")}))
+        except ValueError:
+            parser.error(f"--buckets takes widths like 16,32,64, got {args.buckets!r}")
+        if not args.buckets or args.buckets[0] < 1:
+            parser.error(f"--buckets takes positive widths, got {args.buckets!r}")
     builtin = [m.strip() for m in args.builtin.split(",") if m.strip()]
     if any(m not in METHODS for m in builtin):
         parser.error(f"--builtin takes some of {', '.join(METHODS)}, got {args.builtin!r}")
@@ -176,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from specdraft import Decoder
     from specdraft.bench.datasets import load_prompts
+    from specdraft.model.static import Buckets
     from specdraft.models import load_model
     from specdraft.sources.registry import make_sources
 
@@ -188,18 +199,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.width_cost:
         clock.read_on_device()
     kernels = "stock" if args.forward_ms else "auto"
+    exact = False if args.buckets else None  # (the CPU's exact rule does not hold at every bucket)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"setup": setup(args), "datasets": {}}
     for dataset in [d.strip() for d in args.datasets.split(",") if d.strip()]:
         prompts = [r.token_ids for r in load_prompts(dataset, args.prompts, tokenizer)]
         nodes = args.max_tree_nodes
-        decoders = {"plain": Decoder(model, tokenizer, max_tree_nodes=0, cpu_kernels=kernels),
-                    "no-pause": Decoder(model, tokenizer, max_tree_nodes=nodes, cpu_kernels=kernels),
-                    "default": Decoder(model, tokenizer, max_tree_nodes=nodes, cpu_kernels=kernels)}
+        decoders = {"plain": Decoder(model, tokenizer, max_tree_nodes=0, cpu_kernels=kernels, exact=exact),
+                    "no-pause": Decoder(model, tokenizer, max_tree_nodes=nodes, cpu_kernels=kernels, exact=exact),
+                    "default": Decoder(model, tokenizer, max_tree_nodes=nodes, cpu_kernels=kernels, exact=exact)}
         decoders.update({name: Decoder(model, tokenizer, sources=make_sources(names),
                                        max_tree_nodes=_suffix_nodes(name, nodes),
-                                       adaptive_budget="@fixed" not in name, cpu_kernels=kernels)
+                                       adaptive_budget="@fixed" not in name, cpu_kernels=kernels, exact=exact)
                          for name, names in args.extras.items()})
         if args.hide and "default" in args.builtin:
             lagless = decoders["default-nolag"] = Decoder(model, tokenizer, cpu_kernels=kernels)
@@ -216,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             dec.engine.hide_host_work = True if args.hide else None
             if args.width_cost:
                 dec.row_choices = "batched"  # a GPU's: every row's choice made at once, in the read
+            if args.buckets:
+                dec.runner.use_static(args.buckets, capture=False)
+                dec.engine.padding = Buckets(args.buckets)
             dec.generate(prompts[0][:64], max_new_tokens=8)  # warm: kernels chosen, budget priced
         rows = []
         for index, prompt in enumerate(prompts):
@@ -283,6 +298,8 @@ def _emulated(s: dict[str, Any]) -> str:
     text = f"each forward counted as {s['forward_ms']} ms per 64 rows (stock CPU kernels)"
     if s.get("width_cost"):
         text += f", 64 rows {s['width_cost']:.0%} dearer than 1, the read on the device"
+    if s.get("buckets"):
+        text += f", forwards padded to {'/'.join(map(str, s['buckets']))} rows (without exact mode)"
     return text
 
 
@@ -301,7 +318,7 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
     return {"date": time.strftime("%Y-%m-%d"), "commit": commit, "model": args.model, "dtype": args.dtype,
             "cpu": cpu, "torch": torch.__version__, "forward_ms": args.forward_ms, "new_tokens": args.new_tokens,
             "prompts": args.prompts, "extra": args.extra, "builtin": args.builtin, "hide": args.hide,
-            "width_cost": args.width_cost,
+            "width_cost": args.width_cost, "buckets": args.buckets,
             "max_tree_nodes": args.max_tree_nodes}
 
 
