@@ -278,3 +278,38 @@ def test_where_plain_steps_run_padded_their_width_is_the_unit_of_price():
     # twice the price
     ask = Ask([1.0] * 15 + [0.0] * 33, 48, 0, 1)
     assert budget.allocate([ask]) == [Grant(15, True)]
+
+
+def test_rows_the_forward_is_padded_to_anyway_carry_drafts():
+    """A forward padded to a bucket computes its padding rows whatever they hold: the next drafts
+    go there, even drafts never seen to hit (Token Recycling learns from every row the model
+    computes), as long as the step's price stays the same. Where attention is priced per row, a
+    row is never free, and nothing is added."""
+    from specdraft.model.static import Buckets
+
+    budget = Budget(63, warmup=0, smoothing=1.0, acceptance_smoothing=1.0)
+    budget.costs.padding = Buckets((16, 32, 64))
+    budget.observe_step(16, 0.004)
+    budget.observe_step(32, 0.0046)
+    budget.observe_step(64, 0.006)
+    nothing = Ask([0.0] * 63, 63, 0, 1)
+    assert budget.allocate([nothing]) == [Grant(15, True)]  # the 15 rows beside the root
+    assert budget.allocate([Ask([0.0] * 63, 6, 0, 1)]) == [Grant(6, True)]  # no more than offered
+    some = Ask([0.9] * 20 + [0.0] * 43, 63, 0, 1)  # 20 good nodes: 21 rows, run at 32
+    assert budget.allocate([some]) == [Grant(31, True)]
+    # four requests share the padding of their 16-row forward, one node each in turn
+    four = budget.allocate([Ask([0.0] * 63, 63, 0, 1)] * 4)
+    assert sorted(g.nodes for g in four) == [3, 3, 3, 3]
+    # a side block's rows come with a request's first node: they must fit too
+    assert budget.allocate([Ask([0.0] * 63, 63, 20, 1)]) == [Grant(0, False)]
+
+    priced = Budget(63, warmup=0, attention_seconds=1e-7)
+    priced.costs.padding = Buckets((16, 32, 64))
+    priced.observe_step(16, 0.004)
+    assert priced.allocate([Ask([0.0] * 63, 63, 0, 1, context=500)]) == [Grant(0, False)]
+
+
+def test_without_padding_nothing_is_added():
+    budget = Budget(32, warmup=0)
+    budget.observe_step(1, 0.004)
+    assert budget.allocate([Ask([0.0] * 32, 32, 0, 1)]) == [Grant(0, False)]

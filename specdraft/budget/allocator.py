@@ -123,8 +123,8 @@ class Budget:
         if not self.chooses:
             full = [Grant(n, True) if a.decoding else _NOTHING for a, n in zip(asks, offered)]
             return full if limit is None else _fit_in_turns(asks, full, limit)
-        nodes = self._best_prefix(asks, offered, limit)
-        return self._opening(asks, nodes)
+        grants = self._opening(asks, self._best_prefix(asks, offered, limit))
+        return self._fill_padding(asks, offered, grants, limit)
 
     @property
     def chooses(self) -> bool:
@@ -199,6 +199,38 @@ class Budget:
                     n = 0
             grants.append(Grant(n, n > 0))
         return grants
+
+
+    def _fill_padding(self, asks: Sequence[Ask], offered: list[int], grants: list[Grant],
+                      limit: int | None) -> list[Grant]:
+        """``grants`` with more draft nodes in the rows the forward is padded to anyway.
+
+        Where forwards run at fixed widths (a GPU's buckets; exact mode pads a plain step to 16
+        rows there), the rows between a step's width and the width it runs at are computed
+        whatever they hold, so they may as well hold the next drafts. A node goes in only where
+        the step's price stays the same (where attention is priced by row and context, no node
+        does), one to each request in turn. It can only add tokens, and the sources that learn
+        from every row the model computes (Token Recycling's top-k) learn from it: narrow steps
+        would starve their drafts, which the budget, pricing one step at a time, cannot see."""
+        if self.costs.padding is None:
+            return grants
+        nodes = [g.nodes for g in grants]
+        width = sum(a.fixed_rows + (n + a.side_rows if n else 0) for a, n in zip(asks, nodes))
+        row_columns = sum((a.fixed_rows + (n + a.side_rows if n else 0)) * a.context for a, n in zip(asks, nodes))
+        price = self.costs.price(width, row_columns)
+        growing = True
+        while growing:
+            growing = False
+            for i, a in enumerate(asks):
+                rows = 1 + (a.side_rows if nodes[i] == 0 else 0)
+                if nodes[i] >= offered[i] or (limit is not None and width + rows > limit) \
+                        or self.costs.price(width + rows, row_columns + rows * a.context) > price:
+                    continue
+                nodes[i] += 1
+                width += rows
+                row_columns += rows * a.context
+                growing = True
+        return [Grant(n, n > 0) for n in nodes]
 
 
 def _fit_in_turns(asks: Sequence[Ask], grants: list[Grant], limit: int) -> list[Grant]:
