@@ -130,7 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"which of {', '.join(METHODS)} to run beside the --extra ones (plain always runs)")
     parser.add_argument("--extra", action="append", default=[], metavar="NAME=SOURCES",
                         help="another method: the default decoder with these sources (repeatable); a NAME "
-                             "with @fixed runs it with a fixed budget, with @<N>n at max_tree_nodes=N")
+                             "with @fixed runs it with a fixed budget, with @nofill without the budget's padding "
+                             "fill, with @<N>n at max_tree_nodes=N")
     parser.add_argument("--hide", action="store_true",
                         help="the accelerator's order: host work the read does not need runs behind the forward "
                              "and counts as free up to the forward's time; adds the method default-nolag (drafting "
@@ -218,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
             drafter = lagless.engine.drafter
             drafter.propose_lagged = lambda request, d=drafter: d.propose(request, False)  # a budget of 0
             drafter.draft_behind = lambda request: None
+        for name in args.extras:
+            if "@nofill" in name:  # the budget without its padding fill (Budget._fill_padding), for comparison
+                decoders[name].budget._fill_padding = lambda asks, offered, grants, limit: grants
         methods = [*args.builtin, *(["default-nolag"] if args.hide and "default" in args.builtin else []),
                    *args.extras]
         decoders = {m: decoders[m] for m in methods}
