@@ -131,7 +131,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--extra", action="append", default=[], metavar="NAME=SOURCES",
                         help="another method: the default decoder with these sources (repeatable); a NAME "
                              "with @fixed runs it with a fixed budget, with @nofill without the budget's padding "
-                             "fill, with @<N>n at max_tree_nodes=N")
+                             "fill, with @nopause without drafting pauses, with @<N>n at max_tree_nodes=N")
     parser.add_argument("--hide", action="store_true",
                         help="the accelerator's order: host work the read does not need runs behind the forward "
                              "and counts as free up to the forward's time; adds the method default-nolag (drafting "
@@ -222,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.extras:
             if "@nofill" in name:  # the budget without its padding fill (Budget._fill_padding), for comparison
                 decoders[name].budget._fill_padding = lambda asks, offered, grants, limit: grants
+            if "@nopause" in name:
+                decoders[name].budget.drafting_share = 0.0
         methods = [*args.builtin, *(["default-nolag"] if args.hide and "default" in args.builtin else []),
                    *args.extras]
         decoders = {m: decoders[m] for m in methods}
