@@ -107,9 +107,10 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: %(default)s)")
 
 
-#: The ``--cpu-kernels`` help of ``generate`` and ``demo``.
+#: The ``--max-tree-nodes`` default, as the help states it (:func:`specdraft.decoder.default_max_tree_nodes`).
 TREE_NODES_DEFAULTS = "32 on a CPU, 63 on a CUDA GPU"
 
+#: The ``--cpu-kernels`` help of ``generate`` and ``demo``.
 CPU_KERNELS_HELP = ("auto = measure the exact kernel paths below once on this machine and model (cached) and run each "
                     "forward width on the cheapest; stock = the model's own modules; packed = linear layers on "
                     "weights packed once for oneDNN (CPU, float32/bfloat16); fbgemm = FBGEMM's float16-weight "

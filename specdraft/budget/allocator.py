@@ -200,7 +200,6 @@ class Budget:
             grants.append(Grant(n, n > 0))
         return grants
 
-
     def _fill_padding(self, asks: Sequence[Ask], offered: list[int], grants: list[Grant],
                       limit: int | None) -> list[Grant]:
         """``grants`` with more draft nodes in the rows the forward is padded to anyway.

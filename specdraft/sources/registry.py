@@ -53,7 +53,8 @@ DEFAULT_SOURCES: tuple[str, ...] = ("prompt", "trie", "ngram", "suffix")
 #: to 0.94x (medians per prompt). Its template's 16-node prefix, the CPU's choice, leaves tokens
 #: out there: with fixed trees on MT-Bench (``benchmarks/results/tree-width-2026-11-27-*``) these
 #: sources commit 1.89 tokens per step at 32 nodes with it, 2.00 with the 80-node template, and
-#: 2.29 with that template at 64 nodes (a GPU decoder checks up to 63, its widest forward less the root).
+#: 2.29 with that template at 64 nodes (a GPU decoder checks up to 63: its widest forward, less
+#: the root).
 GPU_DEFAULT_SOURCES: tuple[str, ...] = ("prompt", "trie", "ngram", "suffix", "recycle[template=tr80]")
 
 
