@@ -42,7 +42,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .acceptance import AcceptanceTracker
 from .costs import StepCosts
@@ -185,8 +185,7 @@ class Budget:
 
     def _opening(self, asks: Sequence[Ask], nodes: list[int]) -> list[Grant]:
         """Grants, with the opening rule applied to requests at their first tree step."""
-        width = sum(a.fixed_rows + (n + a.side_rows if n else 0) for a, n in zip(asks, nodes))
-        row_columns = sum((a.fixed_rows + (n + a.side_rows if n else 0)) * a.context for a, n in zip(asks, nodes))
+        width, row_columns = _rows(asks, nodes)
         grants = []
         for a, n in zip(asks, nodes):
             if n and a.opening and math.isfinite(self.opening_cost_ratio):
@@ -214,43 +213,48 @@ class Budget:
         if self.costs.padding is None:
             return grants
         nodes = [g.nodes for g in grants]
-        width = sum(a.fixed_rows + (n + a.side_rows if n else 0) for a, n in zip(asks, nodes))
-        row_columns = sum((a.fixed_rows + (n + a.side_rows if n else 0)) * a.context for a, n in zip(asks, nodes))
-        price = self.costs.price(width, row_columns)
-        growing = True
-        while growing:
-            growing = False
-            for i, a in enumerate(asks):
-                rows = 1 + (a.side_rows if nodes[i] == 0 else 0)
-                if nodes[i] >= offered[i] or (limit is not None and width + rows > limit) \
-                        or self.costs.price(width + rows, row_columns + rows * a.context) > price:
-                    continue
+        price = self.costs.price(*_rows(asks, nodes))
+
+        def fits(width: int, row_columns: int) -> bool:
+            return (limit is None or width <= limit) and self.costs.price(width, row_columns) <= price
+
+        return _add_in_turns(asks, nodes, offered, fits)
+
+
+def _rows(asks: Sequence[Ask], nodes: Sequence[int]) -> tuple[int, int]:
+    """The rows of a forward that gives each request ``nodes[i]`` draft nodes (a request's first
+    node brings its side blocks' rows), and the cached positions those rows attend over in all."""
+    rows = [a.fixed_rows + (n + a.side_rows if n else 0) for a, n in zip(asks, nodes)]
+    return sum(rows), sum(r * a.context for r, a in zip(rows, asks))
+
+
+def _add_in_turns(asks: Sequence[Ask], nodes: Sequence[int], caps: Sequence[int],
+                  fits: Callable[[int, int], bool]) -> list[Grant]:
+    """Grants of ``nodes`` and more: one node to each request in turn, up to its cap, while
+    ``fits(width, row_columns)`` holds for the forward the node makes (a request's first node
+    brings its side blocks' rows), so requests share the rows alike."""
+    nodes = list(nodes)
+    width, row_columns = _rows(asks, nodes)
+    growing = True
+    while growing:
+        growing = False
+        for i, a in enumerate(asks):
+            rows = 1 + (a.side_rows if nodes[i] == 0 else 0)
+            if nodes[i] < caps[i] and fits(width + rows, row_columns + rows * a.context):
                 nodes[i] += 1
                 width += rows
                 row_columns += rows * a.context
                 growing = True
-        return [Grant(n, n > 0) for n in nodes]
+    return [Grant(n, n > 0) for n in nodes]
 
 
 def _fit_in_turns(asks: Sequence[Ask], grants: list[Grant], limit: int) -> list[Grant]:
     """``grants`` (every request's full tree) cut to ``limit`` rows in all, if they exceed it: one
-    node to each request in turn, whose first node brings its side blocks' rows, so requests
-    share the rows alike."""
+    node to each request in turn (:func:`_add_in_turns`)."""
     width = sum(a.fixed_rows + (g.nodes + a.side_rows if g.side_blocks else 0) for a, g in zip(asks, grants))
     if width <= limit:
         return grants
-    width = sum(a.fixed_rows for a in asks)
-    nodes = [0] * len(asks)
-    growing = True
-    while growing:
-        growing = False
-        for i, (a, g) in enumerate(zip(asks, grants)):
-            rows = 1 + (a.side_rows if nodes[i] == 0 else 0)
-            if nodes[i] < g.nodes and width + rows <= limit:
-                nodes[i] += 1
-                width += rows
-                growing = True
-    return [Grant(n, n > 0) for n in nodes]
+    return _add_in_turns(asks, [0] * len(asks), [g.nodes for g in grants], lambda rows, _: rows <= limit)
 
 
 def _hull_runs(rates: Sequence[float | None], offered: int) -> list[tuple[float, int]]:
