@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         for dec in decoders.values():
             dec.clock = clock
             dec.engine.hide_host_work = True if args.hide else None
+            if args.forward_ms:  # the emulated forward's price holds its attention, as a GPU's does
+                dec.budget.costs.attention_seconds = 0.0  # (the decoder measured this CPU's sdpa)
             if args.width_cost:
                 dec.row_choices = "batched"  # a GPU's: every row's choice made at once, in the read
             if args.buckets:
