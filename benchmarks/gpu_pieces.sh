@@ -186,7 +186,8 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
         --out "$results/main"
     # the adaptive budget against fixed trees of the default's sources (Token Recycling learns from
     # every row a forward computes, so narrow steps also starve its drafts; on a CPU's emulation
-    # of this GPU the fixed trees won on chat: benchmarks/results/gpu-emulation-*)
+    # of this GPU the adaptive budget matched them on chat and beat them on code:
+    # benchmarks/results/gpu-emulation-2026-11-27-12bd8dc)
     stage budget 150 "$PY" -m specdraft bench "${common[@]}" --dataset mtbench,humaneval --limit "${BUDGET_LIMIT:-5}" \
         --methods plain,default,default@fixed --out "$results/budget"
     # the flash split apart from the main stage, so that a failure on it costs only its own stage
