@@ -24,17 +24,17 @@
 #             exact mode on in bfloat16, Token Recycling among the sources) (MAIN_METHODS
 #             overrides the list; with the @compiled methods beside these, HumanEval alone passed
 #             300 s on an H200)
-#   budget    our plain decoding, the default and the default on fixed trees (@fixed), MT-Bench and
-#             HumanEval, BUDGET_LIMIT (5) prompts each: whether the adaptive budget or the whole tree
-#             serves Token Recycling better here
 #   flash     where FlashAttention 4 is installed and the CUDA suite's flash tests did not fail:
 #             our plain decoding and default beside the same on the flash split (@flash),
 #             HumanEval and MT-Bench, FLASH_LIMIT (5) prompts each
+#   edits     the code-edit set, 6 x 256
+#   budget    our plain decoding, the default and the default on fixed trees (@fixed), MT-Bench and
+#             HumanEval, BUDGET_LIMIT (5) prompts each: whether the adaptive budget or the whole tree
+#             serves Token Recycling better here (after the stages measured against the baselines)
 #   chatsteps benchmarks/host_critical_path.py --model: the default beside our plain decoding on 4
 #             MT-Bench prompts, every phase of the step timed (where chat's extra time goes)
 #   compiled  our plain decoding and default with compiled forwards (@compiled, without exact
 #             mode) beside the same uncompiled, HumanEval and MT-Bench, COMPILED_LIMIT (5) prompts
-#   edits     the code-edit set, 6 x 256
 #   exact     the same prompts with --exact for every method (only when named in STAGES)
 #   batch     --concurrency 1,8 on HumanEval 8 x 64 (batched generate against our batched decoding;
 #             last: its target was met at 7a7546a)
@@ -170,7 +170,7 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     mkdir -p "$results/quick"; cp -r "$KEEP/quick/." "$results/quick/" 2>/dev/null; pack
     stage() {  # stage NAME SECONDS COMMAND...: run it if chosen and time is left, under its limit
         local name=$1 limit=$2; shift 2
-        [[ ",${STAGES:-main,budget,flash,chatsteps,compiled,edits,batch}," == *",$name,"* ]] || return 0
+        [[ ",${STAGES:-main,flash,edits,budget,chatsteps,compiled,batch}," == *",$name,"* ]] || return 0
         local left=$(( deadline - $(date +%s) ))
         if (( left < 30 )); then say "stage $name skipped: ${left} s left"; return 0; fi
         (( limit > left )) && limit=$left
@@ -184,12 +184,6 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     stage main 300 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" \
         --methods "${MAIN_METHODS:-baseline,generate-static,plain,default}" \
         --out "$results/main"
-    # the adaptive budget against fixed trees of the default's sources (Token Recycling learns from
-    # every row a forward computes, so narrow steps also starve its drafts; on a CPU's emulation
-    # of this GPU the adaptive budget matched them on chat and beat them on code:
-    # benchmarks/results/gpu-emulation-2026-11-27-12bd8dc)
-    stage budget 150 "$PY" -m specdraft bench "${common[@]}" --dataset mtbench,humaneval --limit "${BUDGET_LIMIT:-5}" \
-        --methods plain,default,default@fixed --out "$results/budget"
     # the flash split apart from the main stage, so that a failure on it costs only its own stage
     if "$PY" -c "import flash_attn.cute" 2>/dev/null && grep -q " passed" "$results/quick/pytest-cuda.txt" 2>/dev/null \
         && ! grep -q "^FAILED.*flash" "$results/quick/pytest-cuda.txt"; then
@@ -198,13 +192,19 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     else
         say "stage flash skipped: FlashAttention 4 not installed, or the CUDA suite's flash tests failed or did not end"
     fi
+    "$PY" benchmarks/code_edit.py --jsonl "$KEEP/code_edits.jsonl" >/dev/null 2>&1
+    stage edits 150 "$PY" -m specdraft bench "${common[@]}" --dataset "$KEEP/code_edits.jsonl" --limit "$(( count < 6 ? count : 6 ))" \
+        --max-new-tokens 256 --methods "${EDIT_METHODS:-baseline,generate-static,plain,default,default@compiled}" --out "$results/edits"
+    # the adaptive budget against fixed trees of the default's sources (Token Recycling learns from
+    # every row a forward computes, so narrow steps also starve its drafts; on a CPU's emulation
+    # of this GPU the adaptive budget matched them on chat and beat them on code:
+    # benchmarks/results/gpu-emulation-2026-11-27-12bd8dc)
+    stage budget 150 "$PY" -m specdraft bench "${common[@]}" --dataset mtbench,humaneval --limit "${BUDGET_LIMIT:-5}" \
+        --methods plain,default,default@fixed --out "$results/budget"
     stage chatsteps 90 "$PY" benchmarks/host_critical_path.py --device "${DEVICE:-cuda}" --model "$model" \
         --dataset mtbench --prompts 4 --new-tokens 128 --out "$results/chatsteps"
     stage compiled 180 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "${COMPILED_LIMIT:-5}" \
         --methods plain,default,plain@compiled,default@compiled --out "$results/compiled"
-    "$PY" benchmarks/code_edit.py --jsonl "$KEEP/code_edits.jsonl" >/dev/null 2>&1
-    stage edits 150 "$PY" -m specdraft bench "${common[@]}" --dataset "$KEEP/code_edits.jsonl" --limit "$(( count < 6 ? count : 6 ))" \
-        --max-new-tokens 256 --methods "${EDIT_METHODS:-baseline,generate-static,plain,default,default@compiled}" --out "$results/edits"
     stage exact 120 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" --exact \
         --methods plain,default --out "$results/exact"
     stage batch 100 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval --limit "$(( count < 8 ? count : 8 ))" --max-new-tokens 64 \
