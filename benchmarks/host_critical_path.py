@@ -55,7 +55,7 @@ from specdraft.engine import step as step_module  # noqa: E402
 from specdraft.model import runner as runner_module  # noqa: E402
 from specdraft.model import static as static_module  # noqa: E402
 from specdraft.model.static import Buckets  # noqa: E402
-from specdraft.sources.registry import DEFAULT_SOURCES, make_sources  # noqa: E402
+from specdraft.sources.registry import DEFAULT_SOURCES, GPU_DEFAULT_SOURCES, make_sources  # noqa: E402
 from specdraft.stats import GenerationStats  # noqa: E402
 
 #: phases on the critical path of an accelerator (between the read and the next launch)
@@ -129,10 +129,11 @@ def install(clock: PhaseClock) -> list[Callable[[], None]]:
     return undo
 
 
-def make_decoder(model, nodes: int, accelerator_order: bool) -> Decoder:
-    """The default sources on a fixed tree of ``nodes``, in the accelerator's order if asked (on a
-    GPU that is the decoder's own: static widths, captured graphs, work behind the forward)."""
-    dec = Decoder(model, None, sources=make_sources(list(DEFAULT_SOURCES)), max_tree_nodes=nodes,
+def make_decoder(model, nodes: int, accelerator_order: bool, sources: tuple[str, ...] = DEFAULT_SOURCES) -> Decoder:
+    """``sources`` (the CPU's defaults unless told) on a fixed tree of ``nodes``, in the accelerator's
+    order if asked (on a GPU that is the decoder's own: static widths, captured graphs, work behind
+    the forward)."""
+    dec = Decoder(model, None, sources=make_sources(list(sources)), max_tree_nodes=nodes,
                   adaptive_budget=False, cpu_kernels="stock")
     if accelerator_order:
         dec.hide_host_work = True
@@ -144,9 +145,9 @@ def make_decoder(model, nodes: int, accelerator_order: bool) -> Decoder:
 
 
 def one_run(model, clock: PhaseClock, prompt: list[int], nodes: int, new_tokens: int,
-            accelerator_order: bool) -> dict[str, Any]:
+            accelerator_order: bool, sources: tuple[str, ...] = DEFAULT_SOURCES) -> dict[str, Any]:
     """One decode of ``new_tokens``: each phase's median ms per step, the steps, a hash of the output."""
-    dec = make_decoder(model, nodes, accelerator_order)
+    dec = make_decoder(model, nodes, accelerator_order, sources)
     stats = GenerationStats()
     clock.reset()
     tokens = list(dec.stream(prompt, max_new_tokens=new_tokens, stats=stats))
@@ -240,6 +241,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="where the near-free model runs (cuda: the host work a GPU waits for)")
     parser.add_argument("--cpu-order", action="store_true", help="the CPU's order (no static widths, walk, nothing behind)")
+    parser.add_argument("--gpu-sources", action="store_true",
+                        help="the GPU's default sources (Token Recycling among them) instead of the CPU's")
     parser.add_argument("--profile", default=None, help="CONTEXT,NODES: print a cProfile of that cell instead")
     parser.add_argument("--merge", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
                         help="instead of measuring: join runs (comma-separated --out folders per side) into --out")
@@ -263,10 +266,11 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     model = near_free_model(max(contexts) * 2 + 1024).to(args.device)
     accelerator = not args.cpu_order
+    sources = GPU_DEFAULT_SOURCES if args.gpu_sources else DEFAULT_SOURCES
     if args.profile:
         context, nodes = (int(v) for v in args.profile.split(","))
         prompt = repetitive_context(context)
-        dec = make_decoder(model, nodes, accelerator)
+        dec = make_decoder(model, nodes, accelerator, sources)
         stream = dec.stream(prompt, max_new_tokens=args.new_tokens)
         for _ in range(3):
             next(stream)
@@ -285,7 +289,7 @@ def main() -> None:
     for context in contexts:
         prompt = repetitive_context(context)
         for nodes in [int(n) for n in args.nodes.split(",")]:
-            runs = [one_run(model, clock, prompt, nodes, args.new_tokens, accelerator) for _ in range(args.repeats)]
+            runs = [one_run(model, clock, prompt, nodes, args.new_tokens, accelerator, sources) for _ in range(args.repeats)]
             ms = {p: round(statistics.median(r["ms"][p] for r in runs), 4) for p in runs[0]["ms"]}
             row = {"context": context, "nodes": nodes, "ms_per_step": ms, "steps": [r["steps"] for r in runs],
                    "output_sha1": sorted({r["output"] for r in runs})}
@@ -295,7 +299,7 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(
-            {"config": machine(), "accelerator_order": accelerator, "new_tokens": args.new_tokens,
+            {"config": machine(), "accelerator_order": accelerator, "sources": list(sources), "new_tokens": args.new_tokens,
              "repeats": args.repeats, "rows": rows}, indent=1) + "\n")
 
 
