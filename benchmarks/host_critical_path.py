@@ -289,7 +289,8 @@ def main() -> None:
     for context in contexts:
         prompt = repetitive_context(context)
         for nodes in [int(n) for n in args.nodes.split(",")]:
-            runs = [one_run(model, clock, prompt, nodes, args.new_tokens, accelerator, sources) for _ in range(args.repeats)]
+            runs = [one_run(model, clock, prompt, nodes, args.new_tokens, accelerator, sources)
+                    for _ in range(args.repeats)]
             ms = {p: round(statistics.median(r["ms"][p] for r in runs), 4) for p in runs[0]["ms"]}
             row = {"context": context, "nodes": nodes, "ms_per_step": ms, "steps": [r["steps"] for r in runs],
                    "output_sha1": sorted({r["output"] for r in runs})}
@@ -299,8 +300,8 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(
-            {"config": machine(), "accelerator_order": accelerator, "sources": list(sources), "new_tokens": args.new_tokens,
-             "repeats": args.repeats, "rows": rows}, indent=1) + "\n")
+            {"config": machine(), "accelerator_order": accelerator, "sources": list(sources),
+             "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
