@@ -24,13 +24,13 @@
 #             exact mode on in bfloat16, Token Recycling among the sources) (MAIN_METHODS
 #             overrides the list; with the @compiled methods beside these, HumanEval alone passed
 #             300 s on an H200)
+#   budget    our plain decoding, the default and the default on fixed trees (@fixed), MT-Bench and
+#             HumanEval, BUDGET_LIMIT (5) prompts each: whether the adaptive budget or the whole tree
+#             serves Token Recycling better here (it decides the default on CUDA)
 #   flash     where FlashAttention 4 is installed and the CUDA suite's flash tests did not fail:
 #             our plain decoding and default beside the same on the flash split (@flash),
 #             HumanEval and MT-Bench, FLASH_LIMIT (5) prompts each
 #   edits     the code-edit set, 6 x 256
-#   budget    our plain decoding, the default and the default on fixed trees (@fixed), MT-Bench and
-#             HumanEval, BUDGET_LIMIT (5) prompts each: whether the adaptive budget or the whole tree
-#             serves Token Recycling better here (after the stages measured against the baselines)
 #   chatsteps benchmarks/host_critical_path.py --model: the default beside our plain decoding on 4
 #             MT-Bench prompts, every phase of the step timed (where chat's extra time goes)
 #   compiled  our plain decoding and default with compiled forwards (@compiled, without exact
@@ -170,7 +170,7 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     mkdir -p "$results/quick"; cp -r "$KEEP/quick/." "$results/quick/" 2>/dev/null; pack
     stage() {  # stage NAME SECONDS COMMAND...: run it if chosen and time is left, under its limit
         local name=$1 limit=$2; shift 2
-        [[ ",${STAGES:-main,flash,edits,budget,chatsteps,compiled,batch}," == *",$name,"* ]] || return 0
+        [[ ",${STAGES:-main,budget,flash,edits,chatsteps,compiled,batch}," == *",$name,"* ]] || return 0
         local left=$(( deadline - $(date +%s) ))
         if (( left < 30 )); then say "stage $name skipped: ${left} s left"; return 0; fi
         (( limit > left )) && limit=$left
@@ -184,6 +184,11 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     stage main 300 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" \
         --methods "${MAIN_METHODS:-baseline,generate-static,plain,default}" \
         --out "$results/main"
+    # the adaptive budget against fixed trees of the default's sources: on a CPU's emulation of this
+    # GPU (benchmarks/results/gpu-emulation-2026-11-27-5004327) whole trees ran 11-19% faster, so
+    # this decides the default on CUDA
+    stage budget 150 "$PY" -m specdraft bench "${common[@]}" --dataset mtbench,humaneval --limit "${BUDGET_LIMIT:-5}" \
+        --methods plain,default,default@fixed --out "$results/budget"
     # the flash split apart from the main stage, so that a failure on it costs only its own stage
     if "$PY" -c "import flash_attn.cute" 2>/dev/null && grep -q " passed" "$results/quick/pytest-cuda.txt" 2>/dev/null \
         && ! grep -q "^FAILED.*flash" "$results/quick/pytest-cuda.txt"; then
@@ -195,12 +200,6 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     "$PY" benchmarks/code_edit.py --jsonl "$KEEP/code_edits.jsonl" >/dev/null 2>&1
     stage edits 150 "$PY" -m specdraft bench "${common[@]}" --dataset "$KEEP/code_edits.jsonl" --limit "$(( count < 6 ? count : 6 ))" \
         --max-new-tokens 256 --methods "${EDIT_METHODS:-baseline,generate-static,plain,default,default@compiled}" --out "$results/edits"
-    # the adaptive budget against fixed trees of the default's sources (Token Recycling learns from
-    # every row a forward computes, so narrow steps also starve its drafts; on a CPU's emulation
-    # of this GPU the adaptive budget matched them on chat and beat them on code:
-    # benchmarks/results/gpu-emulation-2026-11-27-12bd8dc)
-    stage budget 150 "$PY" -m specdraft bench "${common[@]}" --dataset mtbench,humaneval --limit "${BUDGET_LIMIT:-5}" \
-        --methods plain,default,default@fixed --out "$results/budget"
     stage chatsteps 90 "$PY" benchmarks/host_critical_path.py --device "${DEVICE:-cuda}" --model "$model" \
         --dataset mtbench --prompts 4 --new-tokens 128 --out "$results/chatsteps"
     stage compiled 180 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "${COMPILED_LIMIT:-5}" \
