@@ -25,7 +25,7 @@
 #             overrides the list; with the @compiled methods beside these, HumanEval alone passed
 #             300 s on an H200)
 #   budget    our plain decoding, the default and the default on fixed trees (@fixed), MT-Bench and
-#             HumanEval, BUDGET_LIMIT (5) prompts each: whether the adaptive budget or the whole tree
+#             HumanEval, BUDGET_LIMIT (10) prompts each: whether the adaptive budget or the whole tree
 #             serves Token Recycling better here (it decides the default on CUDA)
 #   flash     where FlashAttention 4 is installed and the CUDA suite's flash tests did not fail:
 #             our plain decoding and default beside the same on the flash split (@flash),
@@ -187,7 +187,7 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     # the adaptive budget against fixed trees of the default's sources: on a CPU's emulation of this
     # GPU (benchmarks/results/gpu-emulation-2026-11-27-5004327) whole trees ran 11-19% faster, so
     # this decides the default on CUDA
-    stage budget 150 "$PY" -m specdraft bench "${common[@]}" --dataset mtbench,humaneval --limit "${BUDGET_LIMIT:-5}" \
+    stage budget 180 "$PY" -m specdraft bench "${common[@]}" --dataset mtbench,humaneval --limit "${BUDGET_LIMIT:-10}" \
         --methods plain,default,default@fixed --out "$results/budget"
     # the flash split apart from the main stage, so that a failure on it costs only its own stage
     if "$PY" -c "import flash_attn.cute" 2>/dev/null && grep -q " passed" "$results/quick/pytest-cuda.txt" 2>/dev/null \
