@@ -9,7 +9,10 @@ runs on the CPU, but the decoder's clock (by which the budget prices steps and t
 drafts) counts each forward as ``--forward-ms`` per 64 rows (3.4 ms: transformers' compiled
 static-cache ``generate`` per token on an H100 at 549453d) instead of its CPU time; the host work
 (drafting, merging, verifying, learning) counts as it runs here, on one thread. Every width up to
-64 rows costs the same, as eager forwards did on GPUs (the captured widths were not profiled).
+64 rows costs the same, as eager forwards did on GPUs, unless ``--width-cost`` makes wide ones
+dearer (which also counts the step's read as device work). What a GPU does not pay at all is
+not charged: the release of a step's tensors at its end (a caching allocator keeps them) and
+the budget's own price for attention (the emulated forward's price holds it).
 The CPU kernels stay stock: swapping packed ones in around each forward is CPU-only host work.
 
 Per prompt and method (interleaved per prompt), in emulated milliseconds per new token: our plain
