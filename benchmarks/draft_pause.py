@@ -160,7 +160,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--extra", action="append", default=[], metavar="NAME=SOURCES",
                         help="another method: the default decoder with these sources (repeatable); a NAME "
                              "with @fixed runs it with a fixed budget, with @nofill without the budget's padding "
-                             "fill, with @nopause without drafting pauses, with @<N>n at max_tree_nodes=N")
+                             "fill, with @nopause without drafting pauses, with @notrial without the budget's whole-tree "
+                             "trial (a GPU's, on with --buckets), with @<N>n at max_tree_nodes=N")
     parser.add_argument("--hide", action="store_true",
                         help="the accelerator's order: host work the read does not need runs behind the forward "
                              "and counts as free up to the forward's time; adds the method default-nolag (drafting "
@@ -203,11 +204,16 @@ def _suffix_nodes(name: str, default: int) -> int:
 def run_method(decoders: dict[str, Any], method: str, prompt: list[int], new_tokens: int,
                clock: Callable[[], float]) -> dict[str, Any]:
     started = clock()
+    trial = decoders[method].budget.whole_tree
+    before = list(trial.steps) if trial is not None else None
     out = decoders[method].generate(prompt, max_new_tokens=new_tokens)
     seconds = clock() - started
     stats = out.stats
-    return {"ms_per_token": 1e3 * seconds / max(1, stats.new_tokens), "tokens": out.token_ids,
-            "steps": stats.steps, "tokens_per_step": stats.mean_accepted, "skipped_drafts": stats.skipped_drafts}
+    row = {"ms_per_token": 1e3 * seconds / max(1, stats.new_tokens), "tokens": out.token_ids,
+           "steps": stats.steps, "tokens_per_step": stats.mean_accepted, "skipped_drafts": stats.skipped_drafts}
+    if trial is not None:  # the steps of each arm of the budget's whole-tree trial in this request
+        row["choice_steps"], row["whole_steps"] = (now - then for now, then in zip(trial.steps, before))
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from specdraft import Decoder
     from specdraft.bench.datasets import load_prompts
+    from specdraft.budget.whole_tree import WholeTreeTrial
     from specdraft.model.static import Buckets
     from specdraft.models import load_model
     from specdraft.sources.registry import make_sources
@@ -260,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         decoders = {m: decoders[m] for m in methods}
         if "no-pause" in decoders:
             decoders["no-pause"].budget.drafting_share = 0.0
-        for dec in decoders.values():
+        for name, dec in decoders.items():
             dec.clock = clock
             dec.engine.hide_host_work = True if args.hide else None
             if args.forward_ms:  # the emulated forward's price holds its attention, as a GPU's does
@@ -270,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.buckets:
                 dec.runner.use_static(args.buckets, capture=False)
                 dec.engine.padding = Buckets(args.buckets)
+                # as on a GPU, the budget weighs its choice against the whole tree (not with @notrial)
+                dec.budget.whole_tree = WholeTreeTrial() if "@notrial" not in name else None
             dec.generate(prompts[0][:64], max_new_tokens=8)  # warm: kernels chosen, budget priced
         rows = []
         for index, prompt in enumerate(prompts):

@@ -24,9 +24,9 @@
 #             exact mode on in bfloat16, Token Recycling among the sources) (MAIN_METHODS
 #             overrides the list; with the @compiled methods beside these, HumanEval alone passed
 #             300 s on an H200)
-#   budget    our plain decoding, the default and the default on fixed trees (@fixed), MT-Bench and
-#             HumanEval, BUDGET_LIMIT (10) prompts each: whether the adaptive budget or the whole tree
-#             serves Token Recycling better here (it decides the default on CUDA)
+#   budget    our plain decoding, the default (its budget weighs the whole tree against its choice),
+#             the same without that trial (@notrial) and on fixed trees (@fixed), MT-Bench and
+#             HumanEval, BUDGET_LIMIT (8) prompts each: whether the trial finds the faster of the two
 #   flash     where FlashAttention 4 is installed and the CUDA suite's flash tests did not fail:
 #             our plain decoding and default beside the same on the flash split (@flash),
 #             HumanEval and MT-Bench, FLASH_LIMIT (5) prompts each
@@ -184,11 +184,11 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     stage main 300 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" \
         --methods "${MAIN_METHODS:-baseline,generate-static,plain,default}" \
         --out "$results/main"
-    # the adaptive budget against fixed trees of the default's sources: on a CPU's emulation of this
-    # GPU (benchmarks/results/gpu-emulation-2026-11-27-5004327) whole trees ran 11-19% faster, so
-    # this decides the default on CUDA
-    stage budget 180 "$PY" -m specdraft bench "${common[@]}" --dataset mtbench,humaneval --limit "${BUDGET_LIMIT:-10}" \
-        --methods plain,default,default@fixed --out "$results/budget"
+    # the budget's whole-tree trial against its choice alone and against fixed trees: on a CPU's
+    # emulation of this GPU (benchmarks/results/gpu-emulation-2026-11-27-*) whole trees ran 10-19%
+    # faster than the choice alone, and the trial came close to them
+    stage budget 200 "$PY" -m specdraft bench "${common[@]}" --dataset mtbench,humaneval --limit "${BUDGET_LIMIT:-8}" \
+        --methods plain,default,default@notrial,default@fixed --out "$results/budget"
     # the flash split apart from the main stage, so that a failure on it costs only its own stage
     if "$PY" -c "import flash_attn.cute" 2>/dev/null && grep -q " passed" "$results/quick/pytest-cuda.txt" 2>/dev/null \
         && ! grep -q "^FAILED.*flash" "$results/quick/pytest-cuda.txt"; then

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .batching import BatchRequest, BatchStream, text_pieces
-from .budget import Budget
+from .budget import Budget, WholeTreeTrial
 from .engine import BatchResult, Drafter, Engine, RequestSpec
 from .engine.widths import RowWidths, exact_buckets, exact_default
 from .model.static import COMPILE_BACKEND, Buckets
@@ -105,7 +105,9 @@ class Decoder:
     ``max_tree_nodes`` caps the draft nodes checked per forward (``None``: 32 on a CPU, 63 on a
     CUDA GPU, :func:`default_max_tree_nodes`). With ``adaptive_budget`` (the
     default) each step's tree is sized below that cap from measured acceptance and step cost, down
-    to plain one-token decoding when drafts do not pay (see :mod:`specdraft.budget`); pass
+    to plain one-token decoding when drafts do not pay (see :mod:`specdraft.budget`); on a CUDA
+    GPU, where width is nearly free, it also measures its choice against the whole tree and runs
+    the one that commits more tokens per second (:mod:`specdraft.budget.whole_tree`); pass
     ``adaptive_budget=False`` to always use the cap, e.g. to benchmark fixed budgets.
     ``attention`` picks the backend (see :func:`specdraft.model.attention.select_attention`):
     ``"auto"``, ``"sdpa"``, ``"eager"`` or ``"flash"``; the decoder switches the model's attention
@@ -186,6 +188,8 @@ class Decoder:
         self.engine = Engine(runner, drafter, budget, kernels=self._kernels_context, text=self._text,
                              attention=self.attention)
         self._widths()
+        if runner.device.type == "cuda":  # width is nearly free: the whole tree may pay more than rates say
+            budget.whole_tree = WholeTreeTrial()
         if previous is not None and previous != self.attention:  # the engine switches it per call
             model.set_attn_implementation(previous)
 

@@ -465,6 +465,9 @@ def test_fixed_suffix_turns_the_adaptive_budget_off():
         parse_methods("default@fixed@nopause")
     with pytest.raises(MethodError, match="@nopause means nothing"):
         parse_methods("plain@nopause")
+    notrial = build_method("default@notrial", model, None, 8)
+    assert notrial.name == "default@notrial" and notrial.decoder.budget.adaptive
+    assert notrial.decoder.budget.drafting_share > 0 and not notrial.whole_tree_trial
 
 
 def test_exact_suffix_times_exact_mode_beside_the_default_mode_in_one_run(tiny, prompt_file: Path) -> None:

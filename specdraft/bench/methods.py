@@ -28,7 +28,8 @@ Names (``--methods``):
     methods by the ``plain`` run on the same kernels.
 
 Suffixes of our methods: ``@fixed`` switches the adaptive budget off, ``@nopause`` only its
-drafting pauses (the budget's ``drafting_share = 0``, :mod:`specdraft.engine.pause`); without a kernel suffix
+drafting pauses (the budget's ``drafting_share = 0``, :mod:`specdraft.engine.pause`), ``@notrial``
+only its weighing of the whole tree on CUDA (:mod:`specdraft.budget.whole_tree`); without a kernel suffix
 the decoder runs the library's default, ``cpu_kernels="auto"`` (each forward width on the
 cheapest exact path measured on this machine, see :mod:`specdraft.kernel_costs`); ``@stock``
 runs ``cpu_kernels="stock"``, ``@packed`` ``"packed"`` (oneDNN-packed linear weights) and
@@ -179,8 +180,12 @@ def valid_method_names() -> str:
 FIXED_SUFFIX = "@fixed"
 #: Suffix of a method name that keeps the adaptive budget but never pauses drafting (``default@nopause``).
 NOPAUSE_SUFFIX = "@nopause"
-#: Budget suffix -> the budget a method runs: ``"fixed"``, ``"nopause"`` (without one: ``"adaptive"``).
-BUDGET_SUFFIXES = {FIXED_SUFFIX: "fixed", NOPAUSE_SUFFIX: "nopause"}
+#: Suffix of a method name whose adaptive budget never weighs the whole tree against its choice
+#: (``default@notrial``; the trial runs on CUDA only, :mod:`specdraft.budget.whole_tree`).
+NOTRIAL_SUFFIX = "@notrial"
+#: Budget suffix -> the budget a method runs: ``"fixed"``, ``"nopause"``, ``"notrial"`` (without
+#: one: ``"adaptive"``).
+BUDGET_SUFFIXES = {FIXED_SUFFIX: "fixed", NOPAUSE_SUFFIX: "nopause", NOTRIAL_SUFFIX: "notrial"}
 #: Suffix of a method name that runs our decoder with ``cpu_kernels="packed"`` (``default@packed``).
 PACKED_SUFFIX = "@packed"
 #: Method-name suffix -> ``Decoder(cpu_kernels=...)``; without one, a method runs :data:`DEFAULT_KERNELS`.
@@ -457,7 +462,7 @@ class SpecdraftMethod:
     def __init__(self, name: str, model: Any, tokenizer: Any, source_names: Sequence[str],
                  max_tree_nodes: int | None = None, adaptive_budget: bool = True, cpu_kernels: str = DEFAULT_KERNELS,
                  exact: bool | None = None, drafting_pauses: bool = True, attention: str = "auto",
-                 compile: bool = False) -> None:
+                 compile: bool = False, whole_tree_trial: bool = True) -> None:
         from specdraft.sources.registry import make_sources
 
         self.name = name
@@ -468,10 +473,12 @@ class SpecdraftMethod:
         self.attention = attention
         self.compile = compile
         self.drafting_pauses = drafting_pauses
+        self.whole_tree_trial = whole_tree_trial
         self.description = (("specdraft Decoder with sources " + "+".join(self.source_names) if self.source_names
                              else "specdraft Decoder, plain decoding (no sources, max_tree_nodes=0)")
                             + ("" if adaptive_budget else ", fixed budget")
                             + ("" if drafting_pauses else ", no drafting pauses")
+                            + ("" if whole_tree_trial else ", no whole-tree trial")
                             + f", cpu_kernels={cpu_kernels!r}"
                             + ("" if attention == "auto" else f", attention={attention!r}")
                             + (", compile=True" if compile else ""))
@@ -496,6 +503,8 @@ class SpecdraftMethod:
                           attention=self.attention, compile=self.compile)
         if not self.drafting_pauses:
             decoder.budget.drafting_share = 0.0
+        if not self.whole_tree_trial:
+            decoder.budget.whole_tree = None
         return decoder
 
     def _throwaway_decoder(self) -> Any:
@@ -572,7 +581,8 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int | No
     if base == PLAIN:
         return SpecdraftMethod(PLAIN + suffix, model, tokenizer, [], 0, adaptive_budget=True, **options)
     budget = chosen["budget"]
-    options.update(adaptive_budget=budget != "fixed", drafting_pauses=budget == "adaptive")
+    options.update(adaptive_budget=budget != "fixed", drafting_pauses=budget in ("adaptive", "notrial"),
+                   whole_tree_trial=budget != "notrial")
     sources = "+".join(default_source_names(getattr(model, "device", None))) if base == DEFAULT else base
     canonical = _canonical(sources)
     return SpecdraftMethod((DEFAULT if base == DEFAULT else canonical) + suffix, model, tokenizer,

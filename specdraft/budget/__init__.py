@@ -3,5 +3,6 @@
 from .acceptance import AcceptanceTracker, RequestAcceptance
 from .allocator import Ask, Budget, Grant
 from .costs import StepCosts
+from .whole_tree import WholeTreeTrial
 
-__all__ = ["AcceptanceTracker", "Ask", "Budget", "Grant", "RequestAcceptance", "StepCosts"]
+__all__ = ["AcceptanceTracker", "Ask", "Budget", "Grant", "RequestAcceptance", "StepCosts", "WholeTreeTrial"]

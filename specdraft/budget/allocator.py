@@ -32,6 +32,13 @@ Three guards
     than the widest, in the warm-up and with a fixed budget too (then one node per request in
     turn): a wider forward would run eagerly on a GPU, or break exact mode's rule.
 
+A second opinion
+    Where width is nearly free (a GPU's captured buckets), the decoder gives the budget a
+    :class:`~specdraft.budget.whole_tree.WholeTreeTrial` (:attr:`Budget.whole_tree`): at steps where
+    the choice above and the whole tree differ, whichever of the two has committed more tokens per
+    second runs, and the other is tried now and then. Rates by rank cannot see what a whole tree
+    teaches the sources that learn from every row the model computes.
+
 ``adaptive=False`` gives every request its full tree every step, within the row limit (for
 benchmarks of fixed budgets). The budget changes only which drafts are checked, never how they are verified, so output stays
 exactly lossless whatever it decides.
@@ -46,6 +53,7 @@ from typing import Callable, Sequence
 
 from .acceptance import AcceptanceTracker
 from .costs import StepCosts
+from .whole_tree import WHOLE, WholeTreeTrial
 
 
 @dataclass(frozen=True)
@@ -102,29 +110,49 @@ class Budget:
         self.acceptance = AcceptanceTracker(max_nodes, num_sources, fast=acceptance_smoothing, slow=prior_smoothing)
         #: steps priced so far (the warm-up counts them)
         self.steps = 0
+        #: the choice against the whole tree, measured (see the module docstring); ``None``: the
+        #: choice alone (the decoder sets one on a GPU)
+        self.whole_tree: WholeTreeTrial | None = None
 
     def set_cost_curve(self, curve: Sequence[float] | None) -> None:
         """Price widths from ``curve`` from now on (``None``: learn them from the steps)."""
         self.costs.set_curve(curve)
 
-    def observe_step(self, width: int, seconds: float) -> None:
-        """A decoding step of ``width`` rows took ``seconds`` (drafting and verifying included)."""
+    def observe_step(self, width: int, seconds: float, tokens: int | None = None) -> None:
+        """A decoding step of ``width`` rows took ``seconds`` (drafting and verifying included)
+        and committed ``tokens`` over all its requests (``None``: not counted)."""
         self.costs.observe(width, seconds)
         self.steps += 1
+        if self.whole_tree is not None and tokens is not None:
+            self.whole_tree.observe(tokens, seconds)
 
     # -- the allocation ---------------------------------------------------------------------
 
     def allocate(self, asks: Sequence[Ask]) -> list[Grant]:
         """Draft nodes (and side blocks) for each request this step."""
         offered = [min(a.offered, self.max_nodes) if a.decoding else 0 for a in asks]
+        trial = self.whole_tree
+        if trial is not None:
+            trial.pending = None  # (a step the trial measures says so below)
         if self.max_nodes == 0:
             return [_NOTHING] * len(asks)
         limit = self.row_limit
         if not self.chooses:
-            full = [Grant(n, True) if a.decoding else _NOTHING for a, n in zip(asks, offered)]
-            return full if limit is None else _fit_in_turns(asks, full, limit)
+            return self._whole(asks, offered, limit)
         grants = self._opening(asks, self._best_prefix(asks, offered, limit))
-        return self._fill_padding(asks, offered, grants, limit)
+        grants = self._fill_padding(asks, offered, grants, limit)
+        if trial is None:
+            return grants
+        whole = self._whole(asks, offered, limit)
+        if grants == whole:
+            return grants
+        return whole if trial.pick() == WHOLE else grants
+
+    @staticmethod
+    def _whole(asks: Sequence[Ask], offered: list[int], limit: int | None) -> list[Grant]:
+        """Every decoding request's full tree with its side blocks, within ``limit`` rows."""
+        full = [Grant(n, True) if a.decoding else _NOTHING for a, n in zip(asks, offered)]
+        return full if limit is None else _fit_in_turns(asks, full, limit)
 
     @property
     def chooses(self) -> bool:

@@ -296,7 +296,7 @@ class Step:
         if trees and all(m.kind == "tree" for m in members):
             padding = self.engine.padding
             ran = padding.rows_for(width) if padding is not None else width
-            self.engine.budget.observe_step(ran, self.engine.clock() - started)
+            self.engine.budget.observe_step(ran, self.engine.clock() - started, sum(len(t) for _, t in emitted))
         return StepReport(emitted, width, [len(t) - 1 for t in trees])
 
 

@@ -1,0 +1,142 @@
+"""The budget's second opinion where width is nearly free: its choice or the whole tree, whichever
+has committed more tokens per second (:mod:`specdraft.budget.whole_tree`)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from _budget_driver import OneRequest
+from specdraft import Decoder
+from specdraft.bench.methods import build_method
+from specdraft.budget import Budget
+from specdraft.budget.whole_tree import CHOICE, WHOLE, WholeTreeTrial
+from specdraft.simulated_device import SimulatedDevice
+
+from conftest import reference_greedy, tiny_model
+
+PROMPT = [1, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6, 7]
+
+
+def run(trial: WholeTreeTrial, steps: int, measure) -> list[int]:
+    """``steps`` differing steps; ``measure(arm, step)`` gives a step's (tokens, seconds)."""
+    arms = []
+    for step in range(steps):
+        arm = trial.pick()
+        trial.observe(*measure(arm, step))
+        arms.append(arm)
+    return arms
+
+
+def test_the_arms_alternate_then_the_faster_leads_and_the_other_is_tried_now_and_then() -> None:
+    trial = WholeTreeTrial(explore_every=8, first_steps=3)
+    speeds = {CHOICE: (1, 0.010), WHOLE: (3, 0.012)}  # 100 against 250 tokens per second
+    arms = run(trial, 6 + 64, lambda arm, step: speeds[arm])
+    assert arms[:6] == [CHOICE, WHOLE] * 3
+    later = arms[6:]
+    assert later.count(CHOICE) == 8 and later.count(WHOLE) == 56
+    assert [i for i, arm in enumerate(arms, start=1) if arm == CHOICE][3:] == list(range(8, 71, 8))
+    assert trial.speed(WHOLE) == pytest.approx(250) and trial.speed(CHOICE) == pytest.approx(100)
+
+
+@pytest.mark.parametrize("faster", [CHOICE, WHOLE])
+def test_a_leader_that_slows_down_is_overtaken(faster: int) -> None:
+    trial = WholeTreeTrial(explore_every=4, first_steps=2)
+    slower = 1 - faster
+
+    def measure(arm: int, step: int) -> tuple[int, float]:
+        if step < 40:
+            return (2, 0.01) if arm == faster else (2, 0.02)
+        return (2, 0.04) if arm == faster else (2, 0.02)  # the leader now takes twice the other's time
+
+    arms = run(trial, 120, measure)
+    assert arms[20:40].count(faster) == 15
+    assert trial.leader == slower and arms[-20:].count(slower) == 15
+
+
+def test_steps_where_the_arms_agree_measure_neither() -> None:
+    # width is free and every node hits: the budget's choice is the whole tree
+    budget = Budget(8, warmup=0, cost_curve=[1.0] * 64)
+    budget.whole_tree = trial = WholeTreeTrial()
+    ctl = OneRequest(budget)
+    for _ in range(5):
+        ctl.observe_chain(8, 8)
+    budget.observe_step(1, 0.01)
+    for _ in range(10):
+        assert ctl.choose(8).nodes == 8
+        budget.observe_step(9, 0.01, tokens=9)
+    assert trial.differing == 0 and trial.steps == [0, 0]
+
+
+def test_where_the_choice_is_plain_the_whole_tree_runs_once_it_is_measured_faster() -> None:
+    """A budget that sees wide steps as dear and drafts as weak chooses plain steps; measured,
+    the whole tree commits more per second (as where sources learn from every row), so it runs,
+    with a plain step now and then."""
+    budget = Budget(16, warmup=0, cost_curve=[1.0] + [3.0] * 63)
+    budget.whole_tree = trial = WholeTreeTrial(explore_every=8, first_steps=2)
+    ctl = OneRequest(budget)
+    for _ in range(20):
+        ctl.observe_chain(16, 0)
+    budget.observe_step(1, 0.01)
+    granted = []
+    for _ in range(40):
+        grant = ctl.choose(16)
+        granted.append(grant.nodes)
+        whole = grant.nodes == 16
+        budget.observe_step(17 if whole else 1, 0.012 if whole else 0.010, tokens=4 if whole else 1)
+    assert set(granted) == {0, 16}
+    assert granted[:4] == [0, 16, 0, 16] and granted[4:].count(16) == 31  # (steps 8, 16, ..., 40 plain)
+    assert trial.leader == WHOLE
+    # without the trial the same budget stays plain
+    budget.whole_tree = None
+    assert ctl.choose(16).nodes == 0
+
+
+def test_a_step_the_budget_does_not_price_leaves_the_trial_untouched() -> None:
+    budget = Budget(16, warmup=0, cost_curve=[1.0] + [3.0] * 63)
+    budget.whole_tree = trial = WholeTreeTrial()
+    ctl = OneRequest(budget)
+    budget.observe_step(1, 0.01)
+    ctl.choose(16)
+    assert trial.pending is not None
+    ctl.choose(16)  # the step before was not observed (a prompt chunk rode along): nothing learned
+    budget.observe_step(1, 0.01)  # (no tokens counted)
+    assert trial.steps == [0, 0]
+
+
+@pytest.mark.parametrize("bad", [dict(explore_every=1), dict(explore_every=True), dict(first_steps=0),
+                                 dict(smoothing=0.0), dict(smoothing=1.5)])
+def test_bad_parameters_raise(bad) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        WholeTreeTrial(**bad)
+
+
+def test_a_decoder_weighs_the_whole_tree_on_a_gpu_only() -> None:
+    model = copy.deepcopy(tiny_model("llama", "sdpa"))
+    assert Decoder(model, None).budget.whole_tree is None
+    sim = SimulatedDevice()
+    sim.adopt(model)
+    with sim, sim.patched_generator():
+        assert isinstance(Decoder(model, None).budget.whole_tree, WholeTreeTrial)
+        # the bench's @notrial runs the same decoder without it
+        assert isinstance(build_method("default", model, None, 8).decoder.budget.whole_tree, WholeTreeTrial)
+        assert build_method("default@notrial", model, None, 8).decoder.budget.whole_tree is None
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_outputs_stay_greedy_whichever_arm_runs(concurrency: int) -> None:
+    """Both arms every other step, on static buckets under the simulated device: every output is
+    still the model's greedy one."""
+    reference = tiny_model("llama", "sdpa")
+    model = copy.deepcopy(reference)
+    sim = SimulatedDevice()
+    sim.adopt(model)
+    prompts = [PROMPT, PROMPT[3:], PROMPT[:11]]
+    with sim, sim.patched_generator():
+        dec = Decoder(model, None, max_tree_nodes=12)
+        dec.budget.warmup = 0
+        dec.budget.whole_tree = trial = WholeTreeTrial(explore_every=2, first_steps=1)
+        outputs = dec.generate_batch(prompts, max_new_tokens=24, concurrency=concurrency)
+    assert [o.token_ids for o in outputs] == [reference_greedy(reference, p, 24) for p in prompts]
+    assert min(trial.steps) >= 1
