@@ -55,18 +55,20 @@ def test_a_leader_that_slows_down_is_overtaken(faster: int) -> None:
     assert trial.leader == slower and arms[-20:].count(slower) == 15
 
 
-def test_steps_where_the_arms_agree_measure_neither() -> None:
-    # width is free and every node hits: the budget's choice is the whole tree
+def test_a_step_of_the_whole_tree_computes_no_choice() -> None:
+    """The host work between two forwards is then that of a fixed budget."""
     budget = Budget(8, warmup=0, cost_curve=[1.0] * 64)
-    budget.whole_tree = trial = WholeTreeTrial()
+    budget.whole_tree = trial = WholeTreeTrial(first_steps=1, explore_every=4)
     ctl = OneRequest(budget)
-    for _ in range(5):
-        ctl.observe_chain(8, 8)
     budget.observe_step(1, 0.01)
-    for _ in range(10):
-        assert ctl.choose(8).nodes == 8
-        budget.observe_step(9, 0.01, tokens=9)
-    assert trial.differing == 0 and trial.steps == [0, 0]
+    chosen = []
+    best_prefix = budget._best_prefix
+    budget._best_prefix = lambda *args: chosen.append(1) or best_prefix(*args)
+    for _ in range(12):
+        ctl.choose(8)
+        budget.observe_step(9, 0.01, tokens=3 if trial.pending == WHOLE else 1)
+    assert trial.steps[WHOLE] == 12 - len(chosen) and trial.leader == WHOLE
+    assert len(chosen) == 4  # the first step, then the 4th, 8th and 12th
 
 
 def test_where_the_choice_is_plain_the_whole_tree_runs_once_it_is_measured_faster() -> None:

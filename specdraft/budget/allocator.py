@@ -34,9 +34,9 @@ Three guards
 
 A second opinion
     Where width is nearly free (a GPU's captured buckets), the decoder gives the budget a
-    :class:`~specdraft.budget.whole_tree.WholeTreeTrial` (:attr:`Budget.whole_tree`): at steps where
-    the choice above and the whole tree differ, whichever of the two has committed more tokens per
-    second runs, and the other is tried now and then. Rates by rank cannot see what a whole tree
+    :class:`~specdraft.budget.whole_tree.WholeTreeTrial` (:attr:`Budget.whole_tree`): whichever of
+    the choice above and the whole tree has committed more tokens per second runs, and the other is
+    tried now and then (a step the whole tree runs computes no choice). Rates by rank cannot see what a whole tree
     teaches the sources that learn from every row the model computes.
 
 ``adaptive=False`` gives every request its full tree every step, within the row limit (for
@@ -137,16 +137,10 @@ class Budget:
         if self.max_nodes == 0:
             return [_NOTHING] * len(asks)
         limit = self.row_limit
-        if not self.chooses:
+        if not self.chooses or (trial is not None and trial.pick() == WHOLE):
             return self._whole(asks, offered, limit)
         grants = self._opening(asks, self._best_prefix(asks, offered, limit))
-        grants = self._fill_padding(asks, offered, grants, limit)
-        if trial is None:
-            return grants
-        whole = self._whole(asks, offered, limit)
-        if grants == whole:
-            return grants
-        return whole if trial.pick() == WHOLE else grants
+        return self._fill_padding(asks, offered, grants, limit)
 
     @staticmethod
     def _whole(asks: Sequence[Ask], offered: list[int], limit: int | None) -> list[Grant]:

@@ -9,13 +9,15 @@ when more rows are computed, and nodes deep in a tree hit in runs that the per-r
 smooth away. Whether that outweighs the price of the wider forward depends on the device, the
 model and the text, so it is measured rather than assumed.
 
-Every step where the two differ is one of two *arms*: the allocator's choice or the whole tree
+Every step the budget judges runs one of two *arms*: the allocator's choice or the whole tree
 (each request's full tree, within the row limit). Each arm keeps moving averages of the tokens a
 step of it commits and the seconds it takes; their ratio is the arm's speed. The faster arm
-runs, and every :data:`EXPLORE_EVERY`-th such step runs the other, so that a change in the text
-or the load is noticed. Until each arm has :data:`FIRST_STEPS` steps the two alternate. Steps
-where both arms grant the same trees teach neither. The arms are compared over the same kind of
-steps (those where they differ) in the same proportions, so the comparison is fair to each.
+runs, and every :data:`EXPLORE_EVERY`-th step runs the other, so that a change in the text or
+the load is noticed. Until each arm has :data:`FIRST_STEPS` steps the two alternate. The arm is
+drawn by this schedule alone, whatever the step's drafts, so each arm's steps are a fair sample
+of all steps (where the two would grant the same trees, both arms learn the same); and a step
+the whole tree runs needs no choice computed, so the host work on the critical path is that of a
+fixed budget.
 
 Either arm checks drafts only; verification is the same, so output stays exactly lossless.
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 #: Steps of each arm measured before the faster one leads (the two alternate until then).
 FIRST_STEPS = 3
 
-#: One step in this many (of those where the arms differ) runs the arm that is not leading.
+#: One step in this many runs the arm that is not leading.
 EXPLORE_EVERY = 16
 
 #: Weight of a new step in an arm's moving averages of tokens and seconds per step. A step's
@@ -58,9 +60,9 @@ class WholeTreeTrial:
         self.steps = [0, 0]
         self.tokens = [0.0, 0.0]
         self.seconds = [0.0, 0.0]
-        #: steps where the arms differed, measured or not
-        self.differing = 0
-        #: the arm of the step in flight (``None``: the arms agreed, or it is not measured)
+        #: steps an arm was picked for, measured or not
+        self.picked = 0
+        #: the arm of the step in flight (``None``: none, or it is not measured)
         self.pending: int | None = None
 
     def speed(self, arm: int) -> float | None:
@@ -76,19 +78,15 @@ class WholeTreeTrial:
         return WHOLE if whole is not None and (choice is None or whole > choice) else CHOICE
 
     def pick(self) -> int:
-        """The arm of a step where the two differ."""
-        self.differing += 1
+        """The arm of the next step."""
+        self.picked += 1
         leader = self.leader
         if leader is None:
             arm = CHOICE if self.steps[CHOICE] <= self.steps[WHOLE] else WHOLE
         else:
-            arm = 1 - leader if self.differing % self.explore_every == 0 else leader
+            arm = 1 - leader if self.picked % self.explore_every == 0 else leader
         self.pending = arm
         return arm
-
-    def agree(self) -> None:
-        """A step where both arms grant the same trees: it measures neither."""
-        self.pending = None
 
     def observe(self, tokens: int, seconds: float) -> None:
         """The step in flight committed ``tokens`` in ``seconds``: its arm learns it."""
