@@ -29,30 +29,34 @@ def run(trial: WholeTreeTrial, steps: int, measure) -> list[int]:
     return arms
 
 
-def test_the_arms_alternate_then_the_faster_leads_and_the_other_is_tried_now_and_then() -> None:
+def test_the_whole_tree_leads_and_the_choice_is_tried_every_nth_step() -> None:
     trial = WholeTreeTrial(explore_every=8, first_steps=3)
     speeds = {CHOICE: (1, 0.010), WHOLE: (3, 0.012)}  # 100 against 250 tokens per second
-    arms = run(trial, 6 + 64, lambda arm, step: speeds[arm])
-    assert arms[:6] == [CHOICE, WHOLE] * 3
-    later = arms[6:]
-    assert later.count(CHOICE) == 8 and later.count(WHOLE) == 56
-    assert [i for i, arm in enumerate(arms, start=1) if arm == CHOICE][3:] == list(range(8, 71, 8))
+    arms = run(trial, 64, lambda arm, step: speeds[arm])
+    assert [i for i, arm in enumerate(arms, start=1) if arm == CHOICE] == list(range(8, 65, 8))
     assert trial.speed(WHOLE) == pytest.approx(250) and trial.speed(CHOICE) == pytest.approx(100)
 
 
-@pytest.mark.parametrize("faster", [CHOICE, WHOLE])
-def test_a_leader_that_slows_down_is_overtaken(faster: int) -> None:
-    trial = WholeTreeTrial(explore_every=4, first_steps=2)
-    slower = 1 - faster
+@pytest.mark.parametrize("choice_speedup, leads", [(1.1, WHOLE), (1.3, CHOICE)])
+def test_the_choice_leads_once_measured_faster_by_more_than_the_margin(choice_speedup, leads) -> None:
+    trial = WholeTreeTrial(explore_every=4, first_steps=3, margin=0.2)
+    arms = run(trial, 12, lambda arm, step: (2, 0.02) if arm == WHOLE else (2, 0.02 / choice_speedup))
+    assert arms == [WHOLE, WHOLE, WHOLE, CHOICE] * 3  # the choice's first 3 steps: it may lead from now on
+    later = run(trial, 16, lambda arm, step: (2, 0.02) if arm == WHOLE else (2, 0.02 / choice_speedup))
+    assert later.count(leads) == 12 and trial.leading == leads
+
+
+def test_a_leading_choice_that_slows_down_gives_the_lead_back() -> None:
+    trial = WholeTreeTrial(explore_every=4, first_steps=2, margin=0.2)
 
     def measure(arm: int, step: int) -> tuple[int, float]:
         if step < 40:
-            return (2, 0.01) if arm == faster else (2, 0.02)
-        return (2, 0.04) if arm == faster else (2, 0.02)  # the leader now takes twice the other's time
+            return (2, 0.01) if arm == CHOICE else (2, 0.02)
+        return (2, 0.04) if arm == CHOICE else (2, 0.02)  # the choice now takes twice the whole tree's time
 
     arms = run(trial, 120, measure)
-    assert arms[20:40].count(faster) == 15
-    assert trial.leader == slower and arms[-20:].count(slower) == 15
+    assert arms[20:40].count(CHOICE) == 15
+    assert trial.leading == WHOLE and arms[-20:].count(WHOLE) == 15
 
 
 def test_a_step_of_the_whole_tree_computes_no_choice() -> None:
@@ -67,14 +71,14 @@ def test_a_step_of_the_whole_tree_computes_no_choice() -> None:
     for _ in range(12):
         ctl.choose(8)
         budget.observe_step(9, 0.01, tokens=3 if trial.pending == WHOLE else 1)
-    assert trial.steps[WHOLE] == 12 - len(chosen) and trial.leader == WHOLE
-    assert len(chosen) == 4  # the first step, then the 4th, 8th and 12th
+    assert trial.steps[WHOLE] == 12 - len(chosen) and trial.leading == WHOLE
+    assert len(chosen) == 3  # the 4th, 8th and 12th steps
 
 
 def test_where_the_choice_is_plain_the_whole_tree_runs_once_it_is_measured_faster() -> None:
     """A budget that sees wide steps as dear and drafts as weak chooses plain steps; measured,
-    the whole tree commits more per second (as where sources learn from every row), so it runs,
-    with a plain step now and then."""
+    the whole tree commits more per second (as where sources learn from every row), so it keeps
+    the lead, with the choice's plain step every 8th step."""
     budget = Budget(16, warmup=0, cost_curve=[1.0] + [3.0] * 63)
     budget.whole_tree = trial = WholeTreeTrial(explore_every=8, first_steps=2)
     ctl = OneRequest(budget)
@@ -88,11 +92,31 @@ def test_where_the_choice_is_plain_the_whole_tree_runs_once_it_is_measured_faste
         whole = grant.nodes == 16
         budget.observe_step(17 if whole else 1, 0.012 if whole else 0.010, tokens=4 if whole else 1)
     assert set(granted) == {0, 16}
-    assert granted[:4] == [0, 16, 0, 16] and granted[4:].count(16) == 31  # (steps 8, 16, ..., 40 plain)
-    assert trial.leader == WHOLE
+    assert [i for i, nodes in enumerate(granted, start=1) if nodes == 0] == [8, 16, 24, 32, 40]
+    assert trial.leading == WHOLE
     # without the trial the same budget stays plain
     budget.whole_tree = None
     assert ctl.choose(16).nodes == 0
+
+
+def test_where_the_whole_tree_is_measured_slower_the_choice_takes_over() -> None:
+    """The same budget on a device where the whole tree's forward costs five plain ones and
+    buys little: after the choice's first steps, its plain steps run and the whole tree is tried
+    every 8th step."""
+    budget = Budget(16, warmup=0, cost_curve=[1.0] + [3.0] * 63)
+    budget.whole_tree = trial = WholeTreeTrial(explore_every=8, first_steps=2)
+    ctl = OneRequest(budget)
+    for _ in range(20):
+        ctl.observe_chain(16, 0)
+    budget.observe_step(1, 0.01)
+    granted = []
+    for _ in range(64):
+        nodes = ctl.choose(16).nodes
+        granted.append(nodes)
+        budget.observe_step(17 if nodes else 1, 0.05 if nodes else 0.010, tokens=2 if nodes else 1)
+    assert trial.leading == CHOICE
+    assert [i for i, nodes in enumerate(granted, start=1) if nodes == 16][-4:] == [40, 48, 56, 64]
+    assert granted[16:].count(0) == 42
 
 
 def test_a_step_the_budget_does_not_price_leaves_the_trial_untouched() -> None:

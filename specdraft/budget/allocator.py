@@ -35,9 +35,9 @@ Three guards
 A second opinion
     Where width is nearly free (a GPU's captured buckets), the decoder gives the budget a
     :class:`~specdraft.budget.whole_tree.WholeTreeTrial` (:attr:`Budget.whole_tree`): whichever of
-    the choice above and the whole tree has committed more tokens per second runs, and the other is
-    tried now and then (a step the whole tree runs computes no choice). Rates by rank cannot see what a whole tree
-    teaches the sources that learn from every row the model computes.
+    the choice above and the whole tree has committed more tokens per second runs, and the other
+    is tried now and then (a step the whole tree runs computes no choice). Rates by rank cannot
+    see what a whole tree teaches the sources that learn from every row the model computes.
 
 ``adaptive=False`` gives every request its full tree every step, within the row limit (for
 benchmarks of fixed budgets). The budget changes only which drafts are checked, never how they are verified, so output stays

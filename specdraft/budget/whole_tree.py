@@ -3,39 +3,51 @@ measured tokens per second.
 
 The allocator (:mod:`specdraft.budget.allocator`) sizes each tree from the acceptance it has
 seen by rank. Where a forward of 64 rows costs little more than one of 1 (a GPU's captured
-buckets), two things it cannot see make the whole tree worth more than those rates promise:
-sources that learn from every row the model computes (Token Recycling's top-k) draft better
-when more rows are computed, and nodes deep in a tree hit in runs that the per-rank averages
-smooth away. Whether that outweighs the price of the wider forward depends on the device, the
-model and the text, so it is measured rather than assumed.
+buckets), whole trees have committed more tokens per step than those rates promise: sources
+that learn from every row the model computes (Token Recycling's top-k) draft better when more
+rows are computed, which rates measured one step at a time cannot see. Whether that outweighs
+the price of the wider forward depends on the device, the model and the text, so it is
+measured rather than assumed.
 
 Every step the budget judges runs one of two *arms*: the allocator's choice or the whole tree
 (each request's full tree, within the row limit). Each arm keeps moving averages of the tokens a
-step of it commits and the seconds it takes; their ratio is the arm's speed. The faster arm
-runs, and every :data:`EXPLORE_EVERY`-th step runs the other, so that a change in the text or
-the load is noticed. Until each arm has :data:`FIRST_STEPS` steps the two alternate. The arm is
+step of it commits and the seconds it takes; their ratio is the arm's speed. The whole tree
+leads: it runs every step but every :data:`EXPLORE_EVERY`-th, which runs the choice. Once the
+choice has :data:`FIRST_STEPS` steps and is measured faster by more than :data:`MARGIN`, it
+leads instead, until the whole tree is measured faster again. The arm is
 drawn by this schedule alone, whatever the step's drafts, so each arm's steps are a fair sample
-of all steps (where the two would grant the same trees, both arms learn the same); and a step
-the whole tree runs needs no choice computed, so the host work on the critical path is that of a
-fixed budget.
+of all steps (a step where the two would grant the same trees counts for the arm that ran it);
+and a step the whole tree runs needs no choice computed, so its host work on the critical path
+is that of a fixed budget.
 
 Either arm checks drafts only; verification is the same, so output stays exactly lossless.
 """
 
 from __future__ import annotations
 
-#: Steps of each arm measured before the faster one leads (the two alternate until then).
-FIRST_STEPS = 3
+#: Steps of the choice measured before it may lead (the whole tree leads until then).
+FIRST_STEPS = 8
 
 #: One step in this many runs the arm that is not leading.
 EXPLORE_EVERY = 16
 
-#: Weight of a new step in an arm's moving averages of tokens and seconds per step. A step's
-#: tokens vary by factors (1 on most chat steps, 8 on a copied line), so the averages must be long
-#: for the slower arm not to lead by chance: in a simulation of 700 steps where whole trees were
-#: 15% faster per step (the corrected emulation's MT-Bench figures), 0.05 with a try every 16
-#: steps ran them on 84% of steps, 0.1 with one every 8 on 72%.
+#: Weight of a new step in an arm's moving averages of tokens and seconds per step (a plain mean
+#: over an arm's first 20 steps). A step's tokens vary by factors (1 on most chat steps, 8 on a
+#: copied line), so the averages are long. In a simulation of 700 steps with per-step draws shaped
+#: like the emulation's MT-Bench steps, the trial ran at 0.99 of the better arm's speed
+#: where whole trees were 15% faster, 0.94 where the choice was 20% faster, and 0.84 where the
+#: whole tree cost twice the choice per step (its first 128 steps are mostly whole trees);
+#: smoothing 0.02 or 0.1 moved these by about 1%.
 SMOOTHING = 0.05
+
+#: How much faster per step the choice must measure to lead (0.2: 20%). Step for step, the arms
+#: understate the whole tree: both draw on the same sources, and while the whole tree leads, its
+#: rows feed the sources that learn from every computed row, so the choice's own steps draft
+#: better too (and while the choice leads, the whole tree's steps draft worse). In the corrected
+#: emulation's first MT-Bench prompt, a trial that let the faster arm lead from the start settled
+#: on the choice and committed 1.28 tokens per step, as the choice alone did, where whole trees
+#: committed 1.50 (ms per token: 4.27, 4.25 and 3.80).
+MARGIN = 0.2
 
 CHOICE, WHOLE = 0, 1
 
@@ -45,14 +57,19 @@ class WholeTreeTrial:
     budget: it carries from request to request, as the budget's costs do."""
 
     def __init__(self, explore_every: int = EXPLORE_EVERY, first_steps: int = FIRST_STEPS,
-                 smoothing: float = SMOOTHING) -> None:
+                 smoothing: float = SMOOTHING, margin: float = MARGIN) -> None:
         if isinstance(explore_every, bool) or not isinstance(explore_every, int) or explore_every < 2:
             raise ValueError(f"explore_every must be an int >= 2, got {explore_every!r}")
         if isinstance(first_steps, bool) or not isinstance(first_steps, int) or first_steps < 1:
             raise ValueError(f"first_steps must be an int >= 1, got {first_steps!r}")
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing!r}")
+        if not margin >= 0.0:
+            raise ValueError(f"margin must be >= 0, got {margin!r}")
         self.explore_every = explore_every
+        self.margin = float(margin)
+        #: the arm that runs all steps but every ``explore_every``-th (see :meth:`_lead`)
+        self.leading = WHOLE
         self.first_steps = first_steps
         self.smoothing = smoothing
         #: per arm (:data:`CHOICE`, :data:`WHOLE`): steps measured, and moving averages of the
@@ -69,22 +86,24 @@ class WholeTreeTrial:
         """Tokens per second of ``arm``'s steps (``None`` before its first)."""
         return self.tokens[arm] / self.seconds[arm] if self.steps[arm] and self.seconds[arm] > 0 else None
 
-    @property
-    def leader(self) -> int | None:
-        """The faster arm, once both have their first steps (``None`` before)."""
-        if min(self.steps) < self.first_steps:
-            return None
+    def _lead(self) -> int:
+        """The arm that leads from now on: the whole tree, until the choice has its first steps
+        and is measured faster by more than :attr:`margin`; then the choice, until the whole tree
+        is measured faster again."""
         choice, whole = self.speed(CHOICE), self.speed(WHOLE)
-        return WHOLE if whole is not None and (choice is None or whole > choice) else CHOICE
+        if self.steps[CHOICE] < self.first_steps or choice is None or whole is None:
+            self.leading = WHOLE
+        elif self.leading == WHOLE and choice > whole * (1 + self.margin):
+            self.leading = CHOICE
+        elif self.leading == CHOICE and whole > choice:
+            self.leading = WHOLE
+        return self.leading
 
     def pick(self) -> int:
         """The arm of the next step."""
         self.picked += 1
-        leader = self.leader
-        if leader is None:
-            arm = CHOICE if self.steps[CHOICE] <= self.steps[WHOLE] else WHOLE
-        else:
-            arm = 1 - leader if self.picked % self.explore_every == 0 else leader
+        leader = self._lead()
+        arm = 1 - leader if self.picked % self.explore_every == 0 else leader
         self.pending = arm
         return arm
 
