@@ -33,11 +33,11 @@ EXPLORE_EVERY = 16
 
 #: Weight of a new step in an arm's moving averages of tokens and seconds per step (a plain mean
 #: over an arm's first 20 steps). A step's tokens vary by factors (1 on most chat steps, 8 on a
-#: copied line), so the averages are long. In a simulation of 700 steps with per-step draws shaped
-#: like the emulation's MT-Bench steps, the trial ran at 0.99 of the better arm's speed
-#: where whole trees were 15% faster, 0.94 where the choice was 20% faster, and 0.84 where the
-#: whole tree cost twice the choice per step (its first 128 steps are mostly whole trees);
-#: smoothing 0.02 or 0.1 moved these by about 1%.
+#: copied line), so the averages are long. In a simulation of 700 steps drawn like the
+#: emulation's MT-Bench steps (``benchmarks/whole_tree_trial_sim.py``), the trial ran at 0.99 of
+#: the faster arm's speed where whole trees were 15% faster, 0.94 where the choice was 25%
+#: faster, and 0.84 where the whole tree cost twice the choice per step (its first 128 steps are
+#: mostly whole trees); smoothing 0.02 or 0.1 moved these by 0.01 at most.
 SMOOTHING = 0.05
 
 #: How much faster per step the choice must measure to lead (0.2: 20%). Step for step, the arms
