@@ -75,46 +75,42 @@ def test_a_step_of_the_whole_tree_computes_no_choice() -> None:
     assert len(chosen) == 3  # the 4th, 8th and 12th steps
 
 
-def test_where_the_choice_is_plain_the_whole_tree_runs_once_it_is_measured_faster() -> None:
-    """A budget that sees wide steps as dear and drafts as weak chooses plain steps; measured,
-    the whole tree commits more per second (as where sources learn from every row), so it keeps
-    the lead, with the choice's plain step every 8th step."""
+def plain_choosing(steps: int, whole_step: tuple[int, float]) -> tuple[list[int], Budget, OneRequest]:
+    """A budget that sees wide steps as dear and drafts as weak, so its choice is a plain step,
+    with a trial (a try every 8th step), run for ``steps`` steps: a plain step commits 1 token in
+    10 ms, a whole tree of 16 nodes ``whole_step`` (tokens, seconds). Returns the nodes granted."""
     budget = Budget(16, warmup=0, cost_curve=[1.0] + [3.0] * 63)
-    budget.whole_tree = trial = WholeTreeTrial(explore_every=8, first_steps=2)
+    budget.whole_tree = WholeTreeTrial(explore_every=8, first_steps=2)
     ctl = OneRequest(budget)
     for _ in range(20):
         ctl.observe_chain(16, 0)
     budget.observe_step(1, 0.01)
     granted = []
-    for _ in range(40):
-        grant = ctl.choose(16)
-        granted.append(grant.nodes)
-        whole = grant.nodes == 16
-        budget.observe_step(17 if whole else 1, 0.012 if whole else 0.010, tokens=4 if whole else 1)
+    for _ in range(steps):
+        nodes = ctl.choose(16).nodes
+        granted.append(nodes)
+        tokens, seconds = whole_step if nodes else (1, 0.010)
+        budget.observe_step(17 if nodes else 1, seconds, tokens=tokens)
+    return granted, budget, ctl
+
+
+def test_where_the_choice_is_plain_the_whole_tree_keeps_the_lead_while_measured_faster() -> None:
+    """Measured, the whole tree commits more per second (as where sources learn from every
+    row), so it keeps the lead, with the choice's plain step every 8th step."""
+    granted, budget, ctl = plain_choosing(40, whole_step=(4, 0.012))
     assert set(granted) == {0, 16}
     assert [i for i, nodes in enumerate(granted, start=1) if nodes == 0] == [8, 16, 24, 32, 40]
-    assert trial.leading == WHOLE
+    assert budget.whole_tree.leading == WHOLE
     # without the trial the same budget stays plain
     budget.whole_tree = None
     assert ctl.choose(16).nodes == 0
 
 
 def test_where_the_whole_tree_is_measured_slower_the_choice_takes_over() -> None:
-    """The same budget on a device where the whole tree's forward costs five plain ones and
-    buys little: after the choice's first steps, its plain steps run and the whole tree is tried
-    every 8th step."""
-    budget = Budget(16, warmup=0, cost_curve=[1.0] + [3.0] * 63)
-    budget.whole_tree = trial = WholeTreeTrial(explore_every=8, first_steps=2)
-    ctl = OneRequest(budget)
-    for _ in range(20):
-        ctl.observe_chain(16, 0)
-    budget.observe_step(1, 0.01)
-    granted = []
-    for _ in range(64):
-        nodes = ctl.choose(16).nodes
-        granted.append(nodes)
-        budget.observe_step(17 if nodes else 1, 0.05 if nodes else 0.010, tokens=2 if nodes else 1)
-    assert trial.leading == CHOICE
+    """On a device where the whole tree's forward costs five plain ones and buys little: after
+    the choice's first steps, its plain steps run and the whole tree is tried every 8th step."""
+    granted, budget, _ = plain_choosing(64, whole_step=(2, 0.05))
+    assert budget.whole_tree.leading == CHOICE
     assert [i for i, nodes in enumerate(granted, start=1) if nodes == 16][-4:] == [40, 48, 56, 64]
     assert granted[16:].count(0) == 42
 
