@@ -162,3 +162,20 @@ def test_outputs_stay_greedy_whichever_arm_runs(concurrency: int) -> None:
         outputs = dec.generate_batch(prompts, max_new_tokens=24, concurrency=concurrency)
     assert [o.token_ids for o in outputs] == [reference_greedy(reference, p, 24) for p in prompts]
     assert min(trial.steps) >= 1
+
+
+def test_a_seeded_sample_is_the_plain_decoders_whichever_arm_runs() -> None:
+    """On a device every row's token is drawn with the noise of its position in the answer, so a
+    seeded sample does not depend on which trees were checked: the trial's is plain decoding's."""
+    model = copy.deepcopy(tiny_model("llama", "sdpa"))
+    sim = SimulatedDevice()
+    sim.adopt(model)
+    settings = dict(max_new_tokens=24, do_sample=True, seed=7, temperature=0.9, top_k=20)
+    with sim, sim.patched_generator():
+        dec = Decoder(model, None, max_tree_nodes=12)
+        dec.budget.warmup = 0
+        dec.budget.whole_tree = trial = WholeTreeTrial(explore_every=2, first_steps=1)
+        sampled = dec.generate(PROMPT, **settings)
+        plain = Decoder(model, None, max_tree_nodes=0).generate(PROMPT, **settings)
+    assert sampled.token_ids == plain.token_ids
+    assert min(trial.steps) >= 1 and sampled.stats.steps < len(sampled.token_ids)
