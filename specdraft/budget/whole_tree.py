@@ -67,11 +67,11 @@ class WholeTreeTrial:
         if not margin >= 0.0:
             raise ValueError(f"margin must be >= 0, got {margin!r}")
         self.explore_every = explore_every
+        self.first_steps = first_steps
+        self.smoothing = smoothing
         self.margin = float(margin)
         #: the arm that runs all steps but every ``explore_every``-th (see :meth:`_lead`)
         self.leading = WHOLE
-        self.first_steps = first_steps
-        self.smoothing = smoothing
         #: per arm (:data:`CHOICE`, :data:`WHOLE`): steps measured, and moving averages of the
         #: tokens committed and the seconds taken per step
         self.steps = [0, 0]
