@@ -16,6 +16,7 @@ import torch
 
 from .batching import BatchRequest, BatchStream, text_pieces
 from .budget import Budget, WholeTreeTrial
+from .checks import check_int
 from .engine import BatchResult, Drafter, Engine, RequestSpec
 from .engine.widths import RowWidths, exact_buckets, exact_default
 from .model.static import COMPILE_BACKEND, Buckets
@@ -399,8 +400,7 @@ class Decoder:
         """Like :meth:`generate_batch`, but iterate the result for ``(request index, new text)`` as
         tokens commit; ``.cancel(index)`` ends one request and the others go on. Every request's
         arguments are checked before anything runs."""
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
+        check_int("concurrency", concurrency, 1)
         if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence):
             raise TypeError(f"prompts must be a list of prompts (str, token ids or BatchRequest), got "
                             f"{type(prompts).__name__}; for one prompt use generate()")
@@ -429,8 +429,7 @@ class Decoder:
                                  or not -2**63 <= int(seed) < 2**64):
             raise ValueError(f"seed must be an int in [-2**63, 2**64) or None, got {seed!r}")
         prompt_ids = self._encode(prompt)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        check_int("max_new_tokens", max_new_tokens, 0)
         limit = self.runner.max_positions
         if limit is not None and len(prompt_ids) + max_new_tokens > limit:
             raise ValueError(

@@ -281,7 +281,8 @@ def test_is_a_draft_source_and_validates_arguments():
     assert FrequencyTrie(decoding_length=10).capacity == 160
     for bad in [dict(decoding_length=0), dict(branch_length=0), dict(capacity=0), dict(mode="flat"),
                 dict(prompt_weight=0.5), dict(prune_to=1.5), dict(min_nodes=0), dict(capacity=2.5),
-                dict(max_nodes=0), dict(max_nodes=2.5), dict(max_nodes=None)]:
+                dict(max_nodes=0), dict(max_nodes=2.5), dict(max_nodes=None), dict(decoding_length=True),
+                dict(branch_length=True), dict(capacity=False), dict(min_nodes=True)]:
         with pytest.raises(ValueError):
             FrequencyTrie(**bad)
 

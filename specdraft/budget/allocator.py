@@ -51,6 +51,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from ..checks import check_int
 from .acceptance import AcceptanceTracker
 from .costs import StepCosts
 from .whole_tree import WHOLE, WholeTreeTrial
@@ -91,10 +92,8 @@ class Budget:
                  cost_curve: Sequence[float] | None = None, attention_seconds: float = 0.0, warmup: int = 3,
                  opening_cost_ratio: float = 1.5, smoothing: float = 0.5, acceptance_smoothing: float = 0.3,
                  prior_smoothing: float = 0.02, drafting_share: float = 0.05) -> None:
-        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 0:
-            raise ValueError(f"max_nodes must be an int >= 0, got {max_nodes!r}")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+        check_int("max_nodes", max_nodes, 0)
+        check_int("warmup", warmup, 0)
         if not 0.0 <= drafting_share <= 1.0:
             raise ValueError(f"drafting_share must be in [0, 1] (0: drafting never pauses), got {drafting_share!r}")
         if not opening_cost_ratio >= 1.0:

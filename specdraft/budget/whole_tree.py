@@ -25,6 +25,8 @@ Either arm checks drafts only; verification is the same, so output stays exactly
 
 from __future__ import annotations
 
+from ..checks import check_int
+
 #: Steps of the choice measured before it may lead (the whole tree leads until then).
 FIRST_STEPS = 8
 
@@ -58,10 +60,8 @@ class WholeTreeTrial:
 
     def __init__(self, explore_every: int = EXPLORE_EVERY, first_steps: int = FIRST_STEPS,
                  smoothing: float = SMOOTHING, margin: float = MARGIN) -> None:
-        if isinstance(explore_every, bool) or not isinstance(explore_every, int) or explore_every < 2:
-            raise ValueError(f"explore_every must be an int >= 2, got {explore_every!r}")
-        if isinstance(first_steps, bool) or not isinstance(first_steps, int) or first_steps < 1:
-            raise ValueError(f"first_steps must be an int >= 1, got {first_steps!r}")
+        check_int("explore_every", explore_every, 2)
+        check_int("first_steps", first_steps, 1)
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing!r}")
         if not margin >= 0.0:

@@ -89,6 +89,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..checks import check_int
 from .base import Context, Draft, Feedback, SourceBase
 from .suffix_trie import SuffixDraft, SuffixTrie
 
@@ -135,8 +136,7 @@ class SuffixTree(SourceBase[_Request]):
                  max_spec_tokens: int | None = None, max_cached_requests: int = 1000,
                  max_spec_offset: float = 0.0, tree: bool = True, name: str = "suffix") -> None:
         super().__init__()
-        if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 2:
-            raise ValueError(f"max_depth must be an int >= 2 (one matched token plus one drafted), got {max_depth!r}")
+        check_int("max_depth", max_depth, 2, " (one matched token plus one drafted)")
         if not (isinstance(max_spec_factor, (int, float)) and math.isfinite(max_spec_factor) and max_spec_factor > 0):
             raise ValueError(f"max_spec_factor must be a finite number > 0, got {max_spec_factor!r}")
         if not (isinstance(max_spec_offset, (int, float)) and math.isfinite(max_spec_offset)):
@@ -144,10 +144,8 @@ class SuffixTree(SourceBase[_Request]):
         if not (isinstance(min_token_prob, (int, float)) and 0.0 <= min_token_prob <= 1.0):
             raise ValueError(f"min_token_prob must be a number in [0, 1], got {min_token_prob!r}")
         max_spec_tokens = max_depth if max_spec_tokens is None else max_spec_tokens
-        if isinstance(max_spec_tokens, bool) or not isinstance(max_spec_tokens, int) or max_spec_tokens < 1:
-            raise ValueError(f"max_spec_tokens must be an int >= 1 (or None for max_depth), got {max_spec_tokens!r}")
-        if isinstance(max_cached_requests, bool) or not isinstance(max_cached_requests, int) or max_cached_requests < 0:
-            raise ValueError(f"max_cached_requests must be an int >= 0 (0: no global tree), got {max_cached_requests!r}")
+        check_int("max_spec_tokens", max_spec_tokens, 1, " (or None for max_depth)")
+        check_int("max_cached_requests", max_cached_requests, 0, " (0: no global tree)")
         if not isinstance(tree, bool):
             raise ValueError(f"tree must be True (draft trees) or False (single paths), got {tree!r}")
         self.max_depth = max_depth

@@ -45,6 +45,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+from ..checks import check_int
+
 __all__ = ["SuffixDraft", "SuffixTrie"]
 
 _ROOT = 0
@@ -83,8 +85,7 @@ class SuffixTrie:
     """
 
     def __init__(self, max_depth: int) -> None:
-        if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 1:
-            raise ValueError(f"max_depth must be an int >= 1, got {max_depth!r}")
+        check_int("max_depth", max_depth, 1)
         self.max_depth = max_depth
         self._count: list[int] = [0]
         self._children: list[dict[int, int] | None] = [None]

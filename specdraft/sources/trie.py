@@ -111,6 +111,7 @@ from typing import Sequence
 
 import pygtrie
 
+from ..checks import check_int
 from .base import Context, Draft, Feedback
 from .trie_select import branches as _branches
 from .trie_select import retrieve as _retrieve
@@ -204,21 +205,16 @@ class FrequencyTrie:
                  prompt_weight: float = 10_000, min_nodes: int | None = None, mode: str = HIERARCHICAL,
                  prune_to: float = 0.9, insert_prompt: bool = True, insert_output: bool = True,
                  eliminate: bool = True, name: str = "trie", max_nodes: int = DEFAULT_MAX_NODES) -> None:
-        if not isinstance(decoding_length, int) or decoding_length < 1:
-            raise ValueError(f"decoding_length must be an int >= 1, got {decoding_length!r}")
-        if not isinstance(branch_length, int) or branch_length < 1:
-            raise ValueError(f"branch_length must be an int >= 1, got {branch_length!r}")
+        check_int("decoding_length", decoding_length, 1)
+        check_int("branch_length", branch_length, 1)
         capacity = 16 * decoding_length if capacity is None else capacity
-        if not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity must be an int >= 1 (or None for 16 x decoding_length), got {capacity!r}")
-        if not isinstance(max_nodes, int) or max_nodes < 1:
-            raise ValueError(f"max_nodes must be an int >= 1, got {max_nodes!r}")
+        check_int("capacity", capacity, 1, " (or None for 16 x decoding_length)")
+        check_int("max_nodes", max_nodes, 1)
         if (isinstance(prompt_weight, bool) or not isinstance(prompt_weight, numbers.Real)
                 or not (prompt_weight >= 1 and math.isfinite(prompt_weight))):
             raise ValueError(f"prompt_weight must be a finite number >= 1, got {prompt_weight!r}")
         min_nodes = branch_length if min_nodes is None else min_nodes
-        if not isinstance(min_nodes, int) or min_nodes < 1:
-            raise ValueError(f"min_nodes must be an int >= 1, got {min_nodes!r}")
+        check_int("min_nodes", min_nodes, 1)
         if mode not in (HIERARCHICAL, PARALLEL):
             raise ValueError(f"mode must be {HIERARCHICAL!r} or {PARALLEL!r}, got {mode!r}")
         if isinstance(prune_to, bool) or not isinstance(prune_to, numbers.Real) or not 0.0 <= prune_to <= 1.0:
