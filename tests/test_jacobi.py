@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from specdraft import Decoder, PromptLookup
 from specdraft.engine.layout import tree_rows
-from specdraft.sources import Context, DraftSource, Feedback, JacobiLookahead
+from specdraft.sources import Context, DraftSource, Feedback, FrequencyTrie, JacobiLookahead, MultiLevelNGram
 from specdraft.sources.jacobi import NGramPool, window_side_block
 from specdraft.tree import TokenTree
 
@@ -384,18 +384,6 @@ def test_greedy_identity_alone(case) -> None:
         assert out.stats.per_source["jacobi"].proposed >= 0
 
 
-def _other_sources():
-    """The colleagues' sources, when present in this checkout."""
-    import specdraft.sources as sources
-
-    out = []
-    for name in ("FrequencyTrie", "MultiLevelNGram"):
-        cls = getattr(sources, name, None)
-        if cls is not None:
-            out.append(cls())
-    return out
-
-
 @FAST
 @given(data=st.data())
 def test_greedy_identity_mixed(data) -> None:
@@ -414,7 +402,7 @@ def test_greedy_identity_mixed(data) -> None:
     ref = reference_greedy(model, prompt, n)
     others = [PromptLookup(), RandomGuess(seed=data.draw(st.integers(0, 99))),
               SideBlockToy(seed=3, mode="forest", branches=True), OracleSource(prompt + ref, decoy=True)]
-    others += _other_sources()
+    others += [FrequencyTrie(), MultiLevelNGram()]
     chosen = data.draw(st.lists(st.sampled_from(range(len(others))), unique=True, max_size=3))
     sources = [jac] + [others[k] for k in chosen]
     order = data.draw(st.permutations(range(len(sources))))
@@ -426,9 +414,7 @@ def test_greedy_identity_mixed(data) -> None:
 
 
 def test_greedy_identity_with_the_other_library_sources() -> None:
-    others = _other_sources()
-    if not others:
-        pytest.skip("FrequencyTrie / MultiLevelNGram are not in this checkout yet")
+    others = [FrequencyTrie(), MultiLevelNGram()]
     model = tiny_model("llama")
     prompt = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
     ref = reference_greedy(model, prompt, 30)
