@@ -37,9 +37,9 @@ EXPLORE_EVERY = 16
 #: One step in this many runs the choice until it has :data:`FIRST_STEPS` steps, so that a device
 #: where whole trees are dear hands the lead over after 32 steps rather than 128. In the
 #: simulation of ``benchmarks/whole_tree_trial_sim.py`` over 200 steps (a few answers;
-#: ``--steps 200 --runs 200``, against ``--first-explore-every 16``), this took the trial from 0.68 to 0.88 of the faster arm where
-#: whole trees cost twice the choice and from 0.85 to 0.94 where the choice was 25% faster, for
-#: 1.00 to 0.99 where whole trees were 15% faster.
+#: ``--steps 200 --runs 200``, against ``--first-explore-every 16``), this took the trial from
+#: 0.68 to 0.88 of the faster arm where whole trees cost twice the choice and from 0.85 to 0.94
+#: where the choice was 25% faster, for 1.00 to 0.99 where whole trees were 15% faster.
 FIRST_EXPLORE_EVERY = 4
 
 #: Weight of a new step in an arm's moving averages of tokens and seconds per step (a plain mean
