@@ -161,8 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="another method: the default decoder with these sources (repeatable); a NAME "
                              "with @fixed runs it with a fixed budget, with @nofill without the budget's padding "
                              "fill, with @nopause without drafting pauses, with @notrial without the budget's whole-tree "
-                             "trial (a GPU's, on with --buckets), with @sparsestart with that trial trying the choice's "
-                             "first steps as rarely as its later ones, with @<N>n at max_tree_nodes=N")
+                             "trial (a GPU's, on with --buckets), with @<N>n at max_tree_nodes=N")
     parser.add_argument("--hide", action="store_true",
                         help="the accelerator's order: host work the read does not need runs behind the forward "
                              "and counts as free up to the forward's time; adds the method default-nolag (drafting "
@@ -223,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from specdraft import Decoder
     from specdraft.bench.datasets import load_prompts
-    from specdraft.budget.whole_tree import EXPLORE_EVERY, FIRST_EXPLORE_EVERY, WholeTreeTrial
+    from specdraft.budget.whole_tree import WholeTreeTrial
     from specdraft.model.static import Buckets
     from specdraft.models import load_model
     from specdraft.sources.registry import make_sources
@@ -279,9 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                 dec.runner.use_static(args.buckets, capture=False)
                 dec.engine.padding = Buckets(args.buckets)
                 # as on a GPU, the budget weighs its choice against the whole tree (not with @notrial)
-                # (@sparsestart: its choice's first steps every EXPLORE_EVERY-th, not FIRST_EXPLORE_EVERY-th)
-                trial = WholeTreeTrial(first_explore_every=EXPLORE_EVERY if "@sparsestart" in name else FIRST_EXPLORE_EVERY)
-                dec.budget.whole_tree = trial if "@notrial" not in name else None
+                dec.budget.whole_tree = WholeTreeTrial() if "@notrial" not in name else None
             dec.generate(prompts[0][:64], max_new_tokens=8)  # warm: kernels chosen, budget priced
         rows = []
         for index, prompt in enumerate(prompts):

@@ -9,7 +9,6 @@ choice 1.26 in 5.56 ms. The simulation has no sources, so it cannot show what wh
 Token Recycling; it shows only how the trial's averages and schedule cope with noisy steps.
 
     python benchmarks/whole_tree_trial_sim.py [--steps 700] [--runs 100] [--smoothing 0.05]
-        [--first-explore-every 4]   (16: the choice's first steps as rare as its later ones)
 """
 
 from __future__ import annotations
@@ -67,11 +66,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=700)
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--smoothing", type=float, default=None)
-    parser.add_argument("--first-explore-every", type=int, default=None)
     args = parser.parse_args()
     options = {} if args.smoothing is None else {"smoothing": args.smoothing}
-    if args.first_explore_every is not None:
-        options["first_explore_every"] = args.first_explore_every
     for name, case in CASES.items():
         best = max(speed(case[WHOLE]), speed(case[CHOICE]))
         mean = statistics.mean(simulate(case, args.steps, seed, **options) for seed in range(args.runs))

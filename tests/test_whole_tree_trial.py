@@ -30,11 +30,10 @@ def run(trial: WholeTreeTrial, steps: int, measure) -> list[int]:
 
 
 def test_the_whole_tree_leads_and_the_choice_is_tried_every_nth_step() -> None:
-    trial = WholeTreeTrial(explore_every=8, first_steps=3, first_explore_every=2)
+    trial = WholeTreeTrial(explore_every=8, first_steps=3)
     speeds = {CHOICE: (1, 0.010), WHOLE: (3, 0.012)}  # 100 against 250 tokens per second
     arms = run(trial, 64, lambda arm, step: speeds[arm])
-    # every 2nd step until the choice has its first 3, then every 8th
-    assert [i for i, arm in enumerate(arms, start=1) if arm == CHOICE] == [2, 4, 6, *range(8, 65, 8)]
+    assert [i for i, arm in enumerate(arms, start=1) if arm == CHOICE] == list(range(8, 65, 8))
     assert trial.speed(WHOLE) == pytest.approx(250) and trial.speed(CHOICE) == pytest.approx(100)
 
 
@@ -78,7 +77,7 @@ def test_a_step_of_the_whole_tree_computes_no_choice() -> None:
 
 def plain_choosing(steps: int, whole_step: tuple[int, float]) -> tuple[list[int], Budget, OneRequest]:
     """A budget that sees wide steps as dear and drafts as weak, so its choice is a plain step,
-    with a trial (a try every 8th step, every 4th for its first 2), run for ``steps`` steps: a plain step commits 1 token in
+    with a trial (a try every 8th step), run for ``steps`` steps: a plain step commits 1 token in
     10 ms, a whole tree of 16 nodes ``whole_step`` (tokens, seconds). Returns the nodes granted."""
     budget = Budget(16, warmup=0, cost_curve=[1.0] + [3.0] * 63)
     budget.whole_tree = WholeTreeTrial(explore_every=8, first_steps=2)
@@ -97,11 +96,10 @@ def plain_choosing(steps: int, whole_step: tuple[int, float]) -> tuple[list[int]
 
 def test_where_the_choice_is_plain_the_whole_tree_keeps_the_lead_while_measured_faster() -> None:
     """Measured, the whole tree commits more per second (as where sources learn from every
-    row), so it keeps the lead, with the choice's plain step every 4th step until it has 2,
-    then every 8th."""
+    row), so it keeps the lead, with the choice's plain step every 8th step."""
     granted, budget, ctl = plain_choosing(40, whole_step=(4, 0.012))
     assert set(granted) == {0, 16}
-    assert [i for i, nodes in enumerate(granted, start=1) if nodes == 0] == [4, 8, 16, 24, 32, 40]
+    assert [i for i, nodes in enumerate(granted, start=1) if nodes == 0] == [8, 16, 24, 32, 40]
     assert budget.whole_tree.leading == WHOLE
     # without the trial the same budget stays plain
     budget.whole_tree = None
@@ -129,7 +127,7 @@ def test_a_step_the_budget_does_not_price_leaves_the_trial_untouched() -> None:
     assert trial.steps == [0, 0]
 
 
-@pytest.mark.parametrize("bad", [dict(explore_every=1), dict(explore_every=True), dict(first_explore_every=1), dict(first_steps=0),
+@pytest.mark.parametrize("bad", [dict(explore_every=1), dict(explore_every=True), dict(first_steps=0),
                                  dict(smoothing=0.0), dict(smoothing=1.5)])
 def test_bad_parameters_raise(bad) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):

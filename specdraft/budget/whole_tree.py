@@ -12,10 +12,9 @@ measured rather than assumed.
 Every step the budget judges runs one of two *arms*: the allocator's choice or the whole tree
 (each request's full tree, within the row limit). Each arm keeps moving averages of the tokens a
 step of it commits and the seconds it takes; their ratio is the arm's speed. The whole tree
-leads: it runs every step but every :data:`EXPLORE_EVERY`-th (every :data:`FIRST_EXPLORE_EVERY`-th
-until the choice has its first :data:`FIRST_STEPS`), which runs the choice. Once the choice has
-those steps and is measured faster by more than :data:`MARGIN`, it leads instead, until the
-whole tree is measured faster again. The arm is
+leads: it runs every step but every :data:`EXPLORE_EVERY`-th, which runs the choice. Once the
+choice has :data:`FIRST_STEPS` steps and is measured faster by more than :data:`MARGIN`, it
+leads instead, until the whole tree is measured faster again. The arm is
 drawn by this schedule alone, whatever the step's drafts, so each arm's steps are a fair sample
 of all steps (a step where the two would grant the same trees counts for the arm that ran it);
 and a step the whole tree runs needs no choice computed, so its host work on the critical path
@@ -34,20 +33,12 @@ FIRST_STEPS = 8
 #: One step in this many runs the arm that is not leading.
 EXPLORE_EVERY = 16
 
-#: One step in this many runs the choice until it has :data:`FIRST_STEPS` steps, so that a device
-#: where whole trees are dear hands the lead over after 32 steps rather than 128. In the
-#: simulation of ``benchmarks/whole_tree_trial_sim.py`` over 200 steps (a few answers;
-#: ``--steps 200 --runs 200``, against ``--first-explore-every 16``), this took the trial from
-#: 0.68 to 0.88 of the faster arm where whole trees cost twice the choice and from 0.85 to 0.94
-#: where the choice was 25% faster, for 1.00 to 0.99 where whole trees were 15% faster.
-FIRST_EXPLORE_EVERY = 4
-
 #: Weight of a new step in an arm's moving averages of tokens and seconds per step (a plain mean
 #: over an arm's first 20 steps). A step's tokens vary by factors (1 on most chat steps, 8 on a
 #: copied line), so the averages are long. In a simulation of 700 steps drawn like the
 #: emulation's MT-Bench steps (``benchmarks/whole_tree_trial_sim.py``), the trial ran at 0.99 of
-#: the faster arm's speed where whole trees were 15% faster, 0.97 where the choice was 25%
-#: faster, and 0.93 where the whole tree cost twice the choice per step (its first 32 steps are
+#: the faster arm's speed where whole trees were 15% faster, 0.94 where the choice was 25%
+#: faster, and 0.84 where the whole tree cost twice the choice per step (its first 128 steps are
 #: mostly whole trees); smoothing 0.02 or 0.1 moved these by 0.01 at most.
 SMOOTHING = 0.05
 
@@ -68,22 +59,18 @@ class WholeTreeTrial:
     budget: it carries from request to request, as the budget's costs do."""
 
     def __init__(self, explore_every: int = EXPLORE_EVERY, first_steps: int = FIRST_STEPS,
-                 smoothing: float = SMOOTHING, margin: float = MARGIN,
-                 first_explore_every: int = FIRST_EXPLORE_EVERY) -> None:
+                 smoothing: float = SMOOTHING, margin: float = MARGIN) -> None:
         check_int("explore_every", explore_every, 2)
-        check_int("first_explore_every", first_explore_every, 2)
         check_int("first_steps", first_steps, 1)
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing!r}")
         if not margin >= 0.0:
             raise ValueError(f"margin must be >= 0, got {margin!r}")
         self.explore_every = explore_every
-        self.first_explore_every = first_explore_every
         self.first_steps = first_steps
         self.smoothing = smoothing
         self.margin = float(margin)
-        #: the arm that runs all steps but every ``explore_every``-th (``first_explore_every``-th
-        #: until the choice has ``first_steps``; see :meth:`_lead`)
+        #: the arm that runs all steps but every ``explore_every``-th (see :meth:`_lead`)
         self.leading = WHOLE
         #: per arm (:data:`CHOICE`, :data:`WHOLE`): steps measured, and moving averages of the
         #: tokens committed and the seconds taken per step
@@ -116,8 +103,7 @@ class WholeTreeTrial:
         """The arm of the next step."""
         self.picked += 1
         leader = self._lead()
-        every = self.explore_every if self.steps[CHOICE] >= self.first_steps else self.first_explore_every
-        arm = 1 - leader if self.picked % every == 0 else leader
+        arm = 1 - leader if self.picked % self.explore_every == 0 else leader
         self.pending = arm
         return arm
 
