@@ -30,7 +30,12 @@ from ..checks import check_int
 #: Steps of the choice measured before it may lead (the whole tree leads until then).
 FIRST_STEPS = 8
 
-#: One step in this many runs the arm that is not leading.
+#: One step in this many runs the arm that is not leading. Trying the choice more often until it
+#: has its first steps (every 4th) would let a device where whole trees are dear hand the lead
+#: over after 32 steps instead of 128; but in the GPU emulation, where whole trees win, it cost
+#: a decoder's first prompt 13% on MT-Bench and 10% on HumanEval, with the later prompts' medians
+#: within 3% (``benchmarks/results/gpu-emulation-2026-11-27-eaef319``). Both are one-off costs
+#: at a decoder's start, so the schedule favours the devices measured so far.
 EXPLORE_EVERY = 16
 
 #: Weight of a new step in an arm's moving averages of tokens and seconds per step (a plain mean
