@@ -35,16 +35,16 @@ SOURCES = ["prompt", "trie", "ngram", "suffix", "recycle[template=tr80]"]
 
 
 def warm_from_prompt(recycling, model: torch.nn.Module, ids: list[int]) -> None:
-    """Give every prompt token's row the top-k that follows it in the prompt."""
+    """Give every prompt token's row the top-k that follows it in the prompt, through the
+    source's own update (the last row of a token wins); the rows belong to no request, so no
+    request can take them back."""
+    from specdraft.sources import Context, Feedback
+
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0]
-    top = torch.topk(logits, recycling.k, dim=-1).indices.numpy().astype(np.int32)
-    rows = np.asarray(ids)
-    unique, first_reversed = np.unique(rows[::-1], return_index=True)
-    last = rows.shape[0] - 1 - first_reversed
-    recycling._grow(int(max(rows.max(), top.max())) + 1)
-    recycling._matrix[unique] = top[last]
-    recycling._writer[unique] = 0  # written outside any request
+    top = torch.topk(logits, recycling.k, dim=-1).indices.numpy()
+    recycling.observe(Feedback(committed=[], context=Context(ids, len(ids), request_id=-1),
+                               top_ids=top, row_tokens=np.asarray(ids)))
 
 
 def main() -> None:
