@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import RandomGuess, reference_greedy
+from conftest import OracleSource, RandomGuess, reference_greedy
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from specdraft import Decoder
 from specdraft.budget import Budget
+from specdraft.budget.whole_tree import CHOICE, WHOLE, WholeTreeTrial
 from specdraft.engine.pause import MAX_PAUSE, DraftPause
 
 SHARE = 0.05  # the budget's default drafting_share
@@ -208,3 +209,39 @@ def test_pauses_on_the_simulated_device_read_once_per_step_and_stay_exact():
     assert out.token_ids == reference
     assert out.stats.skipped_drafts > 0
     assert sim.counts.syncs == out.stats.steps, sim.counts.log
+
+
+class DearOneToken(OracleSource):
+    """The true next token (one, whatever the budget), each draft costing ``seconds`` on ``clock``."""
+
+    def __init__(self, sequence, clock: SimulatedClock, seconds: float) -> None:
+        super().__init__(sequence, name="dear-one")
+        self.clock, self.seconds = clock, seconds
+
+    def propose(self, context: Context, budget: int) -> Draft:
+        if budget > 0:
+            self.clock.now += self.seconds
+        return super().propose(context, min(budget, 1))
+
+
+@pytest.mark.parametrize("learns_from_explored", [False, True])
+def test_steps_the_whole_tree_trial_explores_teach_the_pause_nothing(monkeypatch, learns_from_explored):
+    """The trial runs its arm that is not leading on some steps only to measure it: there the
+    choice (a plain step here) checks nothing, which says nothing of what the drafts buy. Every
+    whole tree commits its one draft token, which pays for the draft; a pause that counted the
+    explored steps' nothing would see half a token per draft and pause."""
+    clock = SimulatedClock()
+    model = _model_on(clock, 0.004)
+    new = 48
+    sequence = PROMPTS[0] + reference_greedy(model, PROMPTS[0], new)
+    dec = Decoder(model, sources=[DearOneToken(sequence, clock, 0.004)], max_tree_nodes=16, cpu_kernels="stock")
+    dec.clock = clock
+    dec.budget.warmup = 0
+    dec.budget.whole_tree = trial = WholeTreeTrial(explore_every=2, first_steps=10**6)  # the whole tree leads
+    monkeypatch.setattr(dec.budget, "_best_prefix", lambda asks, offered, limit=None: [0] * len(asks))
+    if learns_from_explored:
+        monkeypatch.setattr(type(dec.budget), "exploring", property(lambda self: False))
+    out = dec.generate(PROMPTS[0], max_new_tokens=new)
+    assert out.token_ids == sequence[len(PROMPTS[0]):]
+    assert trial.steps[CHOICE] > 5 and trial.leading == WHOLE
+    assert (out.stats.skipped_drafts > 0) == learns_from_explored

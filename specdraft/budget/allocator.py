@@ -154,6 +154,12 @@ class Budget:
         return self.adaptive and self.max_nodes > 0 and self.steps >= self.warmup and self.costs.known
 
     @property
+    def exploring(self) -> bool:
+        """Whether the last :meth:`allocate` ran the whole-tree trial's arm that is not leading: a
+        drafting pause does not learn from such a step (:mod:`specdraft.engine.pause`)."""
+        return self.whole_tree is not None and self.whole_tree.exploring
+
+    @property
     def row_limit(self) -> int | None:
         """The most rows a step's forward may have: the widest of the widths forwards run at
         (:attr:`~specdraft.engine.widths.Widths.widest`; a wider one runs eagerly on a GPU, or

@@ -112,6 +112,12 @@ class WholeTreeTrial:
         self.pending = arm
         return arm
 
+    @property
+    def exploring(self) -> bool:
+        """Whether the step in flight runs the arm that is not leading (a measurement of that arm:
+        what its drafts commit says nothing of what the leader's would)."""
+        return self.pending is not None and self.pending != self.leading
+
     def observe(self, tokens: int, seconds: float) -> None:
         """The step in flight committed ``tokens`` in ``seconds``: its arm learns it."""
         arm, self.pending = self.pending, None

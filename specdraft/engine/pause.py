@@ -16,7 +16,10 @@ its next steps, which run as plain steps. The pause doubles with each such draft
 ``drafting_share`` of a plain step's time (5% by default; 0 never pauses); a draft that brings
 the average back up ends it. The average starts at one token and moves by :data:`SMOOTHING` per
 drafted step, so a request pauses only after a run of drafts that bought nothing, and a hit
-after a pause counts at once. Where drafting is cheap next to a step (a CPU) the longest pause
+after a pause counts at once. A step on which the budget's whole-tree trial measures its arm that
+is not leading (:mod:`specdraft.budget.whole_tree`) does not count: there the drafts were checked
+by a rule the request does not follow (where the whole tree leads, the choice often checks none),
+so it says nothing of what they buy. Where drafting is cheap next to a step (a CPU) the longest pause
 is 0 and nothing changes; where it is dear (a GPU) a request that stops finding drafts still
 looks every few steps.
 

@@ -83,6 +83,9 @@ class PendingStep:
     drafted: bool = True
     #: its drafts were made behind the last forward (:class:`LaggedDrafts`)
     lagged: bool = False
+    #: the budget's whole-tree trial measured its arm that is not leading with this step
+    #: (the request's drafting pause does not learn from it)
+    exploring: bool = False
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def settle(engine: Parts, request: LiveRequest, logits: torch.Tensor, readback: 
         acceptance = engine.budget.acceptance
         acceptance.count_step(request.acceptance, step.full, start)
         _now_or_later(later, partial(acceptance.walk, request.acceptance, request.committed))
-        if step.drafted:
+        if step.drafted and not step.exploring:
             budget = engine.budget
             request.pause.settled(len(tokens) - 1, budget.costs.seconds(1) if budget.chooses else None,
                                   budget.drafting_share, hidden=step.lagged)

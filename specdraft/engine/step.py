@@ -176,7 +176,8 @@ class Step:
             if len(rows.tokens) > region.free:  # side blocks too wide for the region: they stay out
                 rows = tree_rows(tree, [None] * len(sides))
             request.step = PendingStep("tree", tree, proposal.full, proposal.drafts, rows.side_slices,
-                                       len(rows.tokens), drafted=proposal.drafted, lagged=proposal.lagged)
+                                       len(rows.tokens), drafted=proposal.drafted, lagged=proposal.lagged,
+                                       exploring=self.engine.budget.exploring)
             m.segment = Segment(region, rows.tokens, rows.offsets + region.length, rows.block, range(len(rows.tokens)))
             if request.penalty is not None and request.batched:
                 m.rider_index = len(riders)
