@@ -46,6 +46,8 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from specdraft.budget.whole_tree import WholeTreeTrial  # noqa: E402  (after the path: runs from a checkout)
+
 METHODS = ("plain", "no-pause", "default")
 
 
@@ -161,7 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="another method: the default decoder with these sources (repeatable); a NAME "
                              "with @fixed runs it with a fixed budget, with @nofill without the budget's padding "
                              "fill, with @nopause without drafting pauses, with @notrial without the budget's whole-tree "
-                             "trial (a GPU's, on with --buckets), with @<N>n at max_tree_nodes=N")
+                             "trial (a GPU's, on with --buckets), with @pauselearnsexplored with a trial whose explored steps "
+                             "teach the drafting pause too, with @<N>n at max_tree_nodes=N")
     parser.add_argument("--hide", action="store_true",
                         help="the accelerator's order: host work the read does not need runs behind the forward "
                              "and counts as free up to the forward's time; adds the method default-nolag (drafting "
@@ -195,6 +198,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+class ExploredStepsTeachPauses(WholeTreeTrial):
+    """For comparison: a trial whose steps of the arm that is not leading count for the drafting
+    pause like any other (the library's pause skips them, :mod:`specdraft.engine.pause`)."""
+
+    @property
+    def exploring(self) -> bool:
+        return False
+
+
 def _suffix_nodes(name: str, default: int) -> int:
     """``max_tree_nodes`` of an ``--extra`` method: a ``@<N>n`` suffix of its name, else ``default``."""
     sizes = [int(part[:-1]) for part in name.split("@")[1:] if part.endswith("n") and part[:-1].isdigit()]
@@ -222,7 +234,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from specdraft import Decoder
     from specdraft.bench.datasets import load_prompts
-    from specdraft.budget.whole_tree import WholeTreeTrial
     from specdraft.model.static import Buckets
     from specdraft.models import load_model
     from specdraft.sources.registry import make_sources
@@ -278,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                 dec.runner.use_static(args.buckets, capture=False)
                 dec.engine.padding = Buckets(args.buckets)
                 # as on a GPU, the budget weighs its choice against the whole tree (not with @notrial)
-                dec.budget.whole_tree = WholeTreeTrial() if "@notrial" not in name else None
+                dec.budget.whole_tree = (None if "@notrial" in name else
+                                         ExploredStepsTeachPauses() if "@pauselearnsexplored" in name else WholeTreeTrial())
             dec.generate(prompts[0][:64], max_new_tokens=8)  # warm: kernels chosen, budget priced
         rows = []
         for index, prompt in enumerate(prompts):
