@@ -163,8 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="another method: the default decoder with these sources (repeatable); a NAME "
                              "with @fixed runs it with a fixed budget, with @nofill without the budget's padding "
                              "fill, with @nopause without drafting pauses, with @notrial without the budget's whole-tree "
-                             "trial (a GPU's, on with --buckets), with @pauselearnsexplored with a trial whose explored steps "
-                             "teach the drafting pause too, with @<N>n at max_tree_nodes=N")
+                             "trial (a GPU's, on with --buckets), with @pauselearnsexplored with a trial whose "
+                             "explored steps teach the drafting pause too, with @<N>n at max_tree_nodes=N")
     parser.add_argument("--hide", action="store_true",
                         help="the accelerator's order: host work the read does not need runs behind the forward "
                              "and counts as free up to the forward's time; adds the method default-nolag (drafting "
@@ -289,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                 dec.runner.use_static(args.buckets, capture=False)
                 dec.engine.padding = Buckets(args.buckets)
                 # as on a GPU, the budget weighs its choice against the whole tree (not with @notrial)
-                dec.budget.whole_tree = (None if "@notrial" in name else
-                                         ExploredStepsTeachPauses() if "@pauselearnsexplored" in name else WholeTreeTrial())
+                trial = ExploredStepsTeachPauses if "@pauselearnsexplored" in name else WholeTreeTrial
+                dec.budget.whole_tree = None if "@notrial" in name else trial()
             dec.generate(prompts[0][:64], max_new_tokens=8)  # warm: kernels chosen, budget priced
         rows = []
         for index, prompt in enumerate(prompts):

@@ -19,9 +19,9 @@ drafted step, so a request pauses only after a run of drafts that bought nothing
 after a pause counts at once. A step on which the budget's whole-tree trial measures its arm that
 is not leading (:mod:`specdraft.budget.whole_tree`) does not count: there the drafts were checked
 by a rule the request does not follow (where the whole tree leads, the choice often checks none),
-so it says nothing of what they buy. Where drafting is cheap next to a step (a CPU) the longest pause
-is 0 and nothing changes; where it is dear (a GPU) a request that stops finding drafts still
-looks every few steps.
+so it says nothing of what they buy. Where drafting is cheap next to a step (a CPU) the longest
+pause is 0 and nothing changes; where it is dear (a GPU) a request that stops finding drafts
+still looks every few steps.
 
 On an accelerator a pause's steps still draft, but behind the forward: while the device computes
 step t, every source drafts from the context before step t's tokens, and step t + 1 checks the
