@@ -322,17 +322,12 @@ _PROBE_LOCK = threading.Lock()
 
 def _probe(entries: tuple, dtype: torch.dtype, max_rows: int, rows_per_width: int, wide: tuple[int, ...],
            threads: int) -> RowRule:
-    key = (tuple((shape, kernel) for shape, kernel, _ in entries), dtype, max_rows, rows_per_width, wide, threads)
-    with _PROBE_LOCK:
-        cached = _RULES.get(key)
-    if cached is not None:
-        return cached
     widths = tuple(range(1, max_rows + 1))
     per_shape = []
     common = set(widths)
     wider = True
-    for shape, _, layer in entries:
-        classes = width_classes(layer, shape[0], dtype, widths + wide, rows_per_width)
+    for shape, kernel, layer in entries:
+        classes = _classes(shape, kernel, layer, dtype, widths + wide, rows_per_width, threads)
         agree_all = agreeing_widths(classes, anchor=max_rows)
         agree = tuple(w for w in agree_all if w <= max_rows)
         wider = wider and set(wide) <= set(agree_all)
@@ -342,13 +337,25 @@ def _probe(entries: tuple, dtype: torch.dtype, max_rows: int, rows_per_width: in
                                  "no padding width makes it row-count invariant")
         per_shape.append((shape, agree))
         common &= set(agree)
-    rule = RowRule(tuple(sorted(common)), tuple(per_shape), wider)
+    return RowRule(tuple(sorted(common)), tuple(per_shape), wider)
+
+
+def _classes(shape: tuple[int, int], kernel: str, layer: nn.Module, dtype: torch.dtype, widths: tuple[int, ...],
+             rows_per_width: int, threads: int) -> list[list[int]]:
+    """:func:`width_classes` of one kind of layer, remembered for the process: a layer's classes
+    depend on its kernel (shape, kernel, dtype, device, threads), not on its weights, and models
+    that share a kind (a norm swapped, a layer packed) need it probed once."""
+    key = (shape, kernel, str(_device_of(layer)), dtype, widths, rows_per_width, threads)
     with _PROBE_LOCK:
-        _RULES[key] = rule
-    return rule
+        cached = _CLASSES.get(key)
+    if cached is None:
+        cached = width_classes(layer, shape[0], dtype, widths, rows_per_width)
+        with _PROBE_LOCK:
+            _CLASSES[key] = cached
+    return cached
 
 
-_RULES: dict[tuple, RowRule] = {}
+_CLASSES: dict[tuple, list[list[int]]] = {}
 
 
 #: Version of the cache files' content (a new one probes again; 2: normalization layers probed too).
