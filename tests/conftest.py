@@ -33,9 +33,19 @@ from hypothesis import HealthCheck, settings
 # remains for modules that want to be explicit).
 torch.set_num_threads(1)
 
-# Kernel-cost measurements (``cpu_kernels="auto"``, specdraft.kernels.kernel_costs) are cached in the user's
-# cache directory; the tests' go to a directory of their own, gone with the machine's temp files.
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="specdraft-tests-cache-")
+# Kernel-cost measurements (``cpu_kernels="auto"``, specdraft.kernels.kernel_costs) and exact mode's
+# row probes (a model shape's in bfloat16 takes about 15 s) are cached in the user's cache directory;
+# the tests' go to a directory of their own, gone with the machine's temp files. The processes of
+# one run (pytest-xdist's workers, and the subprocesses they start, which inherit it) share it, so
+# each shape is probed once per run; cache files are written whole, through a rename.
+if "SPECDRAFT_TEST_RUN_CACHE" not in os.environ:  # (a test's subprocess inherits its process's)
+    _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if _RUN:
+        os.environ["SPECDRAFT_TEST_RUN_CACHE"] = os.path.join(tempfile.gettempdir(), f"specdraft-tests-cache-{_RUN}")
+        os.makedirs(os.environ["SPECDRAFT_TEST_RUN_CACHE"], exist_ok=True)
+    else:
+        os.environ["SPECDRAFT_TEST_RUN_CACHE"] = tempfile.mkdtemp(prefix="specdraft-tests-cache-")
+os.environ["XDG_CACHE_HOME"] = os.environ["SPECDRAFT_TEST_RUN_CACHE"]
 
 from specdraft.budget import Budget, Grant
 from specdraft.sources import Context, Draft, Feedback, SideBlock
