@@ -39,16 +39,21 @@ torch.set_num_threads(1)
 # one run (pytest-xdist's workers, and the subprocesses they start, which inherit it) share it, so
 # each shape is probed once per run; cache files are written whole, through a rename.
 if "SPECDRAFT_TEST_RUN_CACHE" not in os.environ:  # (a test's subprocess inherits its process's)
-    _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if _RUN:
-        os.environ["SPECDRAFT_TEST_RUN_CACHE"] = os.path.join(tempfile.gettempdir(), f"specdraft-tests-cache-{_RUN}")
-        os.makedirs(os.environ["SPECDRAFT_TEST_RUN_CACHE"], exist_ok=True)
-    else:
-        os.environ["SPECDRAFT_TEST_RUN_CACHE"] = tempfile.mkdtemp(prefix="specdraft-tests-cache-")
+    os.environ["SPECDRAFT_TEST_RUN_CACHE"] = tempfile.mkdtemp(prefix="specdraft-tests-cache-")
 os.environ["XDG_CACHE_HOME"] = os.environ["SPECDRAFT_TEST_RUN_CACHE"]
 
 from specdraft.budget import Budget, Grant
 from specdraft.sources import Context, Draft, Feedback, SideBlock
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest-xdist's workers of one run share one cache directory, named by the run's id."""
+    run = getattr(config, "workerinput", {}).get("testrunuid")
+    if run:
+        shared = os.path.join(tempfile.gettempdir(), f"specdraft-tests-cache-{run}")
+        os.makedirs(shared, exist_ok=True)
+        os.environ["SPECDRAFT_TEST_RUN_CACHE"] = os.environ["XDG_CACHE_HOME"] = shared
+
 
 #: Vocabulary size of every tiny model.
 VOCAB = 80
