@@ -343,8 +343,9 @@ def _probe(entries: tuple, dtype: torch.dtype, max_rows: int, rows_per_width: in
 def _classes(shape: tuple[int, int], kernel: str, layer: nn.Module, dtype: torch.dtype, widths: tuple[int, ...],
              rows_per_width: int, threads: int) -> list[list[int]]:
     """:func:`width_classes` of one kind of layer, remembered for the process: a layer's classes
-    depend on its kernel (shape, kernel, dtype, device, threads), not on its weights, and models
-    that share a kind (a norm swapped, a layer packed) need it probed once."""
+    depend on its kernel (shape, kernel, dtype, device, threads), not on its weights, and sets of
+    layers that share kinds (one model with its norms swapped, or some of its layers packed)
+    probe each shared kind once."""
     key = (shape, kernel, str(_device_of(layer)), dtype, widths, rows_per_width, threads)
     with _PROBE_LOCK:
         cached = _CLASSES.get(key)
