@@ -720,11 +720,16 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
-def in_triton_interpreter(module: str, setup: str, check: str) -> None:
+def in_triton_interpreter(module: str, setup: str, check: str, sanitize_overflow: bool = True) -> None:
     """Run ``check()`` of the test module ``module`` in a fresh process with Triton's interpreter
     on (it is chosen when Triton is first imported, and transformers imports it early), after
-    ``setup``: statements over ``t``, that module (switching its kernels on)."""
+    ``setup``: statements over ``t``, that module (switching its kernels on). ``sanitize_overflow``
+    off skips the interpreter's overflow check of each integer operation (a debug-mode check on a
+    GPU; most of the interpreter's time in a long check)."""
     pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install triton)")
+    if not sanitize_overflow:
+        setup += ("; import dataclasses, triton.runtime.interpreter as i; b = i.interpreter_builder; "
+                  "b.options = dataclasses.replace(b.options, sanitize_overflow=False)")
     code = f"import sys; sys.path.insert(0, sys.argv[1]); import {module} as t; {setup}; t.{check}()"
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__))], env=env,

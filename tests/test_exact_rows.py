@@ -379,6 +379,19 @@ def test_rule_is_kept_per_machine_and_model(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(exact_rows, "probe_rule", no_probe)
     assert exact_rows.load_or_probe(model) == first
+    # a rule is per kind of layer: the same model one layer deeper reads the same file
+    assert exact_rows.load_or_probe(tiny_model("llama", num_hidden_layers=3)) == first
+
+
+def test_a_biased_and_an_unbiased_layer_of_one_shape_are_probed_apart() -> None:
+    """They run different kernels (``addmm`` and ``mm``), so each kind is probed (Qwen2's query
+    and output projections share a shape and differ so)."""
+    layers = [nn.Linear(64, 64, bias=True), nn.Linear(64, 64, bias=False)]
+    def kinds(layers: list[nn.Module]) -> int:
+        return len(probe_rule(layers, torch.float32, max_rows=8, rows_per_width=16, wide=()).per_shape)
+
+    assert kinds(layers) == 2
+    assert kinds([layers[0], nn.Linear(64, 64, bias=True)]) == 1
 
 
 def test_pad_block_layout() -> None:

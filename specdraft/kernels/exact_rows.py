@@ -311,10 +311,13 @@ def probe_rule(layers: Iterable[nn.Module], dtype: torch.dtype, max_rows: int = 
 
 
 def _kernel_id(layer: nn.Module) -> str:
-    """What decides a layer's kernel besides its shape: its class, for a mixed layer its plan, and
-    for a float16-weight layer the float16 terms per weight (two double the inner length)."""
+    """What decides a layer's kernel besides its shape: its class, for a mixed layer its plan, for
+    a float16-weight layer the float16 terms per weight (two double the inner length), and whether
+    it adds a bias (a biased linear runs ``addmm``, an unbiased one ``mm``: Qwen2's query and output
+    projections share a shape but not a kernel)."""
     fast = getattr(layer, "fast", layer)
-    return f"{type(layer).__name__}{getattr(layer, 'plan', '')}{getattr(fast, 'terms', '')}"
+    bias = "+bias" if getattr(layer, "bias", None) is not None else ""
+    return f"{type(layer).__name__}{getattr(layer, 'plan', '')}{getattr(fast, 'terms', '')}{bias}"
 
 
 _PROBE_LOCK = threading.Lock()
@@ -359,17 +362,20 @@ def _classes(shape: tuple[int, int], kernel: str, layer: nn.Module, dtype: torch
 _CLASSES: dict[tuple, list[list[int]]] = {}
 
 
-#: Version of the cache files' content (a new one probes again; 2: normalization layers probed too).
-CACHE_VERSION = 2
+#: Version of the cache files' content (a new one probes again; 2: normalization layers probed too;
+#: 3: biased and unbiased layers of one shape probed apart).
+CACHE_VERSION = 3
 
 
 def rule_cache_key(model: nn.Module, layers: Sequence[nn.Module]) -> dict[str, Any]:
     """What a probe of ``model``'s ``layers`` depends on: what a kernel-cost measurement depends on
-    (CPU, torch, threads, dtype, layer shapes) plus the kernels that run each shape."""
+    (CPU, torch, threads, dtype) and the kinds of layer (shape and kernel), not how many of each
+    (a rule is per kind: models that differ only in depth share one probe)."""
     from .kernel_costs import cache_key
 
     kernels = sorted({"{}x{}:{}".format(*_features(layer), _kernel_id(layer)) for layer in layers})
-    return {**cache_key(model), "device": _device_name(layers), "version": CACHE_VERSION, "kernels": kernels,
+    machine = {name: value for name, value in cache_key(model).items() if name != "linears"}
+    return {**machine, "device": _device_name(layers), "version": CACHE_VERSION, "kernels": kernels,
             "max_rows": MAX_WIDTH, "rows_per_width": ROWS_PER_WIDTH, "wide": list(WIDE_CHECKS)}
 
 
