@@ -66,9 +66,9 @@ def test_without_exact_mode_speculation_parts_from_plain_decoding(dtype: torch.d
     inexact_plain = Decoder(wide_model(dtype), sources=[], max_tree_nodes=0, exact=False, cpu_kernels="stock")
     dec = speculative(dtype, ["prompt", "trie", "ngram", "suffix"], exact=False, adaptive_budget=False)
     seeds = range(6) if dtype == torch.bfloat16 else [11]  # float16's near-ties are rarer: one prompt known to part
-    differ = sum(dec.generate(repetitive_prompt(s), max_new_tokens=64).token_ids
-                 != inexact_plain.generate(repetitive_prompt(s), max_new_tokens=64).token_ids for s in seeds)
-    assert differ >= 1
+    # (any() stops at the first prompt that parts: the rest would cost time and prove nothing more)
+    assert any(dec.generate(repetitive_prompt(s), max_new_tokens=64).token_ids
+               != inexact_plain.generate(repetitive_prompt(s), max_new_tokens=64).token_ids for s in seeds)
 
 
 @settings(FAST, max_examples=5)
