@@ -518,10 +518,18 @@ class OneSequence:
         return self.region.length + self.region.pending
 
     @property
+    @torch.inference_mode()
     def cache(self):
-        """The committed rows' keys and values, per layer (pending moves applied first)."""
-        self.runner.store.compact_now()
-        return self.runner.store.region_layers(self.region)
+        """The committed rows' keys and values, per layer (views; the pending moves, which the
+        engine lets ride the next forward's upload, applied first)."""
+        store = self.runner.store
+        sources, destinations = store.take_moves()
+        layers = [layer for layer in store.layers if layer.key_buffer is not None]
+        if sources and layers:
+            device = layers[0].key_buffer.device
+            store.apply_moves(torch.as_tensor(sources, device=device), torch.as_tensor(destinations, device=device))
+        rows = slice(self.region.start, self.region.start + self.region.length)
+        return [(layer.key_buffer[..., rows, :], layer.value_buffer[..., rows, :]) for layer in layers]
 
     def prefill(self, tokens):
         """Put ``tokens`` in the cache (all committed); the last one's logits (``None`` for none)."""
@@ -718,6 +726,20 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
     from _tiny_checkpoint import save_tiny_checkpoint
 
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+class RerunGraph:
+    """What a CUDA graph does, on any device (``graph_kind`` of ``use_static`` on a CPU): two
+    warm-up runs at capture, then every replay runs the forward again over the buffers' current
+    contents."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        for _ in range(2):
+            fn()
+
+    def replay(self) -> torch.Tensor:
+        return self.fn()
 
 
 def in_triton_interpreter(module: str, setup: str, check: str, sanitize_overflow: bool = True) -> None:

@@ -31,11 +31,11 @@ from specdraft.engine.widths import exact_buckets
 from specdraft.kernels.exact_rows import load_or_probe
 from specdraft.model.exact_attention import CHUNK, exact_attention
 from specdraft.model.kv_store import KVStore
-from specdraft.model.static import Buckets, RerunGraph
+from specdraft.model.static import Buckets
 from specdraft.simulated_device import SimulatedDevice
 from specdraft.sources.registry import make_sources
 
-from conftest import (AttentionModule, ancestor_block, check_exact_attention_matches_sdpa, exact_attend,
+from conftest import (AttentionModule, RerunGraph, ancestor_block, check_exact_attention_matches_sdpa, exact_attend,
                       in_triton_interpreter, random_tree, repetitive_prompt, tiny_model, wide_llama)
 
 NEW = 40

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from specdraft import Decoder
-from specdraft.model.static import WIDTHS, Buckets, RerunGraph
+from specdraft.model.static import WIDTHS, Buckets
 from specdraft.simulated_device import SimulatedDevice
 from specdraft.sources.registry import DEFAULT_SOURCES, make_sources
 
-from conftest import AlternatingBudget, OracleSource, reference_greedy, tiny_model
+from conftest import AlternatingBudget, OracleSource, RerunGraph, reference_greedy, tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from gpu_steps import count_decode_forwards  # noqa: E402

@@ -239,18 +239,3 @@ class KVStore(DynamicCache):
     def layout_key(self) -> tuple:
         """Where the buffers are: a captured graph that wrote elsewhere must be captured again."""
         return (self.capacity, *self._held()[2])
-
-    @torch.inference_mode()
-    def compact_now(self) -> None:
-        """Apply the pending moves at once, outside a forward (for inspection: the engine lets
-        them ride the next forward's upload)."""
-        sources, destinations = self.take_moves()
-        if sources and self.layers and self.layers[0].key_buffer is not None:
-            device = self.layers[0].key_buffer.device
-            self.apply_moves(torch.as_tensor(sources, device=device), torch.as_tensor(destinations, device=device))
-
-    def region_layers(self, region: Region) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's (keys, values) of the region's committed rows (views; for inspection)."""
-        rows = slice(region.start, region.start + region.length)
-        return [(layer.key_buffer[..., rows, :], layer.value_buffer[..., rows, :]) for layer in self.layers
-                if layer.key_buffer is not None]

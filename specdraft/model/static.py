@@ -111,7 +111,7 @@ class StaticForwards:
         #: what runs a forward's body: eagerly, or compiled by ``torch.compile`` (:class:`CompiledPass`)
         self.model_pass: Callable[..., torch.Tensor] = (CompiledPass(compile_backend) if compile_backend
                                                         else model_pass_eager)
-        #: what a capture makes: :class:`CudaGraph`, or :class:`RerunGraph` to exercise capture on a CPU
+        #: what a capture makes: :class:`CudaGraph`, or a stand-in to exercise capture on a CPU
         self._graph_kind = graph_kind or CudaGraph
         self._graphs: dict[int, Any] = {}
         self._views: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
@@ -238,19 +238,6 @@ class CudaGraph:
     def replay(self) -> torch.Tensor:
         self.graph.replay()
         return self.output
-
-
-class RerunGraph:
-    """What a CUDA graph does, on any device (for tests without a GPU): two warm-up runs at
-    capture, then every replay runs the forward again over the buffers' current contents."""
-
-    def __init__(self, fn: Callable[[], torch.Tensor]) -> None:
-        self.fn = fn
-        for _ in range(2):
-            fn()
-
-    def replay(self) -> torch.Tensor:
-        return self.fn()
 
 
 def static_forward(model: Any, store: KVStore, windows: dict[str, int | None], mask_kind: str, cache_keyword: str,
