@@ -313,8 +313,9 @@ def probe_rule(layers: Iterable[nn.Module], dtype: torch.dtype, max_rows: int = 
 def _kernel_id(layer: nn.Module) -> str:
     """What decides a layer's kernel besides its shape: its class, for a mixed layer its plan, for
     a float16-weight layer the float16 terms per weight (two double the inner length), and whether
-    it adds a bias (a biased linear runs ``addmm``, an unbiased one ``mm``: Qwen2's query and output
-    projections share a shape but not a kernel)."""
+    it adds a bias (a biased linear calls ``addmm``, an unbiased one ``mm``, which may sum in
+    another order: Qwen2's query projection adds a bias, its output projection of the same shape
+    does not)."""
     fast = getattr(layer, "fast", layer)
     bias = "+bias" if getattr(layer, "bias", None) is not None else ""
     return f"{type(layer).__name__}{getattr(layer, 'plan', '')}{getattr(fast, 'terms', '')}{bias}"
