@@ -452,6 +452,15 @@ class Setting:
     workload: str  #: "code" (HumanEval) or "chat" (MT-Bench)
     run: str | None  #: folder under benchmarks/results/ (or a subfolder); None: not measured yet
     batch: int = 1  #: requests at once; above 1 the run is a ``specdraft bench --concurrency`` output
+    #: what sets the row apart from another of its device and dtype (a CPU without AVX-512: other
+    #: kernels, so other speed-ups); empty for the usual machine
+    variant: str = ""
+
+    @property
+    def name(self) -> str:
+        """``CPU bfloat16``, ``CPU bfloat16 (AVX2)``, ``CPU bfloat16 ×8``: the row's setting in words."""
+        return (f"{self.device} {self.dtype}" + (f" ({self.variant})" if self.variant else "")
+                + (f" ×{self.batch}" if self.batch > 1 else ""))
 
 
 #: The first screen, setting by setting: what a user gets on the default settings. To add a run,
@@ -465,6 +474,8 @@ FIRST_SCREEN = [
     Setting("CPU", "float32", "chat", "first-screen-qwen0.5b-fp32-humaneval5-mtbench5-96def57"),
     Setting("CPU", "bfloat16", "code", "first-screen-qwen0.5b-bf16-humaneval5-mtbench5-552a27e"),
     Setting("CPU", "bfloat16", "chat", "first-screen-qwen0.5b-bf16-humaneval5-mtbench5-552a27e"),
+    Setting("CPU", "bfloat16", "code", "first-screen-avx2-qwen0.5b-bf16-humaneval5-mtbench5-22ecf8e", variant="AVX2"),
+    Setting("CPU", "bfloat16", "chat", "first-screen-avx2-qwen0.5b-bf16-humaneval5-mtbench5-22ecf8e", variant="AVX2"),
     Setting("GPU", "bfloat16", "code", "gpu-h100-2026-11-27-7a7546a/main"),
     Setting("GPU", "bfloat16", "chat", "gpu-h100-2026-11-27-7a7546a/main"),
     Setting("CPU", "bfloat16", "code", "concurrency-qwen0.5b-bf16-humaneval8-552a27e", batch=8),
@@ -532,7 +543,7 @@ def _check_setting(s: Setting) -> None:
 
 def setting_label(s: Setting) -> str:
     """``**CPU bfloat16** · code``; ``**CPU bfloat16 ×8** · code`` for eight requests at once."""
-    return f"**{s.device} {s.dtype}" + (f" ×{s.batch}" if s.batch > 1 else "") + f"** · {s.workload}"
+    return f"**{s.name}** · {s.workload}"
 
 
 def other_commits(rows: list[Setting]) -> str:
@@ -542,7 +553,7 @@ def other_commits(rows: list[Setting]) -> str:
     for s in rows:
         if s.run and run_commit(s.run) != FIRST_SCREEN_CODE:
             by.setdefault(run_commit(s.run), []).append(
-                f"{s.device} {s.dtype}" + (f" ×{s.batch}" if s.batch > 1 else "") + f" {s.workload}")
+                f"{s.name} {s.workload}")
     return " ".join(f"Measured at `{c}`, not `{FIRST_SCREEN_CODE}`: {', '.join(r)}." for c, r in by.items())
 
 
@@ -587,10 +598,10 @@ def first_screen_cells(s: Setting, page: str) -> list[str]:
 def split_line(rows: list[Setting]) -> str:
     """How much of each measured setting's gain is kernels and how much is drafts."""
     parts = []
-    for device, dtype in dict.fromkeys((s.device, s.dtype) for s in rows if s.batch == 1):
+    for name in dict.fromkeys(s.name for s in rows if s.batch == 1):
         cells = []
         for s in rows:
-            if (s.device, s.dtype, s.batch) != (device, dtype, 1) or s.run is None:
+            if s.name != name or s.batch != 1 or s.run is None:
                 continue
             methods = summary(s.run)["datasets"][WORKLOADS[s.workload]]["methods"]
             if "plain" not in methods:
@@ -599,7 +610,7 @@ def split_line(rows: list[Setting]) -> str:
             kernels = statistics.median(ratios(s.run, dataset, "plain"))
             drafts = statistics.median(ratios(s.run, dataset, "default", "plain"))
             cells.append(f"{s.workload} {x(kernels)} × {x(drafts)}")
-        parts.append(f"{device} {dtype}: " + ("; ".join(cells) if cells else "not measured"))
+        parts.append(f"{name}: " + ("; ".join(cells) if cells else "not measured"))
     if not any(s.run for s in rows if s.batch == 1):
         return f"**Kernels × drafts**: not measured at `{FIRST_SCREEN_CODE}`."
     return ("**Kernels × drafts** (median per prompt: our plain decoding against `generate`, times the "
@@ -633,7 +644,7 @@ def first_screen_table(page: str) -> str:
     tokens = {s: (concurrency(s.run, WORKLOADS[s.workload]) if s.batch > 1 else
                   summary(s.run)["datasets"][WORKLOADS[s.workload]])["max_new_tokens"] for s in measured}
     usual = statistics.mode(tokens.values()) if tokens else 128
-    odd = ", ".join(f"{n} in {s.device} {s.dtype}" + (f" ×{s.batch}" if s.batch > 1 else "") + f" {s.workload}"
+    odd = ", ".join(f"{n} in {s.name} {s.workload}"
                     for s, n in tokens.items() if n != usual)
     caption = (f"{MODEL}, default settings, greedy, {usual} new tokens" + (f" ({odd})" if odd else "")
                + "; code = HumanEval, chat = MT-Bench"
