@@ -542,7 +542,8 @@ def _check_setting(s: Setting) -> None:
 
 
 def setting_label(s: Setting) -> str:
-    """``**CPU bfloat16** · code``; ``**CPU bfloat16 ×8** · code`` for eight requests at once."""
+    """``**CPU bfloat16** · code``; ``**CPU bfloat16 ×8** · code`` for eight requests at once;
+    ``**CPU bfloat16 (AVX2)** · code`` for a variant."""
     return f"**{s.name}** · {s.workload}"
 
 
@@ -601,7 +602,7 @@ def split_line(rows: list[Setting]) -> str:
     for name in dict.fromkeys(s.name for s in rows if s.batch == 1):
         cells = []
         for s in rows:
-            if s.name != name or s.batch != 1 or s.run is None:
+            if s.name != name or s.run is None:
                 continue
             methods = summary(s.run)["datasets"][WORKLOADS[s.workload]]["methods"]
             if "plain" not in methods:
@@ -644,8 +645,7 @@ def first_screen_table(page: str) -> str:
     tokens = {s: (concurrency(s.run, WORKLOADS[s.workload]) if s.batch > 1 else
                   summary(s.run)["datasets"][WORKLOADS[s.workload]])["max_new_tokens"] for s in measured}
     usual = statistics.mode(tokens.values()) if tokens else 128
-    odd = ", ".join(f"{n} in {s.name} {s.workload}"
-                    for s, n in tokens.items() if n != usual)
+    odd = ", ".join(f"{n} in {s.name} {s.workload}" for s, n in tokens.items() if n != usual)
     caption = (f"{MODEL}, default settings, greedy, {usual} new tokens" + (f" ({odd})" if odd else "")
                + "; code = HumanEval, chat = MT-Bench"
                + (f", {counts}" if counts else "")
