@@ -472,6 +472,8 @@ class Setting:
 FIRST_SCREEN = [
     Setting("CPU", "float32", "code", "first-screen-qwen0.5b-fp32-humaneval5-mtbench5-96def57"),
     Setting("CPU", "float32", "chat", "first-screen-qwen0.5b-fp32-humaneval5-mtbench5-96def57"),
+    Setting("CPU", "float32", "code", "first-screen-avx2-qwen0.5b-fp32-humaneval5-mtbench5-2b105ca", variant="AVX2"),
+    Setting("CPU", "float32", "chat", "first-screen-avx2-qwen0.5b-fp32-humaneval5-mtbench5-2b105ca", variant="AVX2"),
     Setting("CPU", "bfloat16", "code", "first-screen-qwen0.5b-bf16-humaneval5-mtbench5-552a27e"),
     Setting("CPU", "bfloat16", "chat", "first-screen-qwen0.5b-bf16-humaneval5-mtbench5-552a27e"),
     Setting("CPU", "bfloat16", "code", "first-screen-avx2-qwen0.5b-bf16-humaneval5-mtbench5-22ecf8e", variant="AVX2"),
