@@ -384,14 +384,14 @@ def test_rule_is_kept_per_machine_and_model(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_a_biased_and_an_unbiased_layer_of_one_shape_are_probed_apart() -> None:
-    """They run different kernels (``addmm`` and ``mm``), so each kind is probed (Qwen2's query
-    and output projections share a shape and differ so)."""
-    layers = [nn.Linear(64, 64, bias=True), nn.Linear(64, 64, bias=False)]
-    def kinds(layers: list[nn.Module]) -> int:
-        return len(probe_rule(layers, torch.float32, max_rows=8, rows_per_width=16, wide=()).per_shape)
+    """They call different kernel entries (``addmm`` and ``mm``), which may sum in another order,
+    so each kind is probed (Qwen2's query and output projections share a shape and differ so)."""
+    def kinds(probed: list[nn.Module]) -> int:
+        return len(probe_rule(probed, torch.float32, max_rows=8, rows_per_width=16, wide=()).per_shape)
 
-    assert kinds(layers) == 2
-    assert kinds([layers[0], nn.Linear(64, 64, bias=True)]) == 1
+    biased = nn.Linear(64, 64, bias=True)
+    assert kinds([biased, nn.Linear(64, 64, bias=False)]) == 2
+    assert kinds([biased, nn.Linear(64, 64, bias=True)]) == 1
 
 
 def test_pad_block_layout() -> None:
