@@ -120,8 +120,11 @@ words = [w for w in name.split() if re.fullmatch(r'[A-Za-z]+[0-9]+[A-Za-z]*', w)
 print((words[0] if words else 'gpu').lower())")
     commit=${SPECDRAFT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
     results=benchmarks/results/gpu-$gpu-$(date +%Y-%m-%d)-$commit
-    mkdir -p "$results"
-    pack() { tar czf "$out_dir/results.tar.gz" --exclude="*.pkl" "$results" 2>/dev/null; cp "$KEEP/quick.log" "$out_dir/" 2>/dev/null; }
+    mkdir -p "$results/cache"
+    pack() {  # with the library's measurement caches (exact mode's width classes per layer kind)
+        cp -r "${XDG_CACHE_HOME:-$HOME/.cache}/specdraft/." "$results/cache/" 2>/dev/null
+        tar czf "$out_dir/results.tar.gz" --exclude="*.pkl" "$results" 2>/dev/null; cp "$KEEP/quick.log" "$out_dir/" 2>/dev/null
+    }
     cp -r "$KEEP/quick" "$results/quick" 2>/dev/null
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$results/gpu.txt" 2>&1
     "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__,
