@@ -478,10 +478,10 @@ FIRST_SCREEN = [
     Setting("CPU", "bfloat16", "chat", "first-screen-qwen0.5b-bf16-humaneval5-mtbench5-552a27e"),
     Setting("CPU", "bfloat16", "code", "first-screen-avx2-qwen0.5b-bf16-humaneval5-mtbench5-22ecf8e", variant="AVX2"),
     Setting("CPU", "bfloat16", "chat", "first-screen-avx2-qwen0.5b-bf16-humaneval5-mtbench5-22ecf8e", variant="AVX2"),
-    Setting("GPU", "bfloat16", "code", "gpu-h100-2026-11-27-7a7546a/main"),
-    Setting("GPU", "bfloat16", "chat", "gpu-h100-2026-11-27-7a7546a/main"),
+    Setting("GPU", "bfloat16", "code", "gpu-h200-2026-11-28-27af751/main"),
+    Setting("GPU", "bfloat16", "chat", "gpu-h200-2026-11-28-27af751/main"),
     Setting("CPU", "bfloat16", "code", "concurrency-qwen0.5b-bf16-humaneval8-552a27e", batch=8),
-    Setting("GPU", "bfloat16", "code", "gpu-h100-2026-11-27-7a7546a/batch", batch=8),
+    Setting("GPU", "bfloat16", "code", "gpu-h200-2026-11-28-27af751/batch", batch=8),
 ]
 
 WORKLOADS = {"code": "humaneval", "chat": "mtbench"}
