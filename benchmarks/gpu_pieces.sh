@@ -19,6 +19,8 @@
 #                                         # then the stages below, each under its own time limit
 #
 # Stages of `bench` (STAGES, comma-separated; the default runs all, in this order):
+#   rows      benchmarks/forward_rows.py on the real model: does a whole decode forward give a row the
+#             same bits at every bucket width, captured and eager, and where does a row part
 #   main      specdraft bench, HumanEval 10 and MT-Bench 10 x 128: eager generate, compiled
 #             static-cache generate, our plain decoding and our default (the GPU's defaults:
 #             exact mode on in bfloat16, Token Recycling among the sources) (MAIN_METHODS
@@ -173,7 +175,7 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     mkdir -p "$results/quick"; cp -r "$KEEP/quick/." "$results/quick/" 2>/dev/null; pack
     stage() {  # stage NAME SECONDS COMMAND...: run it if chosen and time is left, under its limit
         local name=$1 limit=$2; shift 2
-        [[ ",${STAGES:-main,budget,flash,edits,chatsteps,compiled,batch}," == *",$name,"* ]] || return 0
+        [[ ",${STAGES:-rows,main,budget,flash,edits,chatsteps,compiled,batch}," == *",$name,"* ]] || return 0
         local left=$(( deadline - $(date +%s) ))
         if (( left < 30 )); then say "stage $name skipped: ${left} s left"; return 0; fi
         (( limit > left )) && limit=$left
@@ -184,6 +186,8 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     }
     common=(--model "$model" --dtype bfloat16 --device "${DEVICE:-cuda}" --no-plot -q)
     count=${LIMIT:-10}
+    stage rows 60 "$PY" benchmarks/forward_rows.py --device "${DEVICE:-cuda}" --model "$model" --dtype bfloat16 \
+        --out "$results/rows"
     stage main 300 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "$count" \
         --methods "${MAIN_METHODS:-baseline,generate-static,plain,default}" \
         --out "$results/main"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A GPU check that needs no checkpoint, in order of what it answers first: the CUDA suite
-# (exactness, CUDA graphs) on tiny models, a decode forward's kernel time by kind and width
+# (exactness, CUDA graphs) on tiny models, a whole decode forward's rows at each width
+# (benchmarks/forward_rows.py), a decode forward's kernel time by kind and width
 # (benchmarks/forward_kernels.py: exact mode, sdpa and, where FlashAttention 4 is installed, the
 # flash split), the attention's price in CUDA graphs (benchmarks/exact_attention_price.py: sdpa,
 # transformers' sdpa and eager functions, the Triton kernels and the flash split, per width and
@@ -22,6 +23,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
     | tee -a "$out/gpu.txt"
 timeout "${CUDA_SUITE_SECONDS:-240}" "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/ 2>&1 \
     | tee "$out/pytest-cuda.txt"
+# whether a whole decode forward gives a row the same bits at every bucket width (captured, static
+# run eagerly, dynamic), and where a row parts: exact mode's premise, which its per-layer probe
+# found true of every layer on an H200 while exact speculation still parted there
+timeout "${ROWS_SECONDS:-60}" "$PY" benchmarks/forward_rows.py --device cuda --out "$out/forward-rows" \
+    2>&1 | tail -n 12 | tee "$out/forward-rows.txt"
 # where a decode forward's device time goes at each width (kernels by kind): exact mode as the
 # decoder defaults to, and sdpa without it
 timeout "${KERNELS_SECONDS:-60}" "$PY" benchmarks/forward_kernels.py --device cuda --out "$out/forward-kernels" \

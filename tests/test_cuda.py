@@ -115,11 +115,31 @@ def test_exact_mode_on_cuda_equals_exact_plain_decoding(dtype: torch.dtype) -> N
             plain.generate(p, max_new_tokens=48, **options).token_ids
 
 
-def test_rms_norm_rows_on_cuda_depend_on_the_row_count_and_the_rule_pads_past_it() -> None:
-    """torch's CUDA reduction gives a row of 896 values 512 threads at one row and 32 from 16 rows
-    on, so an RMSNorm's rows can come out otherwise below 16 rows; the probe, which runs the
-    model's norms as well as its linear layers, then keeps exact mode at 16 rows and more. (The
-    first half records what this GPU and torch do; the second is what exact mode relies on.)"""
+def test_whole_decode_forward_gives_a_row_the_same_bits_at_every_bucket_width_on_cuda() -> None:
+    """Exact mode's premise end to end: in exact mode's own forwards (captured, static run eagerly,
+    dynamic), a row's logits are the same at every bucket width. The per-layer probe found this of
+    every layer on an H200, yet exact speculation parted from exact plain decoding there; on
+    failure the message names the first module where a row parts (``benchmarks/forward_rows.py``)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import forward_rows
+
+    result = forward_rows.check(wide_cuda_model(torch.bfloat16), exact=True)
+    report = forward_rows.markdown(result)
+    print(report)
+    assert set(result["ways"]) == set(forward_rows.WAYS)
+    for way in result["ways"].values():
+        assert way["repeatable"], report
+        assert all(r["agree"] == r["rows"] for r in way["rows"].values()), report
+
+
+def test_rms_norm_width_classes_on_cuda_bound_the_rule() -> None:
+    """The probe runs the model's norms as well as its linear layers: the rule's bucket widths lie
+    in the RMSNorm's class of 64 rows. (torch's CUDA reduction gives a row of 896 values other
+    thread counts at different row counts, which could order its sum otherwise below 16 rows; on
+    an H200 the probe found the norm agreeing at every width from 1 to 64. The classes are printed
+    for the record.)"""
     from specdraft.kernels import exact_rows
 
     model = wide_cuda_model(torch.bfloat16)

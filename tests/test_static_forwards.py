@@ -291,3 +291,32 @@ def test_the_forward_kernel_profile_charges_each_width_its_operations(tmp_path: 
     assert forward_kernels.kind_of("aten::addmm") == "matmul"
     assert forward_kernels.kind_of("aten::_efficient_attention_forward") == "attention"
     assert forward_kernels.kind_of("aten::index_copy_").startswith("copies")
+
+
+def test_the_whole_forward_row_check_names_where_a_row_parts(tmp_path: Path) -> None:
+    """``benchmarks/forward_rows.py`` (the whole decode forward's rows at each width, the check that
+    exact mode's per-layer probe leaves open on a GPU): its command writes a result for the eager
+    ways (captured forwards need CUDA); a layer planted to round a row otherwise at one width
+    makes that width's row part, and the first module named is the planted one."""
+    import json
+
+    import forward_rows
+    from gpu_steps import build_model
+
+    assert forward_rows.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--widths", "1,8",
+                              "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "rows.json").read_text())
+    assert set(result["ways"]) == {"static", "dynamic"}
+    assert all(way["repeatable"] for way in result["ways"].values())
+    assert "| static |" in (tmp_path / "rows.md").read_text()
+
+    model = build_model("tiny", "cpu", torch.float64)
+    norm = model.model.layers[0].input_layernorm
+    unplanted = norm.forward
+    for planted_width in (1, 8):
+        norm.forward = lambda x, w=planted_width: unplanted(x) + (1e-3 if x.shape[1] == w else 0.0)
+        rows = forward_rows.check(model, (1, 8, 16), ways=("static",))["ways"]["static"]["rows"]
+        parted = rows[planted_width]
+        assert parted["agree"] == 0 and parted["first_parting_row"] == 0
+        assert parted["first_parting_module"] == "model.layers.0.input_layernorm"
+        assert rows[16]["agree"] == 16  # the widest is the reference
