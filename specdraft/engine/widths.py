@@ -61,11 +61,10 @@ def exact_default(model: Any, attention: str) -> bool:
       (``benchmarks/results/gpu-h100-2026-11-27-7a7546a``: exact plain decoding ran at 1.04-1.06x
       the speed of plain decoding, median per prompt, and exact speculation at 1.08-1.16x the
       default's), since every decode forward is one replayed graph at a bucket width either way.
-      That measurement ran a plain step at one row. Since the probe covers the normalization
-      layers, exact mode pads a plain step to 16 rows on CUDA (see
-      :mod:`specdraft.kernels.exact_rows`); the H200's kernel profile puts 16 rows about 0.3 ms
-      of kernel time above one row (``benchmarks/results/gpu-h200-2026-11-27-1ab377a``), and the
-      price of the whole step is still to be measured.
+      On an H200 (``benchmarks/results/gpu-h200-2026-11-28-27af751``) exact speculation gave
+      exact plain decoding's tokens on 8/10 and 7/10 prompts only, though the probe found every
+      layer agreeing at every width (:mod:`specdraft.kernels.exact_rows`): on CUDA exact mode
+      narrows the parting, it does not yet close it.
 
     Off for float32 (exact there already against ``model.generate``, and padding a plain step to
     several rows costs up to 70% on MKL's kernels), for float16 on CUDA and on other accelerators

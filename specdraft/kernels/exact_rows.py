@@ -31,13 +31,16 @@ Normalization layers count too
     A transformers RMSNorm takes its mean with torch's generic reduction. On a CPU each row is
     summed alike whatever the row count. On CUDA the reduction picks its threads per row by the
     number of rows reduced (torch's ``ReduceConfig.set_block_dimension``: over a row of 512 or more
-    values, 512 threads share a row at one row, 256 at two, 128 at four, 64 at eight, 32 from 16
-    rows on), and with them its order of additions: a hidden state's variance can have other last
-    bits at 1-15 rows than at 16 and more, and a bfloat16 output then now and then rounds the other
-    way. On an NVIDIA H200, while the probe covered the linear layers alone, exact-mode speculation
-    gave exact plain decoding's tokens on 7 of 10 prompts (``benchmarks/results/
-    gpu-h200-2026-11-27-1ab377a``). So the probe runs the model's RMSNorm and LayerNorm modules
-    (:func:`norm_layers`) at every width as well.
+    values, 512 threads share a row at one row, 32 from 16 rows on), which may change its order of
+    additions. So the probe runs the model's RMSNorm and LayerNorm modules (:func:`norm_layers`) at
+    every width as well. (On an NVIDIA H200 it found Qwen2's RMSNorm agreeing at every width from
+    1 to 64: ``benchmarks/results/gpu-h200-2026-11-28-27af751/cache``.)
+
+What the probe does not see
+    Each layer is called alone and eagerly. A decoder on CUDA replays whole forwards as CUDA
+    graphs and runs operations between the layers. On that H200 exact-mode speculation parted
+    from exact plain decoding on 5 of 20 prompts although every layer agreed at every width;
+    ``benchmarks/forward_rows.py`` checks whole forwards per width, captured and eager.
 
 On a GPU
     The probe runs the layers where they are. A GPU library may give a row other bits at every
