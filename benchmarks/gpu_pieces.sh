@@ -32,7 +32,8 @@
 #   flash     where FlashAttention 4 is installed and the CUDA suite's flash tests did not fail:
 #             our plain decoding and default beside the same on the flash split (@flash),
 #             HumanEval and MT-Bench, FLASH_LIMIT (5) prompts each
-#   edits     the code-edit set, 6 x 256
+#   edits     the code-edit set, 6 x 256 (EDIT_METHODS; at 27af751 with default@compiled among them the
+#             stage spent its 150 s on H200 compiling and left nothing)
 #   chatsteps benchmarks/host_critical_path.py --model: the default beside our plain decoding on 4
 #             MT-Bench prompts, every phase of the step timed (where chat's extra time goes)
 #   compiled  our plain decoding and default with compiled forwards (@compiled, without exact
@@ -206,7 +207,7 @@ model.save_pretrained(sys.argv[2]); tokenizer.save_pretrained(sys.argv[2])" "$gg
     fi
     "$PY" benchmarks/code_edit.py --jsonl "$KEEP/code_edits.jsonl" >/dev/null 2>&1
     stage edits 150 "$PY" -m specdraft bench "${common[@]}" --dataset "$KEEP/code_edits.jsonl" --limit "$(( count < 6 ? count : 6 ))" \
-        --max-new-tokens 256 --methods "${EDIT_METHODS:-baseline,generate-static,plain,default,default@compiled}" --out "$results/edits"
+        --max-new-tokens 256 --methods "${EDIT_METHODS:-baseline,generate-static,plain,default}" --out "$results/edits"
     stage chatsteps 90 "$PY" benchmarks/host_critical_path.py --device "${DEVICE:-cuda}" --model "$model" \
         --dataset mtbench --prompts 4 --new-tokens 128 --out "$results/chatsteps"
     stage compiled 180 "$PY" -m specdraft bench "${common[@]}" --dataset humaneval,mtbench --limit "${COMPILED_LIMIT:-5}" \
