@@ -107,8 +107,9 @@ class StepCosts:
     @property
     def plain_width(self) -> int:
         """Rows a one-token step's forward runs at: the unit learned shapes are measured in. Where
-        every forward is padded (exact mode pads to the narrowest width its probe allows), a one-token step runs at
-        the narrowest width, and a tree that fits in it costs what a plain step does."""
+        every forward is padded (exact mode pads to the narrowest width its probe allows), a
+        one-token step runs at the narrowest width, and a tree that fits in it costs what a plain
+        step does."""
         return self.padding.rows_for(1) if self.padding is not None else 1
 
     @property
