@@ -173,6 +173,7 @@ def check(model: torch.nn.Module, widths: Sequence[int] = WIDTHS, ways: Sequence
 
 
 def markdown(result: dict[str, Any]) -> str:
+    """:func:`check`'s result as a table (widths as the integers it keys them by)."""
     widths = result["widths"]
     lines = ["Rows whose logits equal the widest width's, bit for bit (in the eager ways, for the first row "
              "that parts: the first module whose output parts, and how many of the modules kept part):", "",
@@ -181,7 +182,7 @@ def markdown(result: dict[str, Any]) -> str:
     for way, data in result["ways"].items():
         cells = []
         for w in widths:
-            r = data["rows"][str(w)] if str(w) in data["rows"] else data["rows"][w]
+            r = data["rows"][w]
             cell = f"{r['agree']}/{r['rows']}"
             if r["first_parting_module"]:
                 cell += f" (`{r['first_parting_module']}`, {r['modules_parted']} of {r['modules_kept']} modules)"
