@@ -18,6 +18,11 @@ bit. Three ways of running each width:
 * ``static``: the same static forward run eagerly;
 * ``dynamic``: the runner's forward without static buffers.
 
+The forwards run inside the engine's hold for a request, as decoding's do: only there does the model
+run the decoder's attention (exact mode's, when on). Outside it the model keeps the implementation it
+had (``sdpa``), which is not row-invariant, and the check would measure that instead. The result
+names the implementation each way ran under.
+
 In the two eager ways, forward hooks keep every module's output for the rows. For a row that
 parts, the first module in call order whose output differs is named. Rows are also compared
 across ways: captured against static at the same width says whether capture alone changes bits.
@@ -124,7 +129,8 @@ def sibling_rows(dec: Decoder, region: Region, width: int, tokens: Sequence[int]
 def check(model: torch.nn.Module, widths: Sequence[int] = WIDTHS, ways: Sequence[str] = WAYS,
           prefix_length: int = 48, seed: int = 0, exact: bool | None = None) -> dict[str, Any]:
     """Per way and width: how many rows equal the widest width's rows, the first module where the
-    first parting row parts (eager ways), and per width whether captured rows equal static ones."""
+    first parting row parts (eager ways), and per width whether captured rows equal static ones;
+    per way also the attention implementation the forwards ran under."""
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     generator = np.random.default_rng(seed)
     prefix = [int(t) for t in generator.integers(3, vocab, prefix_length)]
@@ -144,16 +150,18 @@ def check(model: torch.nn.Module, widths: Sequence[int] = WIDTHS, ways: Sequence
             if dec.runner.static is None or tuple(dec.runner.static.widths) != tuple(widths):
                 dec.runner.use_static(widths, capture=None if way == "captured" else False)
             dec.runner.static.capture = None if way == "captured" else False
-        region = commit_prefix(dec, prefix)
         recorders = {w: ModuleOutputs(model) for w in widths}
         logits: dict[int, torch.Tensor] = {}
-        for width in [widest, *widths]:  # the widest first: it captures and sizes everything once
-            if way == "captured":
-                logits[width] = sibling_rows(dec, region, width, tokens)
-            else:
-                with recorders[width].recording(width):
+        with dec.engine.held(1):  # the model on the decoder's attention (exact mode's), as in decoding
+            attention = getattr(model.config, "_attn_implementation", None)
+            region = commit_prefix(dec, prefix)
+            for width in [widest, *widths]:  # the widest first: it captures and sizes everything once
+                if way == "captured":
                     logits[width] = sibling_rows(dec, region, width, tokens)
-        repeat = sibling_rows(dec, region, widest, tokens)
+                else:
+                    with recorders[width].recording(width):
+                        logits[width] = sibling_rows(dec, region, width, tokens)
+            repeat = sibling_rows(dec, region, widest, tokens)
         rows = {}
         for width in widths:
             parting = [i for i in range(width) if not torch.equal(logits[width][i], logits[widest][i])]
@@ -164,7 +172,8 @@ def check(model: torch.nn.Module, widths: Sequence[int] = WIDTHS, ways: Sequence
                            "first_parting_row": parting[0] if parting else None,
                            "first_parting_module": modules[0] if modules else None,
                            "modules_parted": len(modules), "modules_kept": len(recorders[width].order)}
-        result["ways"][way] = {"rows": rows, "repeatable": bool(torch.equal(repeat, logits[widest]))}
+        result["ways"][way] = {"rows": rows, "repeatable": bool(torch.equal(repeat, logits[widest])),
+                               "attention": attention}
         logits_by_way[way] = logits
     if "captured" in logits_by_way and "static" in logits_by_way:
         result["captured_equals_static"] = {w: bool(torch.equal(logits_by_way["captured"][w],
@@ -177,8 +186,8 @@ def markdown(result: dict[str, Any]) -> str:
     widths = result["widths"]
     lines = ["Rows whose logits equal the widest width's, bit for bit (in the eager ways, for the first row "
              "that parts: the first module whose output parts, and how many of the modules kept part):", "",
-             "| way | " + " | ".join(f"{w} rows" for w in widths) + " | widest twice alike |",
-             "|---|" + "---:|" * len(widths) + "---|"]
+             "| way | attention | " + " | ".join(f"{w} rows" for w in widths) + " | widest twice alike |",
+             "|---|---|" + "---:|" * len(widths) + "---|"]
     for way, data in result["ways"].items():
         cells = []
         for w in widths:
@@ -187,7 +196,7 @@ def markdown(result: dict[str, Any]) -> str:
             if r["first_parting_module"]:
                 cell += f" (`{r['first_parting_module']}`, {r['modules_parted']} of {r['modules_kept']} modules)"
             cells.append(cell)
-        lines.append(f"| {way} | " + " | ".join(cells) + f" | {'yes' if data['repeatable'] else 'NO'} |")
+        lines.append(f"| {way} | {data.get('attention')} | " + " | ".join(cells) + f" | {'yes' if data['repeatable'] else 'NO'} |")
     same = result.get("captured_equals_static")
     if same:
         lines += ["", "Captured rows equal the same static forward run eagerly: "

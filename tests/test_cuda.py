@@ -125,11 +125,14 @@ def test_whole_decode_forward_gives_a_row_the_same_bits_at_every_bucket_width_on
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import forward_rows
 
+    from specdraft.model.exact_attention import EXACT_NAME
+
     result = forward_rows.check(wide_cuda_model(torch.bfloat16), exact=True)
     report = forward_rows.markdown(result)
     print(report)
     assert set(result["ways"]) == set(forward_rows.WAYS)
     for way in result["ways"].values():
+        assert way["attention"] == EXACT_NAME, report
         assert way["repeatable"], report
         assert all(r["agree"] == r["rows"] for r in way["rows"].values()), report
 
