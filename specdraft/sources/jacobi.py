@@ -45,7 +45,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .base import Context, Draft, Feedback, SideBlock, SourceBase
+from .base import Context, Draft, Feedback, SideBlock, SourceBase, check_count
 
 __all__ = ["JacobiLookahead", "NGramPool", "LookaheadWindow", "window_side_block"]
 
@@ -216,8 +216,7 @@ class JacobiLookahead(SourceBase[LookaheadWindow]):
                  name: str = "jacobi") -> None:
         for label, value, low in (("window", window, 1), ("ngram", ngram, 3), ("max_candidates", max_candidates, 1),
                                   ("pool_size", pool_size, 1)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{label} must be an int >= {low}, got {value!r}")
+            check_count(label, value, low)
         if advance not in _ADVANCE:
             raise ValueError(f"advance must be one of {_ADVANCE}, got {advance!r}")
         super().__init__()

@@ -92,13 +92,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import numbers
 import threading
 from collections import OrderedDict
 from typing import Iterator, Sequence
 
 from .bulk import collector_paused
-from .base import Context, Draft, Feedback
+from .base import Context, Draft, Feedback, check_count
 from .ngram_running import RunningCounts
 
 __all__ = ["MultiLevelNGram", "NGramModel"]
@@ -173,12 +172,9 @@ class NGramModel:
 
     def __init__(self, max_ngram: int = 5, max_contexts: int | None = None, max_followers: int | None = None,
                  base: "NGramModel | None" = None) -> None:
-        if max_ngram < 2:
-            raise ValueError(f"max_ngram must be >= 2 (a context of at least one token), got {max_ngram}")
-        if max_contexts is not None and max_contexts < 1:
-            raise ValueError(f"max_contexts must be >= 1 or None, got {max_contexts}")
-        if max_followers is not None and max_followers < 1:
-            raise ValueError(f"max_followers must be >= 1 or None, got {max_followers}")
+        check_count("max_ngram", max_ngram, 2)  # (a context of at least one token)
+        check_count("max_contexts", max_contexts, 1, none_ok=True)
+        check_count("max_followers", max_followers, 1, none_ok=True)
         if base is not None and (base.max_ngram != max_ngram or max_contexts is not None):
             raise ValueError("an overlay has its base's max_ngram and no max_contexts of its own")
         self.max_ngram = max_ngram
@@ -392,26 +388,14 @@ class MultiLevelNGram:
     def __init__(self, max_ngram: int = 5, num_tokens: int = 7, top_b: int = 2, branch_depth: int = 1,
                  shared: bool = False, max_contexts: int | None = None, max_followers: int | None = None,
                  max_requests: int = 64, name: str = "ngram") -> None:
-        # types first, so a wrong one (say a string from the command line) is named, not a failed comparison
-        for label, value, low, optional in (("max_ngram", max_ngram, 2, False), ("num_tokens", num_tokens, 1, False),
-                                            ("top_b", top_b, 1, False), ("branch_depth", branch_depth, 0, False),
-                                            ("max_contexts", max_contexts, 1, True),
-                                            ("max_followers", max_followers, 1, True),
-                                            ("max_requests", max_requests, 1, False)):
-            if optional and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise ValueError(f"{label} must be an int >= {low}{' or None' if optional else ''}, got {value!r}")
-        for label, value, low in (("num_tokens", num_tokens, 1), ("top_b", top_b, 1),
+        for label, value, low in (("max_ngram", max_ngram, 2), ("num_tokens", num_tokens, 1), ("top_b", top_b, 1),
                                   ("branch_depth", branch_depth, 0), ("max_requests", max_requests, 1)):
-            if value < low:
-                raise ValueError(f"{label} must be >= {low}, got {value}")
+            check_count(label, value, low)
+        check_count("max_contexts", max_contexts, 1, none_ok=True)
+        check_count("max_followers", max_followers, 1, none_ok=True)
         if shared:
             max_contexts = DEFAULT_SHARED_MAX_CONTEXTS if max_contexts is None else max_contexts
             max_followers = DEFAULT_SHARED_MAX_FOLLOWERS if max_followers is None else max_followers
-        # NGramModel checks max_ngram / max_contexts / max_followers; build one now (an empty table,
-        # free) so bad values fail here rather than at the first request
-        NGramModel(max_ngram, max_contexts, max_followers)
         self.max_ngram = max_ngram
         self.num_tokens = num_tokens
         self.top_b = top_b

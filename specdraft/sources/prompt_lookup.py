@@ -10,11 +10,10 @@ branches of the tree, so several candidate copies are checked in the same forwar
 
 from __future__ import annotations
 
-import numbers
 from array import array
 from typing import Iterable, Sequence
 
-from .base import Context, Draft, SourceBase
+from .base import Context, Draft, SourceBase, check_count
 
 
 class _TailIndex:
@@ -74,15 +73,9 @@ class PromptLookup(SourceBase[_TailIndex]):
                  name: str = "prompt") -> None:
         for label, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram), ("num_tokens", num_tokens),
                              ("max_branches", max_branches)):
-            # a wrong type (a string from the command line, say) is named here, not a failed comparison
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise ValueError(f"{label} must be an int >= 1, got {value!r}")
-        if min_ngram < 1 or max_ngram < min_ngram:
+            check_count(label, value, 1)
+        if max_ngram < min_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
-        if num_tokens < 1:
-            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-        if max_branches < 1:
-            raise ValueError(f"max_branches must be >= 1, got {max_branches}")
         super().__init__()
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
