@@ -27,7 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specdraft.sources import Context, Feedback
-from specdraft.sources.ngram import _BEST, _BEST_KEY, MultiLevelNGram, NGramModel, followers_of, last_update
+from specdraft.sources.ngram import _BEST, _BEST_KEY, _CLOCK_MASK, MultiLevelNGram, NGramModel
 from specdraft.sources.suffix_tree import SuffixTree
 from specdraft.sources.token_recycling import TokenRecycling
 
@@ -61,7 +61,7 @@ def ngram_snapshot(src: MultiLevelNGram) -> dict[str, Any]:
     return dict(
         counts={n: model.counts(n) for n in range(2, src.max_ngram + 1)},
         order=list(model.contexts()),
-        stats={c: dict(f) for c, f in model.statistics()},  # stamps and the prediction included
+        stats={c: dict(f) for c, f in model._table.items()},  # stamps and the prediction included
         clock=model.clock,
         contexts=model.num_contexts,
         live=src.active_requests,
@@ -79,13 +79,14 @@ def ngram_drafts(src: MultiLevelNGram, tails: list[list[int]]) -> list[list[list
 
 def assert_lru_invariant(model: NGramModel) -> None:
     """The table's order is the order of (last update clock, context length), all distinct."""
-    keys = [(last_update(f), len(c)) for c, f in model.statistics()]
+    # a context's last update stamped the follower it counted with the clock, and evictions never drop that one
+    keys = [(max(key & _CLOCK_MASK for t, key in f.items() if t >= 0), len(c)) for c, f in model._table.items()]
     assert keys == sorted(keys) and len(set(keys)) == len(keys)
     assert all(key[0] <= model.clock for key in keys)
     if model.max_contexts is not None:
         assert model.num_contexts <= model.max_contexts
-    for _, f in model.statistics():
-        followers = followers_of(f)
+    for _, f in model._table.items():
+        followers = {t: key for t, key in f.items() if t >= 0}  # (the prediction keys left out)
         assert followers and (model.max_followers is None or len(followers) <= model.max_followers)
         assert f[_BEST_KEY] == max(followers.values()) and followers[f[_BEST]] == f[_BEST_KEY]
 

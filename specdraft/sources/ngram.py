@@ -125,22 +125,11 @@ _RESERVED = 2  # entries of a statistics dict that are not followers
 Followers = dict  # dict[int, int]: token -> count << _SHIFT | last_seen, plus _BEST and _BEST_KEY
 
 
-def followers_of(stats: Followers) -> dict[int, int]:
-    """The followers alone (``token -> packed statistics``), the prediction keys left out."""
-    return {t: key for t, key in stats.items() if t >= 0}
-
-
 def ranked(stats: Followers, b: int) -> list[int]:
     """The ``b`` best next tokens: highest count first, ties most recent first."""
     if b == 1 or len(stats) == _RESERVED + 1:  # (most contexts have one follower)
         return [stats[_BEST]]
     return heapq.nlargest(b, [t for t in stats if t >= 0], key=stats.__getitem__)
-
-
-def last_update(stats: Followers) -> int:
-    """The clock of the context's last update: every update stamps the follower it counts with the
-    current clock, and a follower eviction (only when a new one arrives) never drops it."""
-    return max(key & _CLOCK_MASK for t, key in stats.items() if t >= 0)
 
 
 def evict_one(stats: Followers) -> None:
@@ -160,8 +149,8 @@ class NGramModel:
     """Counts of next tokens after every context of ``1 .. max_ngram - 1`` tokens.
 
     One table keyed by the context tuple holds every level (a context's length says its level:
-    ``n = len(context) + 1``). ``add`` counts a token stream incrementally; ``predict`` and
-    ``draft`` query it with back-off. With a ``base`` model the model is an *overlay* of it: a
+    ``n = len(context) + 1``). ``add`` counts a token stream incrementally; ``candidates``
+    and ``draft`` query it with back-off. With a ``base`` model the model is an *overlay* of it: a
     context is copied from the base at its first update here (copy on write), and queries read the
     overlay first, then the base; the base is never written. An overlay neither evicts contexts nor
     caps followers (it holds what the running requests count, which their lengths bound). Not
@@ -273,17 +262,6 @@ class NGramModel:
 
     # -- queries ------------------------------------------------------------------------------
 
-    def predict(self, tail: Sequence[int]) -> tuple[int, int] | None:
-        """``(token, n)``: the prediction after ``tail`` and the level ``n`` that gave it, trying
-        the last ``N-1`` tokens of ``tail`` first, then fewer; ``None`` if no level has seen them."""
-        tail = tuple(tail)
-        get = self._lookup()
-        for m in range(min(len(tail), self.max_ngram - 1), 0, -1):
-            f = get(tail[len(tail) - m :])
-            if f is not None:
-                return f[_BEST], m + 1
-        return None
-
     def candidates(self, tail: Sequence[int], b: int) -> list[int]:
         """Up to ``b`` distinct next tokens after ``tail``, best first: the longest matching
         context's followers by count (ties: most recent), topped up from shorter contexts."""
@@ -331,10 +309,6 @@ class NGramModel:
         out.update({ctx: {t: key >> _SHIFT for t, key in f.items() if t >= 0}
                     for ctx, f in self._table.items() if len(ctx) == n - 1})
         return out
-
-    def statistics(self) -> Iterator[tuple[tuple[int, ...], Followers]]:
-        """``(context, its statistics dict)`` in table order (LRU order when bounded); read only."""
-        return iter(self._table.items())
 
     def contexts(self) -> Iterator[tuple[int, ...]]:
         return iter(self._table)

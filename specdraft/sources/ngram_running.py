@@ -74,11 +74,6 @@ class RunningCounts:
         for ctx in touched:  # the shared statistics plus what is still pending there (none if nothing is)
             self.view.recount(ctx, pending.get(ctx))
 
-    @property
-    def empty(self) -> bool:
-        """Whether nothing is pending (no running request counted anything still held)."""
-        return not self.pending and not self.view.num_contexts
-
 
 def _positions(tokens: Sequence[int], start: int, top: int):
     """``(context, next token)`` for every position ``i >= max(start, 1)`` of ``tokens`` and every

@@ -297,17 +297,6 @@ class SuffixTrie:
             node = child
         return node, -1
 
-    def longest_match(self, context: Sequence[int]) -> int:
-        """The length of the longest suffix of ``context`` (at most ``max_depth`` tokens) that
-        occurs in the trie's sequences."""
-        ctx = [int(t) for t in context[-self.max_depth :]]
-        best = 0
-        for m in range(1, len(ctx) + 1):
-            if self._locate(ctx, len(ctx) - m) is None:
-                break
-            best = m
-        return best
-
     def count(self, key: Sequence[int]) -> int:
         """C(key): occurrences of the string in the live sequences (0 if absent or too long)."""
         key = [int(t) for t in key]
@@ -453,11 +442,6 @@ class SuffixTrie:
             for q in range(depth + 1, min(self.max_depth, len(seq) - start) + 1):
                 out[key[:-1] + tuple(seq[start + depth : start + q])] = 1
         return out
-
-    def num_nodes(self) -> tuple[int, int]:
-        """(explicit nodes, leaves) in the trie."""
-        nodes = sum(1 for _, ref, _ in self._walk() if ref > 0)
-        return nodes, sum(1 for _ in self._walk()) - nodes
 
     def check_invariants(self) -> None:
         """Assert the structure (O(size); for tests): positive counts, a parent's count at least its

@@ -218,13 +218,6 @@ class TreeTemplate:
             depths.append(1 if parent < 0 else depths[parent] + 1)
         return tuple(depths)
 
-    def paths(self) -> list[tuple[int, ...]]:
-        """Each node's rank path from the root (for inspection and tests)."""
-        out: list[tuple[int, ...]] = []
-        for parent, rank in zip(self.parents, self.ranks):
-            out.append((out[parent] if parent >= 0 else ()) + (rank,))
-        return out
-
     def prefix(self, n: int, name: str | None = None) -> "TreeTemplate":
         """The first ``n`` nodes (a tree, since parents come first)."""
         return TreeTemplate(self.parents[:n], self.ranks[:n], name or f"{self.name}[:{n}]")
