@@ -133,7 +133,7 @@ class TreeTemplate:
     of the nodes is the order drafts are listed in (best first), so any prefix is a tree.
 
     Build one with :meth:`from_pairs` (``[(parent, rank), ...]``), :meth:`from_paths` (the
-    authors' rank paths) or :meth:`named`; the constructor is not meant to be called directly.
+    authors' rank paths), or take one of :data:`TEMPLATES`; the constructor is not meant to be called directly.
     """
 
     parents: tuple[int, ...]
@@ -193,14 +193,6 @@ class TreeTemplate:
         ordered = [keyed[i] for i in order]
         index = {p: i for i, p in enumerate(ordered)}
         return cls.from_pairs([(index.get(p[:-1], -1), p[-1]) for p in ordered], name)
-
-    @classmethod
-    def named(cls, name: str) -> "TreeTemplate":
-        """One of :data:`TEMPLATES`."""
-        if name not in TEMPLATES:
-            raise ValueError(f"unknown tree template {name!r}; allowed: {', '.join(TEMPLATES)} "
-                             "or a list of (parent_index, rank) pairs")
-        return TEMPLATES[name]
 
     # --- derived ----------------------------------------------------------------------------
 
@@ -344,7 +336,10 @@ class TokenRecycling(SourceBase[_Undo]):
         if isinstance(template, TreeTemplate):
             tree = template
         elif isinstance(template, str):
-            tree = TreeTemplate.named(template)
+            if template not in TEMPLATES:
+                raise ValueError(f"unknown tree template {template!r}; allowed: {', '.join(TEMPLATES)} "
+                                 "or a list of (parent_index, rank) pairs")
+            tree = TEMPLATES[template]
         elif isinstance(template, Sequence):
             tree = TreeTemplate.from_pairs(template)
         else:

@@ -145,11 +145,12 @@ class _Request:
 
     __slots__ = ("tokens", "prompt_length", "prompt_tick", "first", "ticks")
 
-    def __init__(self, tokens: list[int], prompt_length: int, first: int) -> None:
+    def __init__(self, tokens: list[int], prompt_length: int, branch_length: int) -> None:
         self.tokens = tokens
         self.prompt_length = prompt_length
         self.prompt_tick = 0
-        self.first = first  # start of the first output window
+        # the first window holding a generated token starts ``branch_length`` tokens before them
+        self.first = max(0, prompt_length - branch_length)
         self.ticks: list[int] = []  # the running clock of each output window counted, in order
 
 
@@ -246,7 +247,7 @@ class FrequencyTrie:
         prompt, counted as prompt (amplified) in the running part. A request id begun again without
         ``end`` has its earlier counts taken back first, as ``abort`` would."""
         prompt = [int(t) for t in context.tokens[: context.prompt_length]]
-        request = _Request(prompt, len(prompt), self._first_output_window(len(prompt)))
+        request = _Request(prompt, len(prompt), self.branch_length)
         with self._lock:
             self._take_back(self._requests.pop(context.request_id, None))
             if self.insert_prompt and len(prompt) > 1:
@@ -266,7 +267,7 @@ class FrequencyTrie:
             request = self._requests.get(context.request_id)
             if request is None:  # observe without begin: track the output anyway, count no prompt
                 n = context.prompt_length
-                request = _Request([int(t) for t in context.tokens[:n]], n, self._first_output_window(n))
+                request = _Request([int(t) for t in context.tokens[:n]], n, self.branch_length)
                 self._requests[context.request_id] = request
             tokens = request.tokens
             tokens.extend(map(int, context.tokens[len(tokens) :]))
@@ -483,10 +484,6 @@ class FrequencyTrie:
                 f"branch_length={self.branch_length}, mode={self.mode!r}, active_requests={len(self._requests)})")
 
     # -- internals (callers hold the lock) ------------------------------------------------------
-
-    def _first_output_window(self, prompt_length: int) -> int:
-        """The first window holding a generated token starts ``branch_length`` tokens before them."""
-        return max(0, prompt_length - self.branch_length)
 
     def _take_back(self, request: _Request | None) -> None:
         """Take every running count of ``request`` back: its prompt windows and its output windows
