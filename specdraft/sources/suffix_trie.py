@@ -110,10 +110,6 @@ class SuffixTrie:
     def num_sequences(self) -> int:
         return len(self._seqs)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s) for s in self._seqs.values())
-
     def sequence(self, seq_id: int) -> list[int]:
         """The tokens of a sequence (a copy)."""
         return list(self._seqs[seq_id])
