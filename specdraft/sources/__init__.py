@@ -9,5 +9,4 @@ from .token_recycling import TokenRecycling
 from .suffix_tree import SuffixTree
 
 __all__ = ["Context", "Draft", "DraftSource", "Feedback", "SideBlock", "SourceBase", "PromptLookup", "MultiLevelNGram",
-           "FrequencyTrie", "JacobiLookahead", "TokenRecycling",
-           "SuffixTree"]
+           "FrequencyTrie", "JacobiLookahead", "TokenRecycling", "SuffixTree"]

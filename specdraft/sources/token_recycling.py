@@ -277,9 +277,7 @@ class _Undo:
 
     def compact(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rows, their content before this request's last run of writes, their writer then): the
-        latest entry of each row."""
-        if not self.rows:
-            return np.empty(0, dtype=np.intp), np.empty((0, 0), np.int32), np.empty(0, np.int32)
+        latest entry of each row. Only for a log that holds some."""
         if len(self.rows) > 1:
             rows = np.concatenate(self.rows)  # in time order
             _, first_reversed = np.unique(rows[::-1], return_index=True)
@@ -449,9 +447,9 @@ class TokenRecycling(SourceBase[_Undo]):
         if undo is None:
             return
         with self._lock:
-            rows, before, writers = undo.compact()
             matrix = self._matrix
-            if rows.shape[0]:
+            if undo.rows:
+                rows, before, writers = undo.compact()
                 inside = rows < matrix.shape[0] - 1  # (a row past a shrunk matrix is empty anyway)
                 rows, before, writers = rows[inside], before[inside], writers[inside]
                 ours = self._writer[rows] == undo.serial  # not written by another request since
