@@ -606,6 +606,7 @@ def test_cli_bench_concurrency_compares_batched_methods(capsys, tiny_dir: Path, 
         if row["method"].endswith("batched") and row["method"] != "hf-batched":
             assert row["forwards"] > 0 and row["tree_sizes"]
     assert "| 2 | default-batched |" in stdout
+    assert "| 2 | default-batched |" in (out / "three" / "concurrency.md").read_text()
     from specdraft.bench.concurrency import tree_sizes_by_load
 
     assert set(tree_sizes_by_load(summary)) <= {1, 2}

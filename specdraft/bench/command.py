@@ -52,6 +52,7 @@ def _prompts(spec: DatasetSpec, args: argparse.Namespace, tokenizer: Any, chat: 
 
 
 def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
 
 
@@ -228,9 +229,10 @@ def _run_concurrency(args: argparse.Namespace, model: Any, tokenizer: Any, specs
         prompts = _prompts(spec, args, tokenizer, chat)
         say(f"{spec.key}: {len(prompts)} prompts at concurrency {args.concurrency}")
         summary = run_concurrency(model, tokenizer, [p.token_ids for p in prompts], args.concurrency,
-                                  args.max_new_tokens, args.max_tree_nodes, out_dir / spec.key, say=say)
+                                  args.max_new_tokens, args.max_tree_nodes, say=say)
         summary["config"] = config
         _write_json(out_dir / spec.key / "concurrency.json", summary)
+        (out_dir / spec.key / "concurrency.md").write_text(markdown(summary), encoding="utf-8")
         if not args.no_plot:
             plot_tree_sizes(summary, out_dir / spec.key / "tree-sizes.png",
                             title=f"{config['model_id']} {args.dtype}: tree size per request by load")

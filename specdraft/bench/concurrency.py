@@ -26,7 +26,6 @@ equal ``generate``'s token for token (greedy; in float32 they should all).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -53,27 +52,40 @@ def trim_at_eos(tokens: Sequence[int], eos: set[int]) -> list[int]:
     return out[: next((i + 1 for i, t in enumerate(out) if t in eos), len(out))]
 
 
-def run_generate(model: Any, prompts: Sequence[list[int]], n: int, max_new_tokens: int
-                 ) -> tuple[list[list[int]], list[float], float]:
-    """Sequential ``model.generate`` per group of ``n``: (outputs, latencies, seconds)."""
-    import torch
+#: What each runner returns: the outputs, the per-request latencies, the seconds of the whole run and the
+#: extra fields of its rows (our batched decoders' forward counts and tree sizes).
+Timed = tuple[list[list[int]], list[float], float, dict[str, Any]]
 
+
+def run_sequential(generate_one: Callable[[list[int]], list[int]], prompts: Sequence[list[int]], n: int) -> Timed:
+    """One request after another, in groups of ``n`` (what a user without batching runs): a request's
+    latency runs from its group's start, the moment it could have started."""
     outputs, latencies = [], []
     started = time.perf_counter()
     for group in _groups(prompts, n):
         group_start = time.perf_counter()
         for ids in group:
-            with torch.inference_mode():
-                out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=max_new_tokens,
-                                     do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long,
-                                                                                device=model.device))
-            outputs.append(out[0, len(ids):].tolist())
+            outputs.append(generate_one(list(ids)))
             latencies.append(time.perf_counter() - group_start)
-    return outputs, latencies, time.perf_counter() - started
+    return outputs, latencies, time.perf_counter() - started, {}
+
+
+def _plain_generate(model: Any, max_new_tokens: int) -> Callable[[list[int]], list[int]]:
+    """One greedy ``model.generate`` call on one prompt: its new tokens."""
+    import torch
+
+    def generate_one(ids: list[int]) -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=max_new_tokens,
+                                 do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long,
+                                                                            device=model.device))
+        return out[0, len(ids):].tolist()
+
+    return generate_one
 
 
 def run_hf_batched(model: Any, prompts: Sequence[list[int]], n: int, max_new_tokens: int, pad_id: int,
-                   eos: set[int]) -> tuple[list[list[int]], list[float], float]:
+                   eos: set[int]) -> Timed:
     """transformers' batched ``generate`` per group of ``n``, left padding."""
     import torch
 
@@ -91,11 +103,10 @@ def run_hf_batched(model: Any, prompts: Sequence[list[int]], n: int, max_new_tok
         for row in out[:, width:].tolist():
             outputs.append(trim_at_eos(row, eos))
             latencies.append(seconds)
-    return outputs, latencies, time.perf_counter() - started
+    return outputs, latencies, time.perf_counter() - started, {}
 
 
-def run_ours_batched(decoder: Any, prompts: Sequence[list[int]], n: int, max_new_tokens: int
-                     ) -> tuple[list[list[int]], list[float], float, dict[str, Any]]:
+def run_ours_batched(decoder: Any, prompts: Sequence[list[int]], n: int, max_new_tokens: int) -> Timed:
     """Our continuous batching at concurrency ``n``: a request's latency runs from its admission."""
     started = time.perf_counter()
     result = decoder.generate_batch(list(prompts), max_new_tokens=max_new_tokens, concurrency=n)
@@ -107,22 +118,11 @@ def run_ours_batched(decoder: Any, prompts: Sequence[list[int]], n: int, max_new
     return [list(o.token_ids) for o in result], [o.stats.wall_time for o in result], seconds, extra
 
 
-def run_ours_alone(decoder: Any, prompts: Sequence[list[int]], max_new_tokens: int
-                   ) -> tuple[list[list[int]], list[float], float]:
-    outputs, latencies = [], []
-    started = time.perf_counter()
-    for ids in prompts:
-        t0 = time.perf_counter()
-        outputs.append(list(decoder.generate(list(ids), max_new_tokens=max_new_tokens).token_ids))
-        latencies.append(time.perf_counter() - t0)
-    return outputs, latencies, time.perf_counter() - started
-
-
 def run_concurrency(model: Any, tokenizer: Any, prompts: Sequence[list[int]], levels: Sequence[int],
-                    max_new_tokens: int, max_tree_nodes: int, out_dir: Path,
+                    max_new_tokens: int, max_tree_nodes: int,
                     say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
-    """Run every method at every level (see the module docstring); write ``concurrency.json`` and
-    ``concurrency.md`` to ``out_dir`` and return the summary."""
+    """Run every method at every level (see the module docstring) and return the summary (the
+    caller writes it: ``concurrency.json``, and :func:`markdown`'s table)."""
     from specdraft.decoder import Decoder
     from specdraft.stopping import eos_ids
 
@@ -137,46 +137,38 @@ def run_concurrency(model: Any, tokenizer: Any, prompts: Sequence[list[int]], le
     # warm-up: the first forwards of a process pay for allocations and kernel choices
     plain.generate_batch(list(prompts[:2]), max_new_tokens=4, concurrency=2)
     ours.generate_batch(list(prompts[:2]), max_new_tokens=4, concurrency=2)
+    generate_one = _plain_generate(model, max_new_tokens)
+    runners: dict[str, Callable[[int], Timed]] = {  # in the order of each level's rows
+        "generate": lambda n: run_sequential(generate_one, prompts, n),
+        "hf-batched": lambda n: run_hf_batched(model, prompts, n, max_new_tokens, pad_id, eos),
+        "plain-batched": lambda n: run_ours_batched(plain, prompts, n, max_new_tokens),
+        "default-batched": lambda n: run_ours_batched(ours, prompts, n, max_new_tokens),
+        "default-alone": lambda n: run_sequential(
+            lambda ids: list(alone.generate(ids, max_new_tokens=max_new_tokens).token_ids), prompts, 1),
+    }
     rows: list[dict[str, Any]] = []
-    new = lambda outs: sum(len(trim_at_eos(o, eos)) for o in outs)  # noqa: E731
     for li, n in enumerate(levels):
-        names = list(METHODS[li % len(METHODS):] + METHODS[: li % len(METHODS)])
-        if n == 1:
-            names.append("default-alone")
-        results: dict[str, dict[str, Any]] = {}
+        names = list(METHODS[li % len(METHODS):] + METHODS[: li % len(METHODS)]) + (["default-alone"] if n == 1 else [])
+        results: dict[str, Timed] = {}
         for name in names:
             say(f"concurrency {n}: {name}")
-            extra: dict[str, Any] = {}
-            if name == "generate":
-                outs, lat, secs = run_generate(model, prompts, n, max_new_tokens)
-            elif name == "hf-batched":
-                outs, lat, secs = run_hf_batched(model, prompts, n, max_new_tokens, pad_id, eos)
-            elif name == "plain-batched":
-                outs, lat, secs, extra = run_ours_batched(plain, prompts, n, max_new_tokens)
-            elif name == "default-batched":
-                outs, lat, secs, extra = run_ours_batched(ours, prompts, n, max_new_tokens)
-            else:
-                outs, lat, secs = run_ours_alone(alone, prompts, max_new_tokens)
-            results[name] = {"outputs": [trim_at_eos(o, eos) for o in outs], "latencies": lat, "seconds": secs,
-                             "tokens": new(outs), **extra}
-        reference = results["generate"]["outputs"]
-        base_rate = results["generate"]["tokens"] / results["generate"]["seconds"]
-        for name in [m for m in (*METHODS, "default-alone") if m in results]:
-            r = results[name]
-            rate = r["tokens"] / r["seconds"] if r["seconds"] > 0 else 0.0
-            row = {"concurrency": n, "method": name, "tokens": r["tokens"], "seconds": r["seconds"],
-                   "tokens_per_s": rate, "vs_generate": rate / base_rate if base_rate else 0.0,
-                   "latency_median": statistics.median(r["latencies"]), "latency_p90": _percentile(r["latencies"], 90),
-                   "identical": sum(a == b for a, b in zip(r["outputs"], reference)), "requests": len(reference)}
-            row.update({k: r[k] for k in ("forwards", "rows_per_forward", "tree_nodes_per_request", "tree_sizes")
-                        if k in r})
-            rows.append(row)
-    summary = {"levels": list(levels), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-               "max_tree_nodes": max_tree_nodes, "kernels": ours.kernels.describe(), "rows": rows}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "concurrency.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    (out_dir / "concurrency.md").write_text(markdown(summary), encoding="utf-8")
-    return summary
+            outputs, latencies, seconds, extra = runners[name](n)
+            results[name] = [trim_at_eos(o, eos) for o in outputs], latencies, seconds, extra
+        rows += [_row(n, name, results[name], results["generate"]) for name in runners if name in results]
+    return {"levels": list(levels), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "max_tree_nodes": max_tree_nodes, "kernels": ours.kernels.describe(), "rows": rows}
+
+
+def _row(n: int, method: str, timed: Timed, reference: Timed) -> dict[str, Any]:
+    """The row of ``method`` at level ``n``; ``reference`` is sequential ``generate``'s run there."""
+    outputs, latencies, seconds, extra = timed
+    tokens = sum(len(o) for o in outputs)
+    rate = tokens / seconds if seconds > 0 else 0.0
+    base_rate = sum(len(o) for o in reference[0]) / reference[2]
+    return {"concurrency": n, "method": method, "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": rate, "vs_generate": rate / base_rate if base_rate else 0.0,
+            "latency_median": statistics.median(latencies), "latency_p90": _percentile(latencies, 90),
+            "identical": sum(a == b for a, b in zip(outputs, reference[0])), "requests": len(reference[0]), **extra}
 
 
 def markdown(summary: dict[str, Any]) -> str:
