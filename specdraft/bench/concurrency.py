@@ -202,7 +202,7 @@ def tree_sizes_by_load(summary: dict[str, Any], method: str = "default-batched")
 
 def plot_tree_sizes(summary: dict[str, Any], path: Path, title: str = "") -> Path:
     """``tree-sizes.png``: mean tree nodes per request against the requests in the forward."""
-    from .report import require_matplotlib
+    from .report import require_matplotlib, save_figure
 
     plt = require_matplotlib()
     points = tree_sizes_by_load(summary)
@@ -214,7 +214,4 @@ def plot_tree_sizes(summary: dict[str, Any], path: Path, title: str = "") -> Pat
     ax.grid(alpha=0.3)
     if title:
         ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -41,7 +41,7 @@ from .methods import BASELINE, plain_reference
 from .runner import DatasetRun, PromptRun
 
 __all__ = ["PlotUnavailableError", "markdown_report", "markdown_table", "method_file_name", "plot",
-           "require_matplotlib", "speed_ratio", "summarize", "write_specbench_jsonl"]
+           "require_matplotlib", "save_figure", "speed_ratio", "summarize", "write_specbench_jsonl"]
 
 
 class PlotUnavailableError(RuntimeError):
@@ -312,8 +312,13 @@ def plot(summaries: Sequence[dict[str, Any]], path: Path, title: str = "") -> Pa
         ax.legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=9)
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay out, write (120 dpi) and close a figure of :func:`require_matplotlib`'s pyplot."""
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    require_matplotlib().close(fig)
     return path
