@@ -489,9 +489,9 @@ def test_exact_suffix_times_exact_mode_beside_the_default_mode_in_one_run(tiny, 
     assert parse_methods("plain@noexact") == ["baseline", "plain@noexact"]
     assert plain_reference("default@noexact") == "plain@noexact"
     methods = build_methods(names, model, tokenizer, 8, exact=True)
-    assert [getattr(m, "exact", None) for m in methods] == [None, True, True, True, True, False]
+    assert [getattr(m, "decoder_options", {}).get("exact") for m in methods] == [None, True, True, True, True, False]
     methods = build_methods(names, model, tokenizer, 8, exact=False)
-    assert [getattr(m, "exact", None) for m in methods] == [None, False, True, True, False, False]
+    assert [getattr(m, "decoder_options", {}).get("exact") for m in methods] == [None, False, True, True, False, False]
     assert [m.decoder.exact for m in methods[1:]] == [False, True, True, False, False]
     summary = summarize(run_benchmark(model, records(tiny, prompt_file), methods, 6, progress=False))
     assert summary["methods"]["specdraft:prompt@exact"]["plain_reference"] == "plain@exact"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 import threading
 from pathlib import Path
 from typing import Any, Sequence
@@ -14,8 +15,9 @@ import pytest
 
 from specdraft import cli
 from specdraft.bench import datasets as ds
-from specdraft.bench.checkpoint import Checkpoint, CheckpointMismatch, load_checkpoint, save_checkpoint
-from specdraft.bench.methods import BASELINE, MethodResult, PlainGenerate, SpecdraftMethod, copy_sources
+from specdraft.bench.checkpoint import (Checkpoint, CheckpointMismatch, dumps_with_locks, load_checkpoint,
+                                        save_checkpoint)
+from specdraft.bench.methods import BASELINE, MethodResult, PlainGenerate, SpecdraftMethod
 from specdraft.bench.runner import run_benchmark
 
 pytestmark = pytest.mark.usefixtures("offline_cache")
@@ -206,9 +208,10 @@ class FailingBaseline(PlainGenerate):
         return super().run(prompt_ids, max_new_tokens, learn)
 
 
-def test_copy_sources_copies_thread_safe_sources() -> None:
+def test_thread_safe_sources_pickle_with_their_locks() -> None:
+    """What ``--repeats`` copies and a checkpoint saves: sources that hold locks."""
     src = cli.make_sources(["trie"])
-    copies = copy_sources(src)
+    copies = pickle.loads(dumps_with_locks(src))
     assert copies[0] is not src[0] and type(copies[0]) is type(src[0])
 
 

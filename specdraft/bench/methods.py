@@ -63,9 +63,9 @@ from typing import Any, Callable, Protocol, Sequence
 from ..model.compat import cache_keyword
 from .checkpoint import dumps_with_locks
 
-__all__ = ["BASELINE", "DEFAULT", "HF_PROMPT_LOOKUP", "PLAIN", "STATIC_GENERATE", "StaticGenerate", "PACKED_SUFFIX", "KERNEL_SUFFIXES", "plain_reference", "MethodError", "MethodResult", "Method", "PlainGenerate",
-           "SpecdraftMethod", "build_method", "copy_sources", "build_methods", "default_method_names", "default_source_names",
-           "parse_methods", "valid_method_names"]
+__all__ = ["BASELINE", "DEFAULT", "HF_PROMPT_LOOKUP", "PLAIN", "STATIC_GENERATE", "SUFFIX_KINDS", "Method",
+           "MethodError", "MethodResult", "PlainGenerate", "SpecdraftMethod", "StaticGenerate", "build_method",
+           "build_methods", "default_method_names", "parse_methods", "plain_reference", "valid_method_names"]
 
 BASELINE = "baseline"
 HF_PROMPT_LOOKUP = "hf-prompt-lookup"
@@ -145,21 +145,13 @@ def _sources() -> dict[str, Callable[..., Any]]:
     return {**registry.SOURCES, **BENCH_ONLY_SOURCES}
 
 
-def default_source_names(device: Any = None) -> list[str]:
-    """The sources of the ``default`` method: the library's default combination for a model on
-    ``device`` (what ``Decoder()`` uses there when no sources are given)."""
-    from specdraft.sources import registry
-
-    return list(registry.default_source_names(device))
-
-
 def default_method_names() -> list[str]:
     """baseline, hf-prompt-lookup, every registered source alone, and ``default`` when it
     combines more than one source (with a single source it would repeat ``specdraft:<it>``)."""
     from specdraft.sources import registry
 
     names = [BASELINE, HF_PROMPT_LOOKUP] + [PREFIX + s for s in registry.SOURCES]
-    if len(default_source_names()) > 1:
+    if len(registry.default_source_names()) > 1:
         names.append(DEFAULT)
     return names
 
@@ -167,41 +159,17 @@ def default_method_names() -> list[str]:
 def valid_method_names() -> str:
     """The valid ``--methods`` names, for help and error messages."""
     sources = ", ".join(_sources())
+    kernels, exact, attention, compiled = (" or ".join(SUFFIX_KINDS[kind].suffixes)
+                                          for kind in ("kernels", "exact", "attention", "compile"))
     return (f"{BASELINE}, {HF_PROMPT_LOOKUP}, {STATIC_GENERATE}, {DEFAULT}, {PLAIN}, or {PREFIX}<sources joined by +> "
-            f"with sources from: {sources} (each NAME or NAME[key=value,...]); add {FIXED_SUFFIX} to one of ours to "
-            f"switch its adaptive budget off, {' or '.join(KERNEL_SUFFIXES)} to run it on those CPU kernels instead of "
-            f"{DEFAULT_KERNELS!r}, {' or '.join(EXACT_SUFFIXES)} to run it with exact mode on or off, "
-            f"{' or '.join(ATTENTION_SUFFIXES)} to run it on that attention, {' or '.join(COMPILE_SUFFIXES)} to "
-            f"compile its GPU forwards")
+            f"with sources from: {sources} (each NAME or NAME[key=value,...]); add @fixed to one of ours to "
+            f"switch its adaptive budget off, {kernels} to run it on those CPU kernels instead of "
+            f"{DEFAULT_KERNELS!r}, {exact} to run it with exact mode on or off, "
+            f"{attention} to run it on that attention, {compile} to compile its GPU forwards")
 
 
-#: Suffix of a method name that turns the adaptive tree budget off (``default@fixed``,
-#: ``specdraft:prompt@fixed``): every step then checks up to ``--max-tree-nodes`` nodes.
-FIXED_SUFFIX = "@fixed"
-#: Suffix of a method name that keeps the adaptive budget but never pauses drafting (``default@nopause``).
-NOPAUSE_SUFFIX = "@nopause"
-#: Suffix of a method name whose adaptive budget never weighs the whole tree against its choice
-#: (``default@notrial``; the trial runs on CUDA only, :mod:`specdraft.budget.whole_tree`).
-NOTRIAL_SUFFIX = "@notrial"
-#: Budget suffix -> the budget a method runs: ``"fixed"``, ``"nopause"``, ``"notrial"`` (without
-#: one: ``"adaptive"``).
-BUDGET_SUFFIXES = {FIXED_SUFFIX: "fixed", NOPAUSE_SUFFIX: "nopause", NOTRIAL_SUFFIX: "notrial"}
-#: Suffix of a method name that runs our decoder with ``cpu_kernels="packed"`` (``default@packed``).
-PACKED_SUFFIX = "@packed"
-#: Method-name suffix -> ``Decoder(cpu_kernels=...)``; without one, a method runs :data:`DEFAULT_KERNELS`.
-KERNEL_SUFFIXES = {"@stock": "stock", PACKED_SUFFIX: "packed", "@fbgemm": "fbgemm"}
 #: What a method without a kernel suffix runs: the library's default.
 DEFAULT_KERNELS = "auto"
-#: Suffixes of a method name that run our decoder in exact mode, or without it, whatever
-#: ``--exact`` says (``default@exact``, ``default@noexact``) -> ``Decoder(exact=...)``.
-EXACT_SUFFIXES = {"@exact": True, "@noexact": False}
-#: Suffix of a method name that runs our decoder on the flash split (``Decoder(attention="flash")``,
-#: which runs without exact mode): ``plain@flash,default@flash`` beside ``plain@noexact`` and
-#: ``default@noexact`` time it against ``sdpa`` in one process.
-ATTENTION_SUFFIXES = {"@flash": "flash"}
-#: Suffix of a method name that runs our decoder with ``Decoder(compile=True)`` (CUDA only):
-#: ``plain@compiled,default@compiled`` beside ``plain,default`` time compiled forwards in one process.
-COMPILE_SUFFIXES = {"@compiled": True}
 
 
 @dataclass(frozen=True)
@@ -213,12 +181,21 @@ class _SuffixKind:
     what: str
 
 
-#: The kinds of suffix our methods take, in the order a canonical name lists them.
-SUFFIX_KINDS = {"budget": _SuffixKind(BUDGET_SUFFIXES, "adaptive", "budgets"),
-                "kernels": _SuffixKind(KERNEL_SUFFIXES, DEFAULT_KERNELS, "CPU kernels"),
-                "exact": _SuffixKind(EXACT_SUFFIXES, None, "exact modes"),
-                "attention": _SuffixKind(ATTENTION_SUFFIXES, None, "attention backends"),
-                "compile": _SuffixKind(COMPILE_SUFFIXES, False, "compile modes")}
+#: The kinds of suffix our methods take, in the order a canonical name lists them (see the module docstring).
+#: ``budget``: ``@fixed`` turns the adaptive tree budget off (every step checks up to ``--max-tree-nodes``
+#: nodes), ``@nopause`` keeps it but never pauses drafting, ``@notrial`` never weighs the whole tree against
+#: its choice (the trial runs on CUDA only, :mod:`specdraft.budget.whole_tree`). ``kernels``:
+#: ``Decoder(cpu_kernels=...)``. ``exact``: exact mode on or off whatever ``--exact`` says. ``attention``:
+#: the flash split (``Decoder(attention="flash")``, without exact mode), timed against ``sdpa`` by
+#: ``plain@flash,default@flash`` beside ``plain@noexact,default@noexact``. ``compile``:
+#: ``Decoder(compile=True)`` (CUDA only), timed by ``plain@compiled,default@compiled`` beside ``plain,default``.
+SUFFIX_KINDS = {"budget": _SuffixKind({"@fixed": "fixed", "@nopause": "nopause", "@notrial": "notrial"},
+                                      "adaptive", "budgets"),
+                "kernels": _SuffixKind({"@stock": "stock", "@packed": "packed", "@fbgemm": "fbgemm"},
+                                       DEFAULT_KERNELS, "CPU kernels"),
+                "exact": _SuffixKind({"@exact": True, "@noexact": False}, None, "exact modes"),
+                "attention": _SuffixKind({"@flash": "flash"}, None, "attention backends"),
+                "compile": _SuffixKind({"@compiled": True}, False, "compile modes")}
 
 
 def _split_suffixes(name: str) -> tuple[str, dict[str, Any]]:
@@ -448,13 +425,6 @@ def _warm_up_if_short(method: StaticGenerate | SpecdraftMethod, prompt_ids: Sequ
 # --------------------------------------------------------------------------------------------
 
 
-def copy_sources(sources: Sequence[Any]) -> list[Any]:
-    """A deep copy of draft sources, state included: a pickle round trip. Thread-safe sources hold
-    locks, which pickle and ``copy.deepcopy`` refuse; a lock is copied as a new unlocked lock (no
-    thread can be holding the copy; see :func:`specdraft.bench.checkpoint.dumps_with_locks`)."""
-    return pickle.loads(dumps_with_locks(list(sources)))
-
-
 class SpecdraftMethod:
     """Our decoder with a fixed set of draft sources, kept for the whole run (see the module
     docstring on state across prompts)."""
@@ -467,11 +437,9 @@ class SpecdraftMethod:
 
         self.name = name
         self.source_names = list(source_names)
-        self.adaptive_budget = adaptive_budget
-        self.cpu_kernels = cpu_kernels
-        self.exact = exact
-        self.attention = attention
-        self.compile = compile
+        #: ``Decoder``'s keyword arguments; the budget's two switches below are set on each decoder
+        self.decoder_options = dict(max_tree_nodes=max_tree_nodes, adaptive_budget=adaptive_budget,
+                                    cpu_kernels=cpu_kernels, exact=exact, attention=attention, compile=compile)
         self.drafting_pauses = drafting_pauses
         self.whole_tree_trial = whole_tree_trial
         self.description = (("specdraft Decoder with sources " + "+".join(self.source_names) if self.source_names
@@ -484,7 +452,6 @@ class SpecdraftMethod:
                             + (", compile=True" if compile else ""))
         self.model = model
         self.tokenizer = tokenizer
-        self.max_tree_nodes = max_tree_nodes
         self.sources = make_sources(self.source_names, _sources())
         self.decoder = self._decoder_for(self.sources)
         #: the cache length an untimed first call sized the decoder for (:meth:`warm_up`)
@@ -494,17 +461,18 @@ class SpecdraftMethod:
         if self.decoder.exact:
             self.description += f", exact mode ({self.decoder.engine.padding})"
 
-    def _decoder_for(self, sources: list[Any]) -> Any:
-        """A Decoder over ``sources`` with this method's tree size and budget kind."""
+    def _decoder_for(self, sources: list[Any], budget: Any = None) -> Any:
+        """A Decoder over ``sources`` with this method's options; ``budget``: an adaptive budget to run
+        instead of a fresh one (a copy, or one restored from a checkpoint)."""
         from specdraft.decoder import Decoder
 
-        decoder = Decoder(self.model, self.tokenizer, sources=sources, max_tree_nodes=self.max_tree_nodes,
-                          adaptive_budget=self.adaptive_budget, cpu_kernels=self.cpu_kernels, exact=self.exact,
-                          attention=self.attention, compile=self.compile)
+        decoder = Decoder(self.model, self.tokenizer, sources=sources, **self.decoder_options)
         if not self.drafting_pauses:
             decoder.budget.drafting_share = 0.0
         if not self.whole_tree_trial:
             decoder.budget.whole_tree = None
+        if budget is not None:
+            decoder.budget = budget
         return decoder
 
     def _throwaway_decoder(self) -> Any:
@@ -517,9 +485,7 @@ class SpecdraftMethod:
             raise RuntimeError(
                 f"method {self.name}: a draft source cannot be copied ({type(exc).__name__}: {exc}), so repeated "
                 "timings would let it learn from its own repeats; run with --repeats 1") from exc
-        decoder = self._decoder_for(sources)
-        decoder.budget = budget
-        return decoder
+        return self._decoder_for(sources, budget)
 
     def warm_up(self, prompt_ids: Sequence[int], cache_tokens: int) -> None:
         """On an accelerator, what ``generate-static`` gets (:class:`StaticGenerate`): one untimed
@@ -550,9 +516,8 @@ class SpecdraftMethod:
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.sources = list(state["sources"])
-        self.decoder = self._decoder_for(self.sources)
+        self.decoder = self._decoder_for(self.sources, state["budget"])
         self.warm_tokens = 0
-        self.decoder.budget = state["budget"]
 
 
 def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int | None = None, exact: bool | None = None
@@ -569,6 +534,7 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int | No
         return StaticGenerate(name, model, {"do_sample": False, "cache_implementation": "static"},
                               'model.generate(do_sample=False, cache_implementation="static")')
     from specdraft.source_spec import split_top_level
+    from specdraft.sources.registry import default_source_names
 
     base, chosen = _split_suffixes(name)
     suffix = _suffixes(chosen)
