@@ -118,7 +118,16 @@ CPU_KERNELS_HELP = ("auto = measure the exact kernel paths below once on this ma
                     "keep a second copy of the weights in memory; see docs/cpu-fast-path.md (default: %(default)s)")
 
 
-def _add_exact_argument(parser: argparse.ArgumentParser) -> None:
+def _add_tree_arguments(parser: argparse.ArgumentParser, one_decoder: bool = True,
+                        tree_help: str = "draft tokens checked per forward pass; 0 = plain decoding") -> None:
+    """--max-tree-nodes and --exact; with ``one_decoder`` (generate and demo, not the bench, whose
+    method names say these) also --fixed-budget and --cpu-kernels."""
+    parser.add_argument("--max-tree-nodes", type=_int_at_least(0), default=None, metavar="N",
+                        help=f"{tree_help} (default: {TREE_NODES_DEFAULTS})")
+    if one_decoder:
+        parser.add_argument("--fixed-budget", action="store_true",
+                            help="check --max-tree-nodes every step instead of sizing the tree adaptively")
+        parser.add_argument("--cpu-kernels", choices=list(CPU_KERNELS), default="auto", help=CPU_KERNELS_HELP)
     parser.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                         help="exact mode: speculation gives the very tokens of our plain decoding in every dtype "
                              "(forwards padded to row-invariant widths, exact attention); default: on for bfloat16 "
@@ -155,14 +164,9 @@ def _add_generate_command(sub: Any) -> None:
                           f"{','.join(DEFAULT_SOURCES)}; on a CUDA GPU {','.join(GPU_DEFAULT_SOURCES)})")
     gen.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="N",
                      help="stop after N new tokens (or at end of sequence) (default: %(default)s)")
-    gen.add_argument("--max-tree-nodes", type=_int_at_least(0), default=None, metavar="N",
-                     help=f"draft tokens checked per forward pass; 0 = plain decoding (default: {TREE_NODES_DEFAULTS})")
-    gen.add_argument("--fixed-budget", action="store_true",
-                     help="check --max-tree-nodes every step instead of sizing the tree adaptively")
+    _add_tree_arguments(gen)
     gen.add_argument("--attention", choices=["auto", "sdpa", "eager", "flash"], default="auto",
                      help="attention backend; flash = split+merge flash kernel (default: %(default)s)")
-    gen.add_argument("--cpu-kernels", choices=list(CPU_KERNELS), default="auto", help=CPU_KERNELS_HELP)
-    _add_exact_argument(gen)
     gen.add_argument("--compile", action="store_true",
                      help="CUDA only: run the decode forwards through torch.compile before capturing them as CUDA "
                           "graphs (fused kernels; the first request pays the compile)")
@@ -191,12 +195,7 @@ def _add_demo_command(sub: Any) -> None:
                     "and specdraft. Reports median speed ratios and whether the greedy outputs are identical.")
     _add_model_arguments(demo)
     demo.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="N", help="(default: %(default)s)")
-    demo.add_argument("--max-tree-nodes", type=_int_at_least(0), default=None, metavar="N",
-                      help=f"(default: {TREE_NODES_DEFAULTS})")
-    demo.add_argument("--fixed-budget", action="store_true",
-                      help="check --max-tree-nodes every step instead of sizing the tree adaptively")
-    demo.add_argument("--cpu-kernels", choices=list(CPU_KERNELS), default="auto", help=CPU_KERNELS_HELP)
-    _add_exact_argument(demo)
+    _add_tree_arguments(demo)
     demo.add_argument("--repeats", type=_int_at_least(1), default=3, metavar="N",
                       help="timed rounds per method; medians are reported (default: %(default)s)")
     demo.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
@@ -223,9 +222,7 @@ def _add_bench_command(sub: Any) -> None:
                        help="first K prompts of each dataset; 0 = all (default: %(default)s)")
     bench.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="T",
                        help="(default: %(default)s)")
-    bench.add_argument("--max-tree-nodes", type=_int_at_least(0), default=None, metavar="N",
-                       help=f"draft tokens per forward for our methods (default: {TREE_NODES_DEFAULTS})")
-    _add_exact_argument(bench)
+    _add_tree_arguments(bench, one_decoder=False, tree_help="draft tokens per forward for our methods")
     bench.add_argument("--repeats", type=_int_at_least(1), default=1, metavar="R",
                        help="time each method R times per prompt and take the median (default: %(default)s)")
     bench.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
@@ -506,14 +503,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except ModelFetchError as exc:
+    # exit 1: a model could not be fetched. Exit 2: ModelNotFoundError and UnsupportedOptionError are
+    # ValueErrors; ValueError and TypeError are also the library's own checks (a prompt past the context, ...)
+    except (ModelFetchError, UsageError, ValueError, TypeError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
-    # ModelNotFoundError and UnsupportedOptionError are ValueErrors; ValueError and TypeError are
-    # also the library's own checks (a prompt past the context, ...)
-    except (UsageError, ValueError, TypeError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, ModelFetchError) else 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
