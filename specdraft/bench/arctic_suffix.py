@@ -4,7 +4,8 @@
 suffix trees vLLM calls) behind the :class:`~specdraft.sources.base.DraftSource` protocol, with the
 same knobs and defaults as our :class:`~specdraft.sources.suffix_tree.SuffixTree`, so the two can
 be compared on the same prompts: drafts, acceptance and drafting cost. It is not a dependency of
-the library and is not in the source registry; :func:`register` adds it there for a benchmark run.
+the library and is not in the source registry: the bench offers it as ``arctic-suffix``
+(:data:`specdraft.bench.methods.BENCH_ONLY_SOURCES`).
 
 Installing it. ``arctic-inference`` 0.3.0's wheel needs CUDA and torch >= 2.10 to build, but its
 suffix-decoding extension is plain C++20 with nanobind, and builds alone on a CPU machine
@@ -28,7 +29,7 @@ import numpy as np
 
 from ..sources.base import Context, Draft, Feedback, SourceBase
 
-__all__ = ["ArcticSuffix", "ArcticNotInstalled", "register"]
+__all__ = ["ArcticSuffix", "ArcticNotInstalled"]
 
 INSTALL_HINT = ("build the suffix-decoding extension of arctic-inference==0.3.0 from its sdist and put it on "
                 "PYTHONPATH, as docs/sources/suffix-tree.md describes ('The official implementation as a peer')")
@@ -146,13 +147,3 @@ class ArcticSuffix(SourceBase[_Request]):
             self._cache.add_active_response(rid, np.asarray(tokens, dtype=np.int32))
             self._cache.stop_request(rid)
 
-
-def register(name: str = "arctic-suffix") -> None:
-    """Add :class:`ArcticSuffix` to :data:`specdraft.sources.registry.SOURCES` under ``name`` for
-    this process, so ``specdraft bench --methods specdraft:arctic-suffix`` (and settings such as
-    ``arctic-suffix[max_depth=32]``) can use it. Fails early, with the install hint, if
-    ``arctic_inference`` is missing."""
-    _cache_class()
-    from ..sources import registry
-
-    registry.SOURCES[name] = lambda **kwargs: ArcticSuffix(**{"name": name, **kwargs})
