@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..errors import UsageError
 from .checkpoint import CheckpointMismatch
 from .datasets import DatasetError, DatasetSpec, PromptRecord, load_prompts, resolve_dataset
 from .methods import MethodError, build_methods, parse_methods
@@ -31,19 +32,13 @@ PROG = "specdraft bench"
 CHECKPOINT_NAME = "checkpoint.pkl"
 
 
-def _usage_error(message: str) -> Exception:
-    from specdraft.errors import UsageError
-
-    return UsageError(message)
-
-
 @contextmanager
 def _usage_errors(*errors: type[Exception], prefix: str = "") -> Iterator[None]:
     """Report ``errors`` raised inside the block as usage errors (exit 2, no traceback)."""
     try:
         yield
     except errors as exc:
-        raise _usage_error(prefix + str(exc)) from None
+        raise UsageError(prefix + str(exc)) from None
 
 
 def _prompts(spec: DatasetSpec, args: argparse.Namespace, tokenizer: Any, chat: Any) -> list[PromptRecord]:
@@ -60,16 +55,16 @@ def _dataset_specs(text: str) -> list[DatasetSpec]:
     whole = Path(text).expanduser()
     items = [text] if whole.is_file() else [t for t in (p.strip() for p in text.split(",")) if t]
     if not items:
-        raise _usage_error("--dataset needs humaneval, mtbench or a path to a .jsonl file")
+        raise UsageError("--dataset needs humaneval, mtbench or a path to a .jsonl file")
     twice = next((item for item in items if items.count(item) > 1), None)
     if twice is not None:  # said before looking for the datasets' packages, which may be missing
-        raise _usage_error(f"dataset {twice!r} is listed twice in --dataset")
+        raise UsageError(f"dataset {twice!r} is listed twice in --dataset")
     specs: list[DatasetSpec] = []
     for item in items:
         with _usage_errors(DatasetError):
             spec = resolve_dataset(item)
         if any(s.key == spec.key for s in specs):
-            raise _usage_error(f"dataset {spec.key!r} is listed twice in --dataset")
+            raise UsageError(f"dataset {spec.key!r} is listed twice in --dataset")
         specs.append(spec)
     return specs
 
@@ -138,7 +133,7 @@ def run_bench(args: argparse.Namespace) -> int:
     chat: Any = {"auto": "auto", "on": True, "off": False}[args.chat]
     out_dir = Path(args.out).expanduser()
     if out_dir.exists() and not out_dir.is_dir():
-        raise _usage_error(f"--out {args.out!r} exists and is not a directory")
+        raise UsageError(f"--out {args.out!r} exists and is not a directory")
     if not args.no_plot:
         with _usage_errors(PlotUnavailableError):
             require_matplotlib()
@@ -170,7 +165,7 @@ def _run(args: argparse.Namespace, model: Any, tokenizer: Any, method_names: lis
     config = {
         "model": _portable(args.model), "model_id": _model_id(args.model), "dtype": args.dtype, "threads": args.threads,
         "max_new_tokens": args.max_new_tokens, "max_tree_nodes": args.max_tree_nodes,
-        "exact": getattr(args, "exact", None),
+        "exact": args.exact,
         "limit": args.limit or None, "repeats": args.repeats, "chat": args.chat, "greedy": True,
         "datasets": {s.key: _portable(str(s.path)) for s in specs}, "methods": method_names,
         "versions": _versions(), "platform": platform.platform(), "cpu": _cpu(), "argv": [_portable(a) for a in sys.argv[1:]],
@@ -178,7 +173,7 @@ def _run(args: argparse.Namespace, model: Any, tokenizer: Any, method_names: lis
     }
     # what a checkpoint must share with this run to be resumed (the runner adds prompts and methods)
     setup = {key: config[key] for key in ("model", "dtype", "threads", "max_tree_nodes", "chat", "versions", "exact")}
-    if getattr(args, "concurrency", None):
+    if args.concurrency:
         return _run_concurrency(args, model, tokenizer, specs, chat, out_dir, config, say)
     summaries: list[dict[str, Any]] = []
     for spec in specs:
@@ -186,7 +181,7 @@ def _run(args: argparse.Namespace, model: Any, tokenizer: Any, method_names: lis
         say(f"{spec.key}: {len(prompts)} prompts x {len(method_names)} methods x {args.repeats} repeat(s), "
             f"max {args.max_new_tokens} new tokens")
         # Fresh method objects per dataset: a learning source starts each dataset empty.
-        methods = build_methods(method_names, model, tokenizer, args.max_tree_nodes, getattr(args, "exact", None))
+        methods = build_methods(method_names, model, tokenizer, args.max_tree_nodes, args.exact)
         with _usage_errors(CheckpointMismatch, prefix="--resume: "):
             run = run_benchmark(model, prompts, methods, args.max_new_tokens, repeats=args.repeats, dataset=spec.key,
                                 progress=not args.quiet, checkpoint=out_dir / spec.key / CHECKPOINT_NAME,
