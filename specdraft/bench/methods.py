@@ -385,10 +385,8 @@ class StaticGenerate(PlainGenerate):
     WARM_CACHE_TOKENS = 2048
     #: decode steps of the untimed call (the compiled step runs, and its graphs are recorded)
     WARM_STEPS = 4
-
-    def __init__(self, name: str, model: Any, gen_kwargs: dict[str, Any], description: str) -> None:
-        super().__init__(name, model, gen_kwargs, description)
-        self.warm_tokens = 0
+    #: the cache length the last untimed call sized the static cache for (:meth:`warm_up`)
+    warm_tokens = 0
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool = True) -> MethodResult:
         from specdraft.baseline import time_plain_generate
@@ -429,6 +427,9 @@ class SpecdraftMethod:
     """Our decoder with a fixed set of draft sources, kept for the whole run (see the module
     docstring on state across prompts)."""
 
+    #: the cache length an untimed first call sized the decoder for (:meth:`warm_up`)
+    warm_tokens = 0
+
     def __init__(self, name: str, model: Any, tokenizer: Any, source_names: Sequence[str],
                  max_tree_nodes: int | None = None, adaptive_budget: bool = True, cpu_kernels: str = DEFAULT_KERNELS,
                  exact: bool | None = None, drafting_pauses: bool = True, attention: str = "auto",
@@ -454,8 +455,6 @@ class SpecdraftMethod:
         self.tokenizer = tokenizer
         self.sources = make_sources(self.source_names, _sources())
         self.decoder = self._decoder_for(self.sources)
-        #: the cache length an untimed first call sized the decoder for (:meth:`warm_up`)
-        self.warm_tokens = 0
         self.description += ((f", max_tree_nodes={self.decoder.max_tree_nodes}" if self.source_names else "")
                              + f" ({self.decoder.kernels.describe()})")  # which path ran, what it costs
         if self.decoder.exact:
