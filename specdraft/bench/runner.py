@@ -87,10 +87,6 @@ class DatasetRun:
     repeats: int = 1
     resumed: int = 0  # prompts taken from a checkpoint instead of being run now
 
-    @property
-    def method_names(self) -> list[str]:
-        return [m.name for m in self.methods]
-
 
 def logit_margin(model: Any, prompt_ids: Sequence[int], baseline_ids: Sequence[int], position: int,
                  method_token: int | None = None) -> dict[str, Any]:
