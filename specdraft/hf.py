@@ -78,8 +78,12 @@ from specdraft.sampling import resolve_settings as _engine_settings
 
 __all__ = ["SpecdraftLoop", "loop", "generate"]
 
-#: The warpers the decoder applies, in the order transformers builds them (and the decoder applies them).
-_WARPERS: tuple[type, ...] = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+#: The warpers the decoder applies, in the order transformers builds them (and the decoder applies them):
+#: each one's attribute and decoder option (same name), its type, and the option's value without it.
+_WARPERS: dict[type, tuple[str, type, Any]] = {TemperatureLogitsWarper: ("temperature", float, 1.0),
+                                               TopKLogitsWarper: ("top_k", int, 0),
+                                               TopPLogitsWarper: ("top_p", float, 1.0),
+                                               MinPLogitsWarper: ("min_p", float, None)}
 
 #: Model inputs transformers prepares for a decoder-only loop, beyond ``input_ids``, that the loop
 #: reads or that carry nothing the decoder must reproduce (``logits_to_keep`` and ``use_cache``
@@ -90,10 +94,6 @@ _KNOWN_MODEL_INPUTS = frozenset({"attention_mask", "position_ids", "cache", "pas
 #: Cache implementations whose keys and values are exact: the decoder's own cache gives the same
 #: logits. Quantized or offloaded caches would change them, so they are refused.
 _EXACT_CACHES = frozenset({None, "dynamic", "static"})
-
-
-def _sampling_only(name: str) -> str:
-    return f"{name} is a sampling warper, but do_sample=False (greedy decoding takes the argmax of the logits)"
 
 
 # -- reading what transformers built ------------------------------------------------------------
@@ -178,14 +178,15 @@ def _read_processors(processors: Sequence[Any], do_sample: bool, rows: _Rows) ->
             min_tokens = max(min_tokens, banned)
         elif kind in _WARPERS:
             if not do_sample:
-                raise UnsupportedOptionError(_sampling_only(name))
-            rank = 1 + _WARPERS.index(kind)
+                raise UnsupportedOptionError(f"{name} is a sampling warper, but do_sample=False (greedy decoding "
+                                             "takes the argmax of the logits)")
+            rank = 1 + list(_WARPERS).index(kind)
             if kind in warps:
                 raise UnsupportedOptionError(f"two {name} processors: the decoder applies each warper once")
             if order and order[-1] > rank:
                 raise UnsupportedOptionError(
-                    f"{name} comes after {_WARPERS[order[-1] - 1].__name__}: the decoder applies temperature, top-k, "
-                    "top-p and min-p in that order (transformers' order); build them in it, or set them in the "
+                    f"{name} comes after {list(_WARPERS)[order[-1] - 1].__name__}: the decoder applies temperature, "
+                    "top-k, top-p and min-p in that order (transformers' order); build them in it, or set them in the "
                     "generation config")
             if kind is not TemperatureLogitsWarper:
                 # top-k folds min_tokens_to_keep into top_k itself (max of the two)
@@ -203,14 +204,10 @@ def _read_processors(processors: Sequence[Any], do_sample: bool, rows: _Rows) ->
                 "RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, "
                 "MinPLogitsWarper, MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor "
                 "(generation options repetition_penalty, temperature, top_k, top_p, min_p, min_length, min_new_tokens)")
-    options: dict[str, Any] = {"do_sample": False, "repetition_penalty": penalty}
+    options: dict[str, Any] = {"do_sample": do_sample, "repetition_penalty": penalty}
     if do_sample:
-        temperature = float(warps[TemperatureLogitsWarper].temperature) if TemperatureLogitsWarper in warps else 1.0
-        top_k = int(warps[TopKLogitsWarper].top_k) if TopKLogitsWarper in warps else 0
-        top_p = float(warps[TopPLogitsWarper].top_p) if TopPLogitsWarper in warps else 1.0
-        min_p = float(warps[MinPLogitsWarper].min_p) if MinPLogitsWarper in warps else None
-        options = {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-                   "repetition_penalty": penalty}
+        for kind, (option, cast, default) in _WARPERS.items():
+            options[option] = cast(getattr(warps[kind], option)) if kind in warps else default
     return _Processors(options, SamplingSettings(**options), min_tokens)
 
 
@@ -243,8 +240,7 @@ def _check_penalty_prefix(processor: Any, rows: _Rows) -> None:
 def _config_settings(config: GenerationConfig) -> SamplingSettings:
     """The settings the processors generate builds from ``config`` alone would carry (its rules
     for which processor it adds), to tell them from processors a caller passed to generate."""
-    penalty = config.repetition_penalty
-    penalty = float(penalty) if penalty is not None and penalty != 1.0 else 1.0
+    penalty = 1.0 if config.repetition_penalty is None else float(config.repetition_penalty)
     if not config.do_sample:
         return SamplingSettings(do_sample=False, repetition_penalty=penalty)
     temperature = float(config.temperature) if config.temperature is not None and config.temperature != 1.0 else 1.0
@@ -334,7 +330,6 @@ class _Positions:
             raise UnsupportedOptionError("an EOS stopping criterion without a pad token: set pad_token_id so that "
                                          "finished rows can be padded")
         self.pad = pad
-        self.max_length = min((int(c.max_length) for c in criteria if type(c) is MaxLengthCriteria), default=None)
         self.eos = frozenset(t for c in criteria if type(c) is EosTokenCriteria for t in _eos_ids(c.eos_token_id))
         self.others = StoppingCriteriaList([c for c in criteria if type(c) not in (MaxLengthCriteria, EosTokenCriteria)])
         self.buffer: torch.Tensor | None = None
@@ -369,9 +364,7 @@ class _Positions:
                 break
             step = [self.tokens[r][t] if self.produces(r) else self.pad for r in range(self.batch)]
             self.released.append(step)
-            done = [self.max_length is not None and self.length + t + 1 >= self.max_length] * self.batch
-            if self.eos:
-                done = [d or token in self.eos for d, token in zip(done, step)]
+            done = [token in self.eos for token in step]
             if self.buffer is not None:
                 self.buffer[:, self.length + t] = torch.tensor(step, dtype=torch.long)
                 verdict = self._others(self.buffer[:, : self.length + t + 1])
@@ -460,10 +453,9 @@ class SpecdraftLoop:
         with self._making:
             held = self._held.get(model)
             if held is None:
-                decoder = Decoder(model, None, sources=self.sources, max_tree_nodes=self.max_tree_nodes,
-                                  adaptive_budget=self.adaptive_budget, attention=self.attention,
-                                  cpu_kernels=self.cpu_kernels, compile=self.compile)
-                held = self._held[model] = _Held(decoder)
+                held = self._held[model] = _Held(Decoder(
+                    model, None, sources=self.sources, max_tree_nodes=self.max_tree_nodes, compile=self.compile,
+                    adaptive_budget=self.adaptive_budget, attention=self.attention, cpu_kernels=self.cpu_kernels))
             return held
 
     def __call__(self, model: Any, input_ids: torch.LongTensor, logits_processor: Any = None,
@@ -472,8 +464,8 @@ class SpecdraftLoop:
         """What ``generate`` calls with the prepared inputs (the signature of its own loops).
 
         A streamer handed here already received the prompt from ``generate``."""
-        return self._run(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-                         streamer, False, model_kwargs)
+        return self._run(model, input_ids, streamer, False, logits_processor, stopping_criteria, generation_config,
+                         synced_gpus, **model_kwargs)
 
     def bind(self, streamer: Any = None) -> Callable[..., Any]:
         """This loop with ``streamer`` attached: for callers (such as :func:`generate`) that keep
@@ -481,20 +473,18 @@ class SpecdraftLoop:
         The bound loop sends the prompt to the streamer itself."""
         attached = streamer
 
-        def bound(model: Any, input_ids: torch.LongTensor, logits_processor: Any = None,
-                  stopping_criteria: Any = None, generation_config: GenerationConfig | None = None,
-                  synced_gpus: bool = False, streamer: Any = None, **model_kwargs: Any) -> Any:
-            # a streamer generate handed after all has had the prompt from generate
-            return self._run(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-                             attached if streamer is None else streamer, streamer is None, model_kwargs)
+        def bound(model: Any, input_ids: torch.LongTensor, *args: Any, streamer: Any = None, **kwargs: Any) -> Any:
+            # takes what __call__ takes; a streamer generate handed after all has had the prompt from generate
+            return self._run(model, input_ids, attached if streamer is None else streamer, streamer is None, *args,
+                             **kwargs)
 
         return bound
 
     # -- one call -----------------------------------------------------------------------------
 
-    def _run(self, model: Any, input_ids: torch.LongTensor, logits_processor: Any, stopping_criteria: Any,
-             generation_config: GenerationConfig | None, synced_gpus: bool, streamer: Any, put_prompt: bool,
-             model_kwargs: dict[str, Any]) -> Any:
+    def _run(self, model: Any, input_ids: torch.LongTensor, streamer: Any, put_prompt: bool,
+             logits_processor: Any = None, stopping_criteria: Any = None,
+             generation_config: GenerationConfig | None = None, synced_gpus: bool = False, **model_kwargs: Any) -> Any:
         if generation_config is None:
             raise UnsupportedOptionError("specdraft.hf.loop is a decoding loop for model.generate(custom_generate=...): "
                                          "call generate, which prepares the generation config, processors and criteria")
@@ -510,7 +500,6 @@ class SpecdraftLoop:
             raise UnsupportedOptionError("no MaxLengthCriteria among the stopping criteria: specdraft.hf needs a "
                                          "length limit (max_new_tokens or max_length)")
         limit = min(lengths) - input_ids.shape[1]
-        eos = sorted({t for c in criteria if type(c) is EosTokenCriteria for t in _eos_ids(c.eos_token_id)})
         pad = generation_config.pad_token_id
         if pad is None:  # what generate pads with when no pad token is set
             pad = next(iter(_eos_ids(generation_config.eos_token_id)), None)
@@ -529,7 +518,7 @@ class SpecdraftLoop:
                 self._forced_tokens(model, input_ids, model_kwargs.get("attention_mask"), generation_config,
                                     forced, positions)
             if not positions.finished:
-                self._decode(model, rows, positions, processors, eos, pad)
+                self._decode(model, rows, positions, processors)
         if streamer is not None:
             streamer.end()
         sequences = torch.cat([input_ids, positions.new_tokens().to(input_ids.device)], dim=1)
@@ -558,8 +547,7 @@ class SpecdraftLoop:
             positions.feed(row, tokens)
         positions.release()
 
-    def _decode(self, model: Any, rows: _Rows, positions: _Positions, processors: _Processors,
-                eos: list[int], pad: int | None) -> None:
+    def _decode(self, model: Any, rows: _Rows, positions: _Positions, processors: _Processors) -> None:
         """The tokens after the forced ones: the decoder continues every row that still produces
         tokens from its prompt plus what it has, until the stopping criteria end it."""
         start = positions.position
@@ -567,7 +555,7 @@ class SpecdraftLoop:
         requests = [rows.prompts[r] + positions.tokens[r][:start] for r in todo]
         new_tokens = positions.limit - start
         held = self._hold(model)
-        with held.lock, _engine_view(model, eos, processors):
+        with held.lock, _engine_view(model, sorted(positions.eos), processors):
             if len(requests) == 1 and positions.batch == 1:
                 self._decode_one(held.decoder, todo[0], requests[0], new_tokens, processors, positions)
             elif not held.decoder.runner.batches_supported:
@@ -682,8 +670,7 @@ def loop(sources: Sequence[DraftSource] | None = None, max_tree_nodes: int | Non
     combination), the largest tree checked per forward, the adaptive budget, the attention
     backend, the CPU kernels and, on a CUDA GPU, compiled decode forwards. Keep the loop and pass
     it to every call: its decoders and what its sources learned are reused."""
-    return SpecdraftLoop(sources, max_tree_nodes=max_tree_nodes, adaptive_budget=adaptive_budget,
-                         attention=attention, cpu_kernels=cpu_kernels, compile=compile)
+    return SpecdraftLoop(sources, max_tree_nodes, adaptive_budget, attention, cpu_kernels, compile)
 
 
 _default_loop: SpecdraftLoop | None = None
@@ -722,11 +709,9 @@ def generate(model: Any, inputs: torch.Tensor | None = None, generation_config: 
     chosen = specdraft_loop if specdraft_loop is not None else _the_default_loop()
     if not isinstance(chosen, SpecdraftLoop):
         raise TypeError(f"specdraft_loop must be a specdraft.hf.loop(...), got {type(chosen).__name__}")
-    stop = kwargs.get("stop_strings")
-    if "stop_strings" not in kwargs:
-        stop = getattr(generation_config, "stop_strings", None) if generation_config is not None else None
-        if stop is None:
-            stop = getattr(model.generation_config, "stop_strings", None)
+    stop = kwargs.get("stop_strings", getattr(generation_config, "stop_strings", None))
+    if stop is None and "stop_strings" not in kwargs:
+        stop = getattr(model.generation_config, "stop_strings", None)
     if stop:
         if tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer: pass tokenizer= to generate")
