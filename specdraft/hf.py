@@ -170,12 +170,10 @@ def _read_processors(processors: Sequence[Any], do_sample: bool, rows: _Rows) ->
             _check_penalty_prefix(processor, rows)
             penalty = float(processor.penalty)
             order.append(0)
-        elif kind in (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor):
-            if kind is MinLengthLogitsProcessor:
-                banned = int(processor.min_length) - length
-            else:
-                banned = int(processor.prompt_length_to_skip) + int(processor.min_new_tokens) - length
-            min_tokens = max(min_tokens, banned)
+        elif kind is MinLengthLogitsProcessor:
+            min_tokens = max(min_tokens, int(processor.min_length) - length)
+        elif kind is MinNewTokensLengthLogitsProcessor:
+            min_tokens = max(min_tokens, int(processor.prompt_length_to_skip) + int(processor.min_new_tokens) - length)
         elif kind in _WARPERS:
             if not do_sample:
                 raise UnsupportedOptionError(f"{name} is a sampling warper, but do_sample=False (greedy decoding "
@@ -389,9 +387,7 @@ class _Positions:
         return [bool(v) for v in torch.as_tensor(verdict).reshape(-1).tolist()]
 
     def new_tokens(self) -> torch.Tensor:
-        if not self.released:
-            return torch.zeros((self.batch, 0), dtype=torch.long)
-        return torch.tensor(self.released, dtype=torch.long).T.contiguous()
+        return torch.tensor(self.released, dtype=torch.long).reshape(self.position, self.batch).T.contiguous()
 
 
 # -- the loop --------------------------------------------------------------------------------
