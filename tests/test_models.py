@@ -309,6 +309,46 @@ def test_load_model_passes_attn_implementation(tiny_dir: Path) -> None:
     assert model.config._attn_implementation == "eager"
 
 
+def test_both_gguf_paths_load_dense_float32_then_cast(tiny_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """``load_model("x.gguf")`` and the mirror's one-time conversion ask transformers for the same
+    thing: the GGUF dequantized into plain float32 tensors, then cast. Checked with the loaders
+    spied on (the real GGUF reader needs the ``gguf`` package; the slow tests below run it)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdraft.models import gguf
+
+    asked: list[tuple[str, dict]] = []
+    real_model, real_tokenizer = AutoModelForCausalLM.from_pretrained, AutoTokenizer.from_pretrained
+
+    def model_from(path, **kwargs):
+        asked.append(("model", kwargs))
+        return real_model(tiny_dir, dtype=kwargs["dtype"])
+
+    def tokenizer_from(path, **kwargs):
+        asked.append(("tokenizer", kwargs))
+        return real_tokenizer(tiny_dir)
+
+    monkeypatch.setattr(gguf, "require_gguf_support", lambda: None)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", model_from)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", tokenizer_from)
+    weights = tmp_path / "Model.Q4.gguf"
+    weights.write_bytes(b"GGUF")
+
+    model, _ = load_model(str(weights), dtype="float64", attn_implementation="eager", progress=False)
+    assert next(model.parameters()).dtype == torch.float64
+    out = mirror_module.convert_gguf_to_checkpoint(weights, tmp_path / "converted", dtype=torch.bfloat16)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as saved:
+        assert {saved.get_tensor(name).dtype for name in saved.keys()} == {torch.bfloat16}
+    assert [kind for kind, _ in asked] == ["model", "tokenizer"] * 2
+    for kind, kwargs in asked:
+        assert kwargs["gguf_file"] == "Model.Q4.gguf"
+        if kind == "model":
+            assert kwargs["dtype"] == torch.float32 and kwargs["quantization_config"].dequantize
+    assert asked[0][1]["attn_implementation"] == "eager" and asked[0][1]["trust_remote_code"] is False
+    assert "attn_implementation" not in asked[2][1]
+
+
 # ---------------------------------------------------------------------------------- real models
 
 

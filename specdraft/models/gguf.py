@@ -6,9 +6,15 @@ Shared by ``load_model("x.gguf")`` and by the one-time conversion of PyPI-mirror
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from .errors import ModelFetchError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def require_gguf_support() -> None:
@@ -21,16 +27,24 @@ def require_gguf_support() -> None:
             "install them with: pip install 'specdraft[gguf]'")
 
 
-def gguf_load_kwargs(gguf_file: str) -> dict[str, Any]:
-    """Keyword arguments that make ``from_pretrained`` build a dense model from ``gguf_file``.
+def load_gguf(directory: Path, gguf_file: str, dtype: torch.dtype,
+              **kwargs: Any) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
+    """The model in ``directory / gguf_file``, dense, in ``dtype``, and its tokenizer; ``kwargs``
+    go to the model's ``from_pretrained``.
 
+    The weights are dequantized in float32, which is exact for every GGUF block type, then cast.
     transformers 5.x may otherwise keep GGUF weights packed (which needs hub kernels we cannot
     fetch); ``GgufConfig(dequantize=True)`` forces plain tensors. 4.x always dequantizes.
     """
-    kwargs: dict[str, Any] = {"gguf_file": gguf_file}
+    require_gguf_support()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
         from transformers import GgufConfig
     except ImportError:
-        return kwargs
-    kwargs["quantization_config"] = GgufConfig(gguf_file=gguf_file, dequantize=True)
-    return kwargs
+        pass
+    else:
+        kwargs["quantization_config"] = GgufConfig(gguf_file=gguf_file, dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, gguf_file=gguf_file, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    return (model if dtype == torch.float32 else model.to(dtype)), tokenizer

@@ -26,7 +26,7 @@ import torch
 
 from ._progress import say, transformers_bars
 from .errors import CorruptCheckpointError, ModelNotFoundError
-from .gguf import gguf_load_kwargs, require_gguf_support
+from .gguf import load_gguf
 from .hub import hub_local, hub_online, is_checkpoint_dir, looks_like_repo_id
 from .integrity import damaged_safetensors, verify_marker
 from .mirror import Mirror, allowed_names, cached_checkpoint, default_cache_dir, fetch_mirror, find_mirror
@@ -219,20 +219,13 @@ def _load_resolved(resolved: ResolvedModel, torch_dtype: torch.dtype,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if resolved.gguf_file is not None:
-        require_gguf_support()
-        kwargs.update(gguf_load_kwargs(resolved.gguf_file))
-        model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch.float32, **kwargs)
-        if torch_dtype != torch.float32:
-            model = model.to(torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(resolved.path, gguf_file=resolved.gguf_file)
-    else:
-        if not any(Path(resolved.path).glob("*.safetensors")) and any(Path(resolved.path).glob("*.bin")):
-            raise ModelNotFoundError(
-                f"{resolved.path} holds only pickled .bin weights, which can run code when loaded; specdraft "
-                "loads safetensors only: convert it once with model.save_pretrained(dir) (safetensors is its default)")
-        model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch_dtype, use_safetensors=True, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=kwargs["trust_remote_code"])
-    return model, tokenizer
+        return load_gguf(resolved.path, resolved.gguf_file, torch_dtype, **kwargs)
+    if not any(Path(resolved.path).glob("*.safetensors")) and any(Path(resolved.path).glob("*.bin")):
+        raise ModelNotFoundError(
+            f"{resolved.path} holds only pickled .bin weights, which can run code when loaded; specdraft "
+            "loads safetensors only: convert it once with model.save_pretrained(dir) (safetensors is its default)")
+    model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch_dtype, use_safetensors=True, **kwargs)
+    return model, AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=kwargs["trust_remote_code"])
 
 
 def _damage_report(resolved: ResolvedModel) -> str | None:

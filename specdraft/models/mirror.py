@@ -42,7 +42,7 @@ from filelock import FileLock
 
 from ._progress import say
 from .errors import ChecksumMismatchError, ModelFetchError
-from .gguf import gguf_load_kwargs, require_gguf_support
+from .gguf import load_gguf
 from .integrity import check_marker, fsync_path, sha256_file, write_marker
 
 
@@ -261,15 +261,8 @@ def convert_gguf_to_checkpoint(gguf_path: Path, out_dir: Path, *, dtype: torch.d
     Dequantization happens in float32, which is exact for every GGUF block type. Callers write
     into a temporary directory and rename it.
     """
-    require_gguf_support()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf_path = Path(gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32,
-                                                 **gguf_load_kwargs(gguf_path.name))
-    if dtype != torch.float32:
-        model = model.to(dtype)
+    model, tokenizer = load_gguf(gguf_path.parent, gguf_path.name, dtype)
     # The weights are plain tensors now, but the model still carries the GGUF "quantizer", and
     # save_pretrained refuses a quantized model it cannot serialise. Detach it.
     model.hf_quantizer = None
