@@ -18,6 +18,7 @@ like, and what safetensors otherwise reports without saying which file it was re
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -51,9 +52,8 @@ def fsync_path(path: Path) -> None:
     except OSError:  # e.g. directories cannot be opened on Windows: best effort
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -72,7 +72,7 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
-def write_marker(directory: Path, provenance: dict[str, Any]) -> dict[str, Any]:
+def write_marker(directory: Path, provenance: dict[str, Any]) -> None:
     """Record every file of ``directory`` (size and sha256) with ``provenance`` in the marker.
 
     Call it last, when nothing else will be written into ``directory``; the files are flushed to
@@ -85,7 +85,6 @@ def write_marker(directory: Path, provenance: dict[str, Any]) -> dict[str, Any]:
             files[item.name] = {"size": item.stat().st_size, "sha256": sha256_file(item)}
     record = {**provenance, "format": MARKER_FORMAT, "files": files}
     write_text_atomic(directory / MARKER, json.dumps(record, indent=2) + "\n")
-    return record
 
 
 def _read_marker(directory: Path) -> tuple[dict[str, Any] | None, str]:
@@ -153,10 +152,8 @@ def _safetensors_problem(path: Path) -> str:
     library checks that the tensors it lists exactly cover the rest of the file)."""
     if not path.is_file():
         return "missing"
-    try:
-        from safetensors import safe_open
-    except ImportError:  # pragma: no cover - transformers depends on safetensors
-        return ""
+    from safetensors import safe_open  # a dependency of transformers
+
     try:
         with safe_open(str(path), framework="pt"):
             pass

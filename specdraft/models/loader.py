@@ -38,12 +38,7 @@ if TYPE_CHECKING:  # transformers is imported lazily: `specdraft --help` should 
 DEFAULT_MODEL = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 
 #: dtypes ``load_model`` accepts. Exactness tests run in float32/float64; bf16/fp16 are for speed.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16", "float64")}
 
 
 @dataclass(frozen=True)

