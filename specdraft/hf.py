@@ -252,37 +252,33 @@ def _config_settings(config: GenerationConfig) -> SamplingSettings:
 def _check_config(config: GenerationConfig, model: Any) -> None:
     """Refuse generation options that change the decoding method itself (the processors and the
     criteria are read separately)."""
-    def refuse(option: str, value: Any, why: str) -> None:
-        raise UnsupportedOptionError(f"{option}={value!r} is not supported by specdraft.hf: {why}")
+    def refuse(option: str, why: str, when: Callable[[Any], bool] = lambda value: value is not None) -> None:
+        value = getattr(config, option, None)
+        if when(value):
+            raise UnsupportedOptionError(f"{option}={value!r} is not supported by specdraft.hf: {why}")
+
+    def above_one(value: Any) -> bool:
+        return (value or 1) > 1
 
     if getattr(model.config, "is_encoder_decoder", False):
         raise UnsupportedOptionError("specdraft.hf decodes decoder-only models; this model is encoder-decoder")
-    if (getattr(config, "num_beams", 1) or 1) > 1:
-        refuse("num_beams", config.num_beams, "beam search keeps several hypotheses; use num_beams=1")
-    if (getattr(config, "num_beam_groups", 1) or 1) > 1:
-        refuse("num_beam_groups", config.num_beam_groups, "group beam search; use num_beams=1")
-    if getattr(config, "penalty_alpha", None) and (getattr(config, "top_k", None) or 0) > 1:
-        refuse("penalty_alpha", config.penalty_alpha, "contrastive search needs hidden states per candidate")
-    if getattr(config, "dola_layers", None) is not None:
-        refuse("dola_layers", config.dola_layers, "DoLa contrasts early-exit layers")
-    if getattr(config, "prompt_lookup_num_tokens", None) is not None:
-        refuse("prompt_lookup_num_tokens", config.prompt_lookup_num_tokens,
-               "specdraft is the speculative decoder here; pass its sources to specdraft.hf.loop (PromptLookup is "
-               "one of the defaults)")
-    if getattr(config, "assistant_early_exit", None) is not None:
-        refuse("assistant_early_exit", config.assistant_early_exit, "self-speculation by early exit")
-    if not config.do_sample and (getattr(config, "num_return_sequences", 1) or 1) > 1:
-        refuse("num_return_sequences", config.num_return_sequences, "greedy decoding returns one sequence per prompt")
-    cache = getattr(config, "cache_implementation", None)
-    if cache not in _EXACT_CACHES:
-        refuse("cache_implementation", cache, f"the decoder keeps its own exact cache; supported: "
-                                              f"{sorted(c for c in _EXACT_CACHES if c)} or None")
-    if config.return_dict_in_generate:
-        for option in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
-            if getattr(config, option, False):
-                refuse(option, True, "the decoder computes logits for a token tree, not the per-position scores, "
-                                     "logits, attentions or hidden states generate returns; recompute them with one "
-                                     "forward over the returned sequences")
+    refuse("num_beams", "beam search keeps several hypotheses; use num_beams=1", above_one)
+    refuse("num_beam_groups", "group beam search; use num_beams=1", above_one)
+    refuse("penalty_alpha", "contrastive search needs hidden states per candidate",
+           lambda value: bool(value) and (getattr(config, "top_k", None) or 0) > 1)
+    refuse("dola_layers", "DoLa contrasts early-exit layers")
+    refuse("prompt_lookup_num_tokens", "specdraft is the speculative decoder here; pass its sources to "
+                                       "specdraft.hf.loop (PromptLookup is one of the defaults)")
+    refuse("assistant_early_exit", "self-speculation by early exit")
+    refuse("num_return_sequences", "greedy decoding returns one sequence per prompt",
+           lambda value: not config.do_sample and above_one(value))
+    refuse("cache_implementation", f"the decoder keeps its own exact cache; supported: "
+                                   f"{sorted(c for c in _EXACT_CACHES if c)} or None",
+           lambda value: value not in _EXACT_CACHES)
+    for option in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+        refuse(option, "the decoder computes logits for a token tree, not the per-position scores, logits, attentions "
+                       "or hidden states generate returns; recompute them with one forward over the returned sequences",
+               lambda value: bool(config.return_dict_in_generate and value))
 
 
 def _check_model_inputs(model_kwargs: dict[str, Any]) -> None:
@@ -518,9 +514,8 @@ class SpecdraftLoop:
         if streamer is not None:
             streamer.end()
         sequences = torch.cat([input_ids, positions.new_tokens().to(input_ids.device)], dim=1)
-        if generation_config.return_dict_in_generate:
-            return GenerateDecoderOnlyOutput(sequences=sequences)
-        return sequences
+        return (GenerateDecoderOnlyOutput(sequences=sequences) if generation_config.return_dict_in_generate
+                else sequences)
 
     @staticmethod
     def _forced_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,

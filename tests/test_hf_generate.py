@@ -493,6 +493,30 @@ def test_refused_options_name_themselves(options, named):
             model.generate(**inputs, max_new_tokens=4, custom_generate=specdraft.hf.loop(), **options)
 
 
+#: Options that select another decoding method, set on a config directly (generate itself may refuse
+#: some of them before the loop runs): (option, value, refused by the loop).
+METHOD_OPTIONS = [("num_beam_groups", 2, True), ("dola_layers", "high", True), ("assistant_early_exit", 2, True),
+                  ("num_return_sequences", 2, True), ("cache_implementation", "offloaded", True),
+                  ("cache_implementation", "static", False), ("penalty_alpha", 0.5, False)]
+
+
+@pytest.mark.parametrize("option,value,refused", METHOD_OPTIONS)
+def test_decoding_method_options_are_read_from_the_config(option, value, refused):
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    config = GenerationConfig()
+    config.top_k = 1  # penalty_alpha selects contrastive search only with top_k > 1
+    setattr(config, option, value)
+    check = functools.partial(specdraft.hf._check_config, config, SimpleNamespace(config=SimpleNamespace()))
+    if not refused:
+        check()
+        return
+    with pytest.raises(UnsupportedOptionError, match=f"^{option}={value!r} is not supported by specdraft.hf: "):
+        check()
+
+
 def test_refused_by_the_generate_replacement():
     model = float32_model("llama")
     inputs = batch_of([[5, 6, 7]])
