@@ -28,7 +28,7 @@ parts, the first module in call order whose output differs is named. Rows are al
 across ways: captured against static at the same width says whether capture alone changes bits.
 
     python benchmarks/forward_rows.py --device cuda --shape qwen2.5-0.5b --out DIR   # random weights
-    python benchmarks/forward_rows.py --device cuda --model CHECKPOINT --out DIR
+    python benchmarks/forward_rows.py --device cuda --model CHECKPOINT --out DIR     # a folder or .gguf
 
 Writes ``rows.json`` and ``rows.md`` under ``--out``.
 """
@@ -127,10 +127,13 @@ def sibling_rows(dec: Decoder, region: Region, width: int, tokens: Sequence[int]
 
 
 def check(model: torch.nn.Module, widths: Sequence[int] = WIDTHS, ways: Sequence[str] = WAYS,
-          prefix_length: int = 48, seed: int = 0, exact: bool | None = None) -> dict[str, Any]:
+          prefix_length: int = 48, seed: int = 0, exact: bool | None = None,
+          cpu_kernels: str = "stock") -> dict[str, Any]:
     """Per way and width: how many rows equal the widest width's rows, the first module where the
-    first parting row parts (eager ways), and per width whether captured rows equal static ones;
-    per way also the attention implementation the forwards ran under."""
+    first parting row parts (eager ways), the width a decoder pads it to (``runs_at``: rows of a
+    width padded away need not agree), and per width whether captured rows equal static ones; per
+    way also the attention implementation the forwards ran under. ``cpu_kernels`` is the
+    decoder's option (``"auto"``: the kernels a default decoder runs here; on a GPU, stock anyway)."""
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     generator = np.random.default_rng(seed)
     prefix = [int(t) for t in generator.integers(3, vocab, prefix_length)]
@@ -142,17 +145,21 @@ def check(model: torch.nn.Module, widths: Sequence[int] = WIDTHS, ways: Sequence
     for way in ways:
         if way == "captured" and not torch.cuda.is_available():
             continue
-        # stock kernels: on a CPU the packed ones would need the decoder's context around each forward
-        dec = Decoder(model, None, sources=[], max_tree_nodes=0, exact=exact, cpu_kernels="stock")
+        dec = Decoder(model, None, sources=[], max_tree_nodes=0, exact=exact, cpu_kernels=cpu_kernels)
+        # the width a decoder pads a forward of each width to (exact mode's rule; a GPU's buckets):
+        # rows of a width it pads away are not expected to agree
+        padding = dec.engine.padding
+        runs_at = {w: padding.rows_for(w) if padding is not None else w for w in widths}
         if way == "dynamic":
             dec.runner.static = None
         else:
             if dec.runner.static is None or tuple(dec.runner.static.widths) != tuple(widths):
                 dec.runner.use_static(widths, capture=None if way == "captured" else False)
             dec.runner.static.capture = None if way == "captured" else False
-        recorders = {w: ModuleOutputs(model) for w in widths}
         logits: dict[int, torch.Tensor] = {}
-        with dec.engine.held(1):  # the model on the decoder's attention (exact mode's), as in decoding
+        # as in decoding: the model on the decoder's attention (exact mode's) and CPU kernels
+        with dec.engine.held(1), dec.engine.kernels():
+            recorders = {w: ModuleOutputs(model) for w in widths}
             attention = getattr(model.config, "_attn_implementation", None)
             region = commit_prefix(dec, prefix)
             for width in [widest, *widths]:  # the widest first: it captures and sizes everything once
@@ -168,7 +175,7 @@ def check(model: torch.nn.Module, widths: Sequence[int] = WIDTHS, ways: Sequence
             modules = []
             if parting and way != "captured":
                 modules = partings(recorders[width], recorders[widest], parting[0])
-            rows[width] = {"agree": width - len(parting), "rows": width,
+            rows[width] = {"agree": width - len(parting), "rows": width, "runs_at": runs_at[width],
                            "first_parting_row": parting[0] if parting else None,
                            "first_parting_module": modules[0] if modules else None,
                            "modules_parted": len(modules), "modules_kept": len(recorders[width].order)}
@@ -185,7 +192,8 @@ def markdown(result: dict[str, Any]) -> str:
     """:func:`check`'s result as a table (widths as the integers it keys them by)."""
     widths = result["widths"]
     lines = ["Rows whose logits equal the widest width's, bit for bit (in the eager ways, for the first row "
-             "that parts: the first module whose output parts, and how many of the modules kept part):", "",
+             "that parts: the first module whose output parts, and how many of the modules kept part). A width "
+             "a decoder pads to another (exact mode's rule) never runs in decoding, and its rows may part:", "",
              "| way | attention | " + " | ".join(f"{w} rows" for w in widths) + " | widest twice alike |",
              "|---|---|" + "---:|" * len(widths) + "---|"]
     for way, data in result["ways"].items():
@@ -193,6 +201,8 @@ def markdown(result: dict[str, Any]) -> str:
         for w in widths:
             r = data["rows"][w]
             cell = f"{r['agree']}/{r['rows']}"
+            if r.get("runs_at", w) != w:
+                cell += f" (padded to {r['runs_at']} in decoding)"
             if r["first_parting_module"]:
                 cell += f" (`{r['first_parting_module']}`, {r['modules_parted']} of {r['modules_kept']} modules)"
             cells.append(cell)
@@ -209,10 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES),
                         help="random weights of this shape (when --model is not given)")
-    parser.add_argument("--model", help="a local checkpoint folder to load instead")
+    parser.add_argument("--model", help="a local checkpoint folder or .gguf file to load instead")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--widths", default=",".join(map(str, WIDTHS)))
     parser.add_argument("--exact", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--cpu-kernels", default="stock", choices=["auto", "stock", "packed", "fbgemm"],
+                        help="the decoder's cpu_kernels (a CPU's default is auto)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     try:
@@ -223,14 +235,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--widths must lie in 1..{max(WIDTHS)}, got {args.widths!r}")
     dtype = getattr(torch, args.dtype)
     if args.model:
-        from transformers import AutoModelForCausalLM
+        from specdraft.models import load_model
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
+        model = load_model(args.model, dtype=dtype, device=args.device)[0]
     else:
         model = build_model(args.shape, args.device, dtype)
-    result = check(model, widths, exact={"auto": None, "on": True, "off": False}[args.exact])
+    result = check(model, widths, exact={"auto": None, "on": True, "off": False}[args.exact],
+                   cpu_kernels=args.cpu_kernels)
     result["config"] = machine(args.device) | {"model": args.model or f"random {args.shape}", "dtype": args.dtype,
-                                               "exact": args.exact}
+                                               "exact": args.exact, "cpu_kernels": args.cpu_kernels}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "rows.json").write_text(json.dumps(result, indent=1) + "\n")
