@@ -296,7 +296,7 @@ def test_width_classes_and_rule() -> None:
     assert rule.wider and rule.rows_for(100) == 100
     assert rule.min_rows == 3 and rule.widths == (3, 4, 5, 6, 7, 8)
     assert dict(rule.per_shape) == {(32, 16): tuple(range(2, 9)), (512, 64): tuple(range(3, 9))}
-    assert [rule.rows_for(k) for k in (1, 2, 3, 8)] == [3, 3, 3, 8] and rule.padding(1) == 2
+    assert [rule.rows_for(k) for k in (1, 2, 3, 8)] == [3, 3, 3, 8] and rule.rows_for(1) - 1 == 2
     with pytest.raises(ValueError, match="wider than the 14 rows"):
         RowRule((4, 8, 12, 13, 14)).rows_for(15)
     with pytest.raises(ValueError, match="at least one row"):

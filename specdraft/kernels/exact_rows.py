@@ -65,7 +65,7 @@ What a decoder in exact mode does with it
     * every decode forward of ``k`` rows (tree, side blocks, a plain step, a batch's segments
       together) runs ``rule.rows_for(k)`` rows: :func:`pad_block` lays out one request's; pad
       rows come after the real ones and are never kept by a compaction; the cache needs room for
-      them (``rule.padding(k)`` rows past the real ones);
+      them (``rule.rows_for(k) - k`` rows past the real ones);
     * the linear layers after the last hidden state count too: a vocabulary head that computes only
       some rows (``logits_to_keep``) runs that many rows, which must also be a width of the rule
       (keep a pad row's logits as well where needed);
@@ -84,6 +84,9 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 from torch import nn
+
+from .cpu_kernels import PackedModel
+from .kernel_costs import cache_dir, cache_key, cache_path, model_dtype, write_cache
 
 #: The widest decode forward the rule covers (the adaptive budget's widest tree).
 MAX_WIDTH = 64
@@ -216,35 +219,27 @@ class RowRule:
             raise ValueError(f"a forward of {k} rows is wider than the {self.max_rows} rows the rule covers")
         return next(w for w in self.widths if w >= k)
 
-    def padding(self, k: int) -> int:
-        """Pad rows added to a forward of ``k`` real rows."""
-        return self.rows_for(k) - k
-
     def describe(self) -> str:
         """E.g. ``"pad to 2+ rows (up to 64)"``, ``"pad to 4, 8, 12+ rows (up to 64)"`` or ``"no padding (...)"``."""
-        widths, parts = list(self.widths), []
-        while widths:
-            run = 1
-            while run < len(widths) and widths[run] == widths[0] + run:
-                run += 1
-            if run == len(widths):
-                parts.append(f"{widths[0]}+" if widths[0] < widths[-1] else str(widths[0]))
-                break
-            parts.extend(str(w) for w in widths[:run])
-            widths = widths[run:]
+        widths = self.widths
+        last = len(widths) - 1  # the final run of consecutive widths is written ``W+``, earlier ones width by width
+        start = last
+        while start and widths[start - 1] == widths[start] - 1:
+            start -= 1
+        parts = [str(w) for w in widths[:start]] + [f"{widths[start]}+" if start < last else str(widths[start])]
         beyond = "; wider as they are" if self.wider else ""
         if self.widths == tuple(range(1, self.max_rows + 1)):
             return f"no padding (1-{self.max_rows} rows agree{beyond})"
         return f"pad to {', '.join(parts)} rows (up to {self.max_rows}{beyond})"
 
 
-def linear_layers(model: nn.Module, packed: "object | None" = None) -> list[nn.Module]:
+def linear_layers(model: nn.Module, packed: PackedModel | None = None) -> list[nn.Module]:
     """The linear layers a forward of ``model`` runs: its ``nn.Linear`` modules, or where a
     :class:`~specdraft.kernels.cpu_kernels.PackedModel` swaps in stand-ins, those (and the layers it left
     on the stock kernel)."""
     layers = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear) and name}
     if packed is not None:
-        layers.update(getattr(packed, "layers"))
+        layers.update(packed.layers)
     return list(layers.values())
 
 
@@ -282,7 +277,7 @@ def _norm_features(module: nn.Module) -> int | None:
     return int(shape[-1]) if isinstance(shape, (tuple, list)) and len(shape) == 1 else None
 
 
-def row_layers(model: nn.Module, packed: "object | None" = None) -> list[nn.Module]:
+def row_layers(model: nn.Module, packed: PackedModel | None = None) -> list[nn.Module]:
     """Every layer whose rows the probe checks: :func:`linear_layers` and :func:`norm_layers`."""
     return linear_layers(model, packed) + norm_layers(model)
 
@@ -306,11 +301,26 @@ def probe_rule(layers: Iterable[nn.Module], dtype: torch.dtype, max_rows: int = 
     kinds: dict[tuple[tuple[int, int], str], nn.Module] = {}
     for layer in layers:
         kinds.setdefault((_features(layer), _kernel_id(layer)), layer)
+    widths = tuple(range(1, max_rows + 1))
     if not kinds:
-        return RowRule(tuple(range(1, max_rows + 1)), wider=True)
+        return RowRule(widths, wider=True)
     wide = tuple(sorted(w for w in set(wide) if w > max_rows))
-    entries = tuple((shape, kernel, layer) for (shape, kernel), layer in sorted(kinds.items(), key=lambda kv: kv[0]))
-    return _probe(entries, dtype, max_rows, rows_per_width, wide, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    per_shape = []
+    common = set(widths)
+    wider = True
+    for (shape, kernel), layer in sorted(kinds.items(), key=lambda kv: kv[0]):
+        classes = _classes(shape, kernel, layer, dtype, widths + wide, rows_per_width, threads)
+        agree_all = agreeing_widths(classes, anchor=max_rows)
+        agree = tuple(w for w in agree_all if w <= max_rows)
+        wider = wider and set(wide) <= set(agree_all)
+        if agree == (max_rows,) and max_rows > 1 and _device_of(layer).type == "cpu":
+            raise ExactRowsError(f"the {shape[0]}->{shape[1]} layer ({type(layer).__name__}, {dtype}) gives a "
+                                 f"{max_rows}-row forward other bits than any narrower width (classes: {classes}); "
+                                 "no padding width makes it row-count invariant")
+        per_shape.append((shape, agree))
+        common &= set(agree)
+    return RowRule(tuple(sorted(common)), tuple(per_shape), wider)
 
 
 def _kernel_id(layer: nn.Module) -> str:
@@ -325,26 +335,6 @@ def _kernel_id(layer: nn.Module) -> str:
 
 
 _PROBE_LOCK = threading.Lock()
-
-
-def _probe(entries: tuple, dtype: torch.dtype, max_rows: int, rows_per_width: int, wide: tuple[int, ...],
-           threads: int) -> RowRule:
-    widths = tuple(range(1, max_rows + 1))
-    per_shape = []
-    common = set(widths)
-    wider = True
-    for shape, kernel, layer in entries:
-        classes = _classes(shape, kernel, layer, dtype, widths + wide, rows_per_width, threads)
-        agree_all = agreeing_widths(classes, anchor=max_rows)
-        agree = tuple(w for w in agree_all if w <= max_rows)
-        wider = wider and set(wide) <= set(agree_all)
-        if agree == (max_rows,) and max_rows > 1 and _device_of(layer).type == "cpu":
-            raise ExactRowsError(f"the {shape[0]}->{shape[1]} layer ({type(layer).__name__}, {dtype}) gives a "
-                                 f"{max_rows}-row forward other bits than any narrower width (classes: {classes}); "
-                                 "no padding width makes it row-count invariant")
-        per_shape.append((shape, agree))
-        common &= set(agree)
-    return RowRule(tuple(sorted(common)), tuple(per_shape), wider)
 
 
 def _classes(shape: tuple[int, int], kernel: str, layer: nn.Module, dtype: torch.dtype, widths: tuple[int, ...],
@@ -375,8 +365,6 @@ def rule_cache_key(model: nn.Module, layers: Sequence[nn.Module]) -> dict[str, A
     """What a probe of ``model``'s ``layers`` depends on: what a kernel-cost measurement depends on
     (CPU, torch, threads, dtype) and the kinds of layer (shape and kernel), not how many of each
     (a rule is per kind: models that differ only in depth share one probe)."""
-    from .kernel_costs import cache_key
-
     kernels = sorted({"{}x{}:{}".format(*_features(layer), _kernel_id(layer)) for layer in layers})
     machine = {name: value for name, value in cache_key(model).items() if name != "linears"}
     return {**machine, "device": _device_name(layers), "version": CACHE_VERSION, "kernels": kernels,
@@ -384,12 +372,10 @@ def rule_cache_key(model: nn.Module, layers: Sequence[nn.Module]) -> dict[str, A
 
 
 def rule_cache_path(key: dict[str, Any]) -> Path:
-    from .kernel_costs import cache_dir, cache_path
-
     return cache_dir().parent / "exact-rows" / cache_path(key).name
 
 
-def load_or_probe(model: nn.Module, packed: "object | None" = None) -> RowRule:
+def load_or_probe(model: nn.Module, packed: PackedModel | None = None) -> RowRule:
     """The :class:`RowRule` of the layers a forward of ``model`` runs (``packed``: the
     :class:`~specdraft.kernels.cpu_kernels.PackedModel` swapped in, if any): read from the cache when this
     machine probed them before, else probed and written there (skipped where it cannot be written)."""
@@ -404,8 +390,6 @@ def load_or_probe(model: nn.Module, packed: "object | None" = None) -> RowRule:
                            bool(data["wider"]))
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    from .kernel_costs import model_dtype, write_cache
-
     rule = probe_rule(layers, model_dtype(model))
     write_cache(path, json.dumps({"key": key, "widths": list(rule.widths), "wider": rule.wider,
                                   "per_shape": [[list(shape), list(widths)] for shape, widths in rule.per_shape]}))
