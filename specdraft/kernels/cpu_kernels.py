@@ -65,7 +65,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .fp16_linear import FP16_INPUT_DTYPES, Fp16Linear, fbgemm_problem
+from .fp16_linear import FP16_INPUT_DTYPES, Fp16Linear, LinearStandIn, fbgemm_problem
 
 #: What ``Decoder(cpu_kernels=...)`` accepts: ``"auto"`` picks among the others per forward width
 #: from what they cost on this machine (:mod:`specdraft.kernel_costs`).
@@ -150,34 +150,20 @@ def check_cpu_kernels(model: Any, kernels: str) -> None:
                                  f"use cpu_kernels='stock'{hint}{', or float32 weights' if name != 'float32' else ''}")
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(LinearStandIn):
     """A stand-in for one ``nn.Linear`` during a forward: the same weight, packed for oneDNN.
-
-    The original module is kept outside torch's module tree (so it is not a child of this one
-    and the swap never shows it twice); inputs the packed kernel cannot take (another dtype, a
-    tensor that needs gradients) go to the original.
-    """
+    Inputs the packed kernel cannot take (another dtype, a tensor that needs gradients) go to the
+    original."""
 
     def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT) -> None:
-        super().__init__()
-        self.__dict__["original"] = linear  # not a registered submodule on purpose
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        super().__init__(linear)
         self.batch_hint = batch_hint
-        self._pack()
+        self.refresh()
 
-    def _pack(self) -> None:
-        weight = self.original.weight
+    def _pack(self, weight: torch.Tensor) -> bool:
+        """Pack ``weight`` (always possible for oneDNN: ``True``)."""
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint)
-        self._packed_version = (weight.data_ptr(), weight._version)
-
-    def refresh(self) -> bool:
-        """Repack if the original weight was changed in place or replaced since packing (always
-        possible for oneDNN: ``True``)."""
-        weight = self.original.weight
-        if (weight.data_ptr(), weight._version) != self._packed_version:
-            self._pack()
         return True
 
     @property
@@ -186,9 +172,7 @@ class PackedLinear(nn.Module):
         return self.out_features * self.in_features * self.original.weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.original.weight
-        if x.dtype != weight.dtype or x.device.type != "cpu" or (torch.is_grad_enabled() and
-                                                                   (x.requires_grad or weight.requires_grad)):
+        if self.goes_to_original(x):
             return self.original(x)
         bias = self.original.bias
         flat = x.reshape(-1, self.in_features)
@@ -238,23 +222,21 @@ def memory_problem(model: nn.Module, kind: str) -> str | None:
             f"(keeping {reserve / 2**30:.2f} GiB free)")
 
 
-class MixedLinear(nn.Module):
+class MixedLinear(LinearStandIn):
     """A packed layer that runs only on the row counts its plan gives it, the stock kernel on the
     others: ``plan[r - 1]`` says whether a forward of ``r`` rows runs packed (past the plan's end,
     its last entry). Every linear layer of one forward sees the same row count, so the whole
     forward runs on one path; ``cpu_kernels="auto"`` uses it to take the cheaper path per width."""
 
     def __init__(self, fast: "PackedLinear | Fp16Linear", plan: tuple[bool, ...]) -> None:
-        super().__init__()
         if not plan:
             raise ValueError("a plan needs an entry for at least one row count")
-        self.__dict__["original"] = fast.original  # not registered, as in PackedLinear
-        self.__dict__["fast"] = fast
-        self.in_features = fast.in_features
-        self.out_features = fast.out_features
+        super().__init__(fast.original)
+        self.__dict__["fast"] = fast  # not registered, as the original is not
         self.plan = plan
 
     def refresh(self) -> bool:
+        """Repack the fast layer where its weight changed (:meth:`LinearStandIn.refresh`)."""
         return self.fast.refresh()
 
     @property
@@ -286,7 +268,7 @@ class PackedModel:
         #: per row count, whether a forward runs packed (``None``: always; see :class:`MixedLinear`)
         self.plan = plan
         self._model = weakref.ref(model)
-        if any(isinstance(module, (PackedLinear, Fp16Linear, MixedLinear)) for module in model.modules()):
+        if any(isinstance(module, LinearStandIn) for module in model.modules()):
             raise RuntimeError(f"cannot pack this model's weights while another decoder runs a forward of it on packed "
                                f"kernels; decoders sharing one model across threads must use the same cpu_kernels "
                                f"(this one: {kind!r})")
@@ -311,7 +293,8 @@ class PackedModel:
                           f"stock kernel, float16 cannot hold their weights exactly (e.g. {self.stock_layers[:3]})",
                           RuntimeWarning, stacklevel=3)
         # (parent module, attribute name, packed layer), resolved once: the swap runs twice a forward
-        self._slots = [(_parent(model, name), name.rpartition(".")[2], layer) for name, layer in self.layers.items()]
+        self._slots = [(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], layer)
+                       for name, layer in self.layers.items()]
         self._depth = 0  # forwards in flight (threads): the first swaps in, the last swaps back
         self._lock = threading.Lock()
 
@@ -334,7 +317,7 @@ class PackedModel:
                     current = getattr(parent, child)
                     if current is not layer.original:
                         moved.append(child)
-                        other = other or isinstance(current, (PackedLinear, Fp16Linear, MixedLinear))
+                        other = other or isinstance(current, LinearStandIn)
                 if other:
                     raise RuntimeError(f"another decoder is running a forward of this model on other packed kernels "
                                        f"right now; decoders sharing one model across threads must use the same "
@@ -381,8 +364,3 @@ def packed_model(model: nn.Module, kind: str = "packed", plan: tuple[bool, ...] 
             _SHARED[key] = packed
         return packed
 
-
-def _parent(model: nn.Module, name: str) -> nn.Module:
-    """The module that holds submodule ``name`` (``model.get_submodule`` of its dotted parent)."""
-    parent_name = name.rpartition(".")[0]
-    return model.get_submodule(parent_name) if parent_name else model

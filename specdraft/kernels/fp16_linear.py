@@ -114,54 +114,76 @@ def exact_fp16_weight(weight: torch.Tensor, max_terms: int = 2) -> tuple[torch.T
     return torch.cat([hi, lo], dim=1), row_scale, 2
 
 
-class Fp16Linear(nn.Module):
-    """A stand-in for one ``nn.Linear`` during a forward: the same weight as exact float16, packed
-    for FBGEMM. Build it with :meth:`build`, which returns ``None`` for a weight float16 cannot
-    hold exactly. The original module is kept outside torch's module tree; inputs the kernel must
-    not take (float64, another dtype than the weight's, a tensor that needs gradients) go to it."""
+class LinearStandIn(nn.Module):
+    """A stand-in for one ``nn.Linear`` during a forward, on a copy of its weight packed for a
+    faster kernel (:class:`Fp16Linear`, :class:`~specdraft.kernels.cpu_kernels.PackedLinear`, and
+    :class:`~specdraft.kernels.cpu_kernels.MixedLinear` over one of them).
 
-    def __init__(self, linear: nn.Linear, weight: torch.Tensor, row_scale: torch.Tensor | None, terms: int) -> None:
+    The original module is kept outside torch's module tree (so it is not a child of this one and
+    the swap never shows it twice); inputs the packed kernel must not take go to it."""
+
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.__dict__["original"] = linear  # not a registered submodule on purpose
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self._pack(weight, row_scale, terms)
+        self._packed_version: tuple[int, int] | None = None  # the original weight's when packed
+
+    def refresh(self) -> bool:
+        """Pack the original weight if it was changed in place or replaced since packing (or never
+        packed); ``False`` when the new weight cannot be packed (the caller must then stop using this)."""
+        weight = self.original.weight
+        version = (weight.data_ptr(), weight._version)
+        if version != self._packed_version:
+            if not self._pack(weight):
+                return False
+            self._packed_version = version
+        return True
+
+    def _pack(self, weight: torch.Tensor) -> bool:
+        """Pack ``weight`` for the kernel; ``False`` where it cannot be."""
+        raise NotImplementedError
+
+    def goes_to_original(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` goes to the original layer: another dtype than the weight's, another device
+        than the CPU, or a forward that needs gradients."""
+        weight = self.original.weight
+        return x.dtype != weight.dtype or x.device.type != "cpu" or (
+            torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+
+
+class Fp16Linear(LinearStandIn):
+    """A stand-in for one ``nn.Linear`` during a forward: the same weight as exact float16, packed
+    for FBGEMM. Build it with :meth:`build`, which returns ``None`` for a weight float16 cannot
+    hold exactly. Inputs the kernel must not take (float64, another dtype than the weight's, a
+    tensor that needs gradients) go to the original."""
 
     @classmethod
     def build(cls, linear: nn.Linear) -> "Fp16Linear | None":
         """The packed stand-in of ``linear``, or ``None`` where float16 cannot hold its weight
         exactly (the caller keeps the stock layer there)."""
-        exact = exact_fp16_weight(linear.weight)
-        return None if exact is None else cls(linear, *exact)
+        layer = cls(linear)
+        return layer if layer.refresh() else None
 
-    def _pack(self, weight: torch.Tensor, row_scale: torch.Tensor | None, terms: int) -> None:
+    def _pack(self, weight: torch.Tensor) -> bool:
+        exact = exact_fp16_weight(weight)
+        if exact is None:
+            return False
+        weight32, row_scale, terms = exact
         bias = self.original.bias
         bias32 = None if bias is None else bias.detach().to(torch.float32)
         if bias32 is not None and row_scale is not None:
             bias32 = bias32 * row_scale  # exact: a power of two per output
         with torch.no_grad():
-            self.packed = torch.ops.quantized.linear_prepack_fp16(weight, bias32)
+            self.packed = torch.ops.quantized.linear_prepack_fp16(weight32, bias32)
             stored, _ = torch.ops.quantized.linear_unpack_fp16(self.packed)
-        if not torch.equal(stored.to(torch.float32), weight):  # what FBGEMM kept, bit for bit
-            raise RuntimeError(f"FBGEMM stored a {tuple(weight.shape)} weight inexactly although float16 holds it; "
+        if not torch.equal(stored.to(torch.float32), weight32):  # what FBGEMM kept, bit for bit
+            raise RuntimeError(f"FBGEMM stored a {tuple(weight32.shape)} weight inexactly although float16 holds it; "
                                "use cpu_kernels='stock'")
         #: per-output power of two that undoes the row scaling (None: no row was scaled)
         self.inverse_scale = None if row_scale is None else (1.0 / row_scale)
         #: float16 numbers summed per weight (2: the input goes in twice, ``[x | x]``)
         self.terms = terms
-        original = self.original.weight
-        self._packed_version = (original.data_ptr(), original._version)
-
-    def refresh(self) -> bool:
-        """Repack if the original weight was changed in place or replaced since packing; ``False``
-        when the new weight is no longer exact in float16 (the caller must then stop using this)."""
-        original = self.original.weight
-        if (original.data_ptr(), original._version) == self._packed_version:
-            return True
-        exact = exact_fp16_weight(original)
-        if exact is None:
-            return False
-        self._pack(*exact)
         return True
 
     @property
@@ -170,9 +192,7 @@ class Fp16Linear(nn.Module):
         return self.out_features * self.in_features * 2 * self.terms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.original.weight
-        if x.dtype != weight.dtype or x.dtype not in FP16_INPUT_DTYPES or x.device.type != "cpu" or \
-                (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        if x.dtype not in FP16_INPUT_DTYPES or self.goes_to_original(x):
             return self.original(x)
         flat = x.reshape(-1, self.in_features).to(torch.float32)
         if self.terms == 2:
