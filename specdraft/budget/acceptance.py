@@ -161,11 +161,7 @@ class AcceptanceTracker:
     def walk(self, request: RequestAcceptance, committed: Sequence[int]) -> None:
         """Walk every queued tree on along ``committed``, in step order: the learning, which may
         run behind the next forward."""
-        waiting = []
-        for walk in request.walks:
-            if self._advance(request, walk, committed):
-                waiting.append(walk)
-        request.walks = waiting
+        request.walks = [walk for walk in request.walks if self._advance(request, walk, committed)]
 
     # -- the walk ---------------------------------------------------------------------------
 

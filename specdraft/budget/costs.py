@@ -86,19 +86,16 @@ class StepCosts:
         #: the widths forwards run at (:class:`~specdraft.engine.widths.Widths`): a forward of ``k``
         #: rows costs what one of ``padding.rows_for(k)`` does; ``None``: as they come
         self.padding: Any = None
-        self._one_row_seconds: float | None = None
-        self.curve: list[float] | None = None
         self.level: float | None = None  # seconds of a one-token step now
         self.learned: dict[int, float] = {}  # width -> shape, learned (no curve)
         self._unpriced: dict[int, float] = {}  # width -> seconds, seen before any plain step (no curve)
-        if curve is not None:
-            self.set_curve(curve)
+        self.set_curve(curve)
 
     def set_curve(self, curve: Sequence[float] | None) -> None:
         """Price widths from ``curve`` from now on (``None``: learn them from the steps)."""
         if curve is None:
-            self.curve = None
-            self._one_row_seconds = None
+            self.curve: list[float] | None = None
+            self._one_row_seconds: float | None = None
             return
         values = check_curve(curve)
         self.curve = [c / values[0] for c in values]
@@ -139,10 +136,6 @@ class StepCosts:
             return below[-1][1]  # wider than anything measured: the widest's price (optimistic)
         (w0, s0), (w1, s1) = below[-1], above[0]
         return s1 if w1 == width else s0 + (s1 - s0) * (width - w0) / (w1 - w0)
-
-    def shapes(self, upto: int) -> list[float]:
-        """``[shape(1), ..., shape(upto)]`` (the budget prices every width at once)."""
-        return [self.shape(w) for w in range(1, upto + 1)]
 
     def attention_price(self) -> float:
         """A row's attention per cached position, in one-row forwards (0 when unknown)."""
