@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..checks import check_int
 from ..tree import TokenTree, prior_rate
 
 #: Steps a walk waits before what is known of it is recorded in the rank rates (see above).
@@ -120,10 +121,8 @@ class AcceptanceTracker:
         for name, value in (("fast", fast), ("slow", slow), ("source_fast", source_fast), ("source_slow", source_slow)):
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
-        if max_nodes < 0:
-            raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
-        if num_sources < 0:
-            raise ValueError(f"num_sources must be >= 0, got {num_sources}")
+        check_int("max_nodes", max_nodes, 0)
+        check_int("num_sources", num_sources, 0)
         self.max_nodes = max_nodes
         self.num_sources = num_sources
         self.fast, self.slow = fast, slow

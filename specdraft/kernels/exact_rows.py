@@ -136,10 +136,8 @@ def width_classes(layer: Callable[[torch.Tensor], torch.Tensor], in_features: in
 
 def _device_of(layer: Callable[[torch.Tensor], torch.Tensor]) -> torch.device:
     """Where ``layer`` computes: its first parameter's or buffer's device (the CPU for a bare function)."""
-    if isinstance(layer, nn.Module):
-        for tensor in (*layer.parameters(), *layer.buffers()):
-            return tensor.device
-    return torch.device("cpu")
+    tensors = (*layer.parameters(), *layer.buffers()) if isinstance(layer, nn.Module) else ()
+    return next((tensor.device for tensor in tensors), torch.device("cpu"))
 
 
 def _device_name(layers: Sequence[nn.Module]) -> str:

@@ -45,7 +45,7 @@ import platform
 import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -121,8 +121,7 @@ class KernelCosts:
         return _interpolate(self.widths, self.seconds[path], MAX_ROWS)
 
     def to_json(self) -> str:
-        return json.dumps({"key": self.key, "widths": self.widths, "seconds": self.seconds,
-                           "measured_s": self.measured_s}, indent=1)
+        return json.dumps(asdict(self), indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "KernelCosts":
@@ -188,8 +187,7 @@ def measure(model: nn.Module, paths: Sequence[str], widths: Sequence[int] = WIDT
     docstring). A path that cannot run any sampled layer is left out of the result."""
     started = clock()
     sample = _sample(model)
-    runs = {path: _path_layers(sample, path) for path in paths}
-    runs = {path: layers for path, layers in runs.items() if layers is not None}
+    runs = {path: layers for path in paths if (layers := _path_layers(sample, path)) is not None}
     dtype = model_dtype(model)
     generator = torch.Generator().manual_seed(0)  # (its own: the caller's random stream stays where it was)
     inputs = {(w, inp): torch.randn(1, w, inp, generator=generator).to(dtype)
