@@ -4,7 +4,7 @@ commits (held back while a character is incomplete)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from .engine.loop import Batch
 from .engine.outputs import BatchOutput, BatchResult, BatchStats
@@ -26,29 +26,6 @@ class BatchRequest:
     repetition_penalty: float | None = None
     seed: int | None = None
     stop: Sequence[str] | str | None = None
-
-
-def text_pieces(chunks: Iterable[tuple[int, list[int]]], tokenizer: Any, finished: Any = lambda index: False
-                ) -> Iterator[tuple[int, str]]:
-    """``(index, new text)`` for ``(index, token ids)`` chunks as they commit. A request's text is
-    held back while it ends in an incomplete character (a multi-byte character split across
-    tokens), unless ``finished(index)`` says the request is over; whatever is left is given at the
-    end."""
-    tokens: dict[int, list[int]] = {}
-    shown: dict[int, int] = {}
-    for index, chunk in chunks:
-        mine = tokens.setdefault(index, [])
-        mine.extend(chunk)
-        text = tokenizer.decode(mine, skip_special_tokens=True)
-        if text.endswith("\ufffd") and not finished(index):
-            continue
-        if len(text) > shown.get(index, 0):
-            yield index, text[shown.get(index, 0):]
-            shown[index] = len(text)
-    for index, mine in tokens.items():
-        text = tokenizer.decode(mine, skip_special_tokens=True)
-        if len(text) > shown.get(index, 0):
-            yield index, text[shown.get(index, 0):]
 
 
 class BatchStream:
@@ -81,7 +58,7 @@ class BatchStream:
 
     def __iter__(self):
         if self._iterator is None:
-            self._iterator = _pieces(self._batch, self._tokenizer)
+            self._iterator = stream_pieces(self._batch, self._tokenizer)
         return self._iterator
 
     def __next__(self):
@@ -93,13 +70,31 @@ class BatchStream:
             self._iterator.close()
 
 
+def stream_pieces(batch: Batch, tokenizer: Any) -> Iterator[tuple[int, str | list[int]]]:
+    """``(index, new text)`` as a batch's requests commit, or ``(index, token ids)`` without a
+    tokenizer. A request's text is held back while it ends in an incomplete character (a
+    multi-byte character split across tokens), unless the request is over; whatever is left is
+    given at the end.
 
-def _pieces(batch: Batch, tokenizer: Any):
-    """What a :class:`BatchStream` yields. A function of the batch, not a method of the stream:
-    the generator must not hold the stream that holds it, or a stream the caller drops (a loop left
-    by ``break``) would keep the decoder busy until the cyclic garbage collector runs."""
+    A function of the batch, not a method of :class:`BatchStream`: the generator must not hold the
+    stream that holds it, or a stream the caller drops (a loop left by ``break``) would keep the
+    decoder busy until the cyclic garbage collector runs."""
     if tokenizer is None:
         yield from batch
         return
     outputs = batch.outputs
-    yield from text_pieces(batch, tokenizer, lambda index: outputs[index] is not None)
+    tokens: dict[int, list[int]] = {}
+    shown: dict[int, int] = {}
+    for index, chunk in batch:
+        mine = tokens.setdefault(index, [])
+        mine.extend(chunk)
+        text = tokenizer.decode(mine, skip_special_tokens=True)
+        if text.endswith("\ufffd") and outputs[index] is None:
+            continue
+        if len(text) > shown.get(index, 0):
+            yield index, text[shown.get(index, 0):]
+            shown[index] = len(text)
+    for index, mine in tokens.items():
+        text = tokenizer.decode(mine, skip_special_tokens=True)
+        if len(text) > shown.get(index, 0):
+            yield index, text[shown.get(index, 0):]

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .batching import BatchRequest, BatchStream, text_pieces
+from .batching import BatchRequest, BatchStream, stream_pieces
 from .budget import Budget, WholeTreeTrial
 from .checks import check_int
 from .engine import BatchResult, Drafter, Engine, RequestSpec
@@ -363,12 +363,8 @@ class Decoder:
         return self._stream(self.engine.run([spec], 1, [stats]))
 
     def _stream(self, batch) -> Iterator[str | list[int]]:
-        if self.tokenizer is None:
-            for _, tokens in batch:
-                yield tokens
-        else:
-            for _, text in text_pieces(batch, self.tokenizer, lambda index: batch.outputs[index] is not None):
-                yield text
+        for _, piece in stream_pieces(batch, self.tokenizer):
+            yield piece
         output = batch.outputs[0]
         if output is not None and output.error is not None:
             raise output.error

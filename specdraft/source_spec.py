@@ -37,9 +37,7 @@ class SourceSpec:
         """A new source instance (constructor errors become :class:`SourceSpecError`)."""
         try:
             return registry[self.name](**dict(self.kwargs))
-        except TypeError as exc:  # an unknown keyword
-            raise SourceSpecError(f"draft source {self.text!r}: {exc}") from None
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:  # an unknown keyword, or a value the source refuses
             raise SourceSpecError(f"draft source {self.text!r}: {exc}") from None
 
 
