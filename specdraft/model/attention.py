@@ -44,6 +44,7 @@ from . import flash_merge_triton
 from .flash_kernels import (FLASH_DTYPES, FLASH_LAYOUT_KEYWORD, AttentionBackendError, FlashLayout,
                             cpu_flash_available, dense_with_lse, fa2_available, fa4_available, flash_with_lse,
                             prefix_attention, shared_heads)
+from .packed_attention import register_backend
 
 #: Part (b) and the merge as one Triton kernel: ``None`` where Triton runs on CUDA, ``True`` /
 #: ``False`` to force it (the tests run it in Triton's interpreter) or the torch operations.
@@ -157,12 +158,7 @@ def _split_by_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 def register_flash_backend() -> str:
     """Register the tree flash backend with transformers (idempotent); returns its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(FLASH_NAME, tree_flash_attention)
-    AttentionMaskInterface.register(FLASH_NAME, sdpa_mask)
-    return FLASH_NAME
+    return register_backend(FLASH_NAME, tree_flash_attention)
 
 
 def _check_cuda_flash(model: Any) -> None:

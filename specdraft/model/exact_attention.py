@@ -82,6 +82,8 @@ from typing import Any, Callable
 
 import torch
 
+from .packed_attention import register_backend
+
 #: The registered name (no "flash" in it: transformers treats such names specially).
 EXACT_NAME = "specdraft_exact"
 
@@ -542,9 +544,4 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
 def register_exact_backend() -> str:
     """Register :func:`exact_attention` with transformers (idempotent); returns its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(EXACT_NAME, exact_attention)
-    AttentionMaskInterface.register(EXACT_NAME, sdpa_mask)
-    return EXACT_NAME
+    return register_backend(EXACT_NAME, exact_attention)

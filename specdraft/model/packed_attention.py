@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -61,14 +61,21 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return torch.cat(outputs, dim=1), None
 
 
-def register_packed_backend() -> str:
-    """Register :func:`packed_attention` with transformers (idempotent); returns its name."""
+def register_backend(name: str, attention: Callable[..., Any]) -> str:
+    """Register ``attention`` with transformers' ``AttentionInterface`` under ``name``, with
+    ``sdpa``'s bool mask builder (idempotent); returns ``name``. Every backend of the package takes
+    the bool mask ``sdpa`` takes."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(PACKED_NAME, packed_attention)
-    AttentionMaskInterface.register(PACKED_NAME, sdpa_mask)
-    return PACKED_NAME
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def register_packed_backend() -> str:
+    """Register :func:`packed_attention` with transformers (idempotent); returns its name."""
+    return register_backend(PACKED_NAME, packed_attention)
 
 
 @contextmanager
