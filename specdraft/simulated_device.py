@@ -98,14 +98,8 @@ def _wants_device(value: Any) -> bool:
     return False
 
 
-def _host_device(value: Any) -> Any:
-    return torch.device("cpu") if _wants_device(value) else value
-
-
 def _simulate(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and not isinstance(x, SimulatedTensor):
-        return x.as_subclass(SimulatedTensor)
-    return x
+    return x.as_subclass(SimulatedTensor) if _is_plain_tensor(x) else x
 
 
 def _unsimulate(x: Any) -> Any:
@@ -190,17 +184,10 @@ class SimulatedDevice(TorchFunctionMode):
     # -- the mode -----------------------------------------------------------------------------
 
     def _count(self, kind: str, func: Callable) -> None:
+        """Count a ``"sync"`` or an ``"upload"``, in the forward or around it (logged there)."""
         inside = self._in_forward > 0
-        if kind == "sync":
-            if inside:
-                self.counts.forward_syncs += 1
-            else:
-                self.counts.syncs += 1
-        else:
-            if inside:
-                self.counts.forward_uploads += 1
-            else:
-                self.counts.uploads += 1
+        name = f"forward_{kind}s" if inside else f"{kind}s"
+        setattr(self.counts, name, getattr(self.counts, name) + 1)
         if not inside:
             self.counts.log.append(f"{kind}: {getattr(func, '__qualname__', None) or getattr(func, '__name__', func)}")
 
@@ -231,7 +218,7 @@ class SimulatedDevice(TorchFunctionMode):
             if func is torch.Tensor.cuda:
                 func, args, to_device = torch.Tensor.to, (args[0], "cpu"), True
             elif len(args) > 1 and _wants_device(args[1]):
-                args = (args[0], _host_device(args[1]), *args[2:])
+                args = (args[0], torch.device("cpu"), *args[2:])
                 to_device = True
             elif len(args) > 1 and isinstance(args[1], torch.Tensor):
                 to_device = to_device or _is_sim(args[1])
@@ -259,14 +246,12 @@ class SimulatedDevice(TorchFunctionMode):
                 self._count("upload", func)
 
         plain_args = tree_map(_unsimulate, args)
-        plain_kwargs = tree_map(_unsimulate, kwargs)
-        if isinstance(plain_kwargs.get("generator"), SimulatedGenerator):
-            pass  # a CPU generator underneath: it draws as a CPU one would
+        plain_kwargs = tree_map(_unsimulate, kwargs)  # (a simulated generator is a CPU one underneath)
         out = func(*plain_args, **plain_kwargs)
         if func in _TO_HOST or func is torch.Tensor.__array__:
             return out
         if any_sim or to_device:
-            if func in _INDEXING and func is torch.Tensor.__setitem__:
+            if func is torch.Tensor.__setitem__:
                 return out
             return tree_map(_simulate, out)
         return out
