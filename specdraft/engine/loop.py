@@ -26,7 +26,7 @@ from ..sampling import NodeScorer, PenaltyPrefix
 from ..stats import GenerationStats, SourceStats
 from .outputs import BatchOutput, BatchStats
 from .parts import Parts
-from .request import LiveRequest, RequestSpec, request_ids, run_queued
+from .request import LiveRequest, RequestSpec, now_or_later, request_ids, run_queued
 from .step import Emitted, Step
 
 #: Cache rows a request's region holds beyond prompt + new tokens + tree: room for side blocks.
@@ -158,15 +158,11 @@ class Batch:
         tokens = list(request.output)
         output = BatchOutput(tokens, self.text(tokens), request.stats, error=request.error, cancelled=request.cancelled)
         self.outputs[request.index] = output
-        end = partial(self._end_sources, request, failed, output)
-        if later is None:
-            end()
-        else:
-            later.append(end)
+        now_or_later(later, partial(self._end_sources, request, failed, output))
 
     def _end_sources(self, request: LiveRequest, failed: bool, output: BatchOutput) -> None:
         try:
-            request.learn_late()  # the sources hear every step before the end
+            run_queued(request.late)  # the sources hear every step before the end
         except Exception as exc:  # noqa: BLE001 - a source failing to learn fails this request alone
             request.error = request.error or exc
             failed = True

@@ -45,6 +45,14 @@ def run_queued(jobs: list[Callable[[], None]]) -> None:
         job()
 
 
+def now_or_later(later: list[Callable[[], None]] | None, job: Callable[[], None]) -> None:
+    """Run ``job`` now, or queue it in ``later`` to run behind the next forward."""
+    if later is None:
+        job()
+    else:
+        later.append(job)
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     """One request, checked and resolved: prompt ids, sampling settings, stop rule and seed."""
@@ -139,10 +147,6 @@ class LiveRequest:
     finished: bool = False
     error: BaseException | None = None
     cancelled: bool = False
-
-    def learn_late(self) -> None:
-        """Run the learning held back from the last step (``late``), in order."""
-        run_queued(self.late)
 
     def fail(self, error: BaseException) -> None:
         """End the request with ``error`` (its sources will abort what it taught them)."""

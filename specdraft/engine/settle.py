@@ -14,7 +14,6 @@ and runs behind the next forward (:meth:`~specdraft.engine.step.Step.behind_forw
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
 
 import torch
 
@@ -23,7 +22,8 @@ from ..tree import TokenTree
 from ..verify import Verdict, verify_greedy, verify_sampling, walk_choices
 from .parts import Parts
 from .readback import Readback
-from .request import LiveRequest, PendingStep
+from .request import LiveRequest, PendingStep, now_or_later
+
 
 def settle(engine: Parts, request: LiveRequest, logits: torch.Tensor, readback: Readback) -> list[int]:
     """Settle ``request``'s step (its rows' ``logits``, its ``readback``); returns the committed
@@ -32,7 +32,7 @@ def settle(engine: Parts, request: LiveRequest, logits: torch.Tensor, readback: 
     verdict = _verdict(request, step, logits, readback)
     tokens, done = request.spec.stop.cut(request.output, verdict.tokens)
     later = request.late if engine.hides_host_work else None  # (see Step.behind_forward)
-    _now_or_later(later, partial(record, request.stats, step.tree, verdict, len(tokens), engine.drafter.names))
+    now_or_later(later, partial(record, request.stats, step.tree, verdict, len(tokens), engine.drafter.names))
     if step.kind == "tree" and not done:
         engine.runner.store.keep(request.region, [0] + verdict.path)
     start = request.commit(tokens)
@@ -56,7 +56,7 @@ def settle(engine: Parts, request: LiveRequest, logits: torch.Tensor, readback: 
             return tokens
         acceptance = engine.budget.acceptance
         acceptance.count_step(request.acceptance, step.full, start)
-        _now_or_later(later, partial(acceptance.walk, request.acceptance, request.committed))
+        now_or_later(later, partial(acceptance.walk, request.acceptance, request.committed))
         if step.drafted and not step.exploring:
             budget = engine.budget
             request.pause.settled(len(tokens) - 1, budget.costs.seconds(1) if budget.chooses else None,
@@ -65,14 +65,6 @@ def settle(engine: Parts, request: LiveRequest, logits: torch.Tensor, readback: 
     request.stats.wall_time = engine.clock() - request.admitted
     request.ending = request.ending or done
     return tokens
-
-
-def _now_or_later(later: list[Callable[[], None]] | None, learn: Callable[[], None]) -> None:
-    """Run ``learn`` now, or queue it in ``later`` to run behind the next forward."""
-    if later is None:
-        learn()
-    else:
-        later.append(learn)
 
 
 def _verdict(request: LiveRequest, step: PendingStep, logits: torch.Tensor, readback: Readback) -> Verdict:

@@ -225,7 +225,7 @@ class Step:
         step. The read that follows needs none of it, so none of it waits between two forwards."""
         for request in self.running:
             try:
-                request.learn_late()
+                run_queued(request.late)
             except Exception as exc:  # noqa: BLE001 - a source that raises ends its request alone
                 request.fail(exc)
         run_queued(self.behind)
