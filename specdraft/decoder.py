@@ -313,8 +313,7 @@ class Decoder:
         of its answer nor makes the store grow (which means capturing again); elsewhere it makes
         the first request's kernel choices. The draft sources are set aside for the call, so they
         learn nothing from it. Call it before serving, not while another call runs."""
-        if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 2:
-            raise ValueError(f"context_tokens must be an int of at least 2, got {context_tokens!r}")
+        check_int("context_tokens", context_tokens, 2)
         limit = self.runner.max_positions
         total = min(context_tokens, limit) if limit is not None else context_tokens
         new = min(4, total - 1)

@@ -56,16 +56,12 @@ class StopRule:
 
         if not hit(len(new)):
             return None
-        for k in range(1, len(new) + 1):
-            if hit(k):
-                return k
-        return len(new)
+        return next(k for k in range(1, len(new) + 1) if hit(k))  # (at the latest len(new))
 
 
 def eos_ids(model: Any) -> list[int]:
     """The end-of-sequence ids of ``model``'s generation config (none when it sets none)."""
-    cfg = getattr(model, "generation_config", None)
-    eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
