@@ -96,8 +96,7 @@ def attend_new_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     _, heads, rows, dim = query.shape
     heads_kv = key.shape[1]
     groups = heads // heads_kv
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    out_a = out_a if out_a.stride(-1) == 1 else out_a.contiguous()
+    query, key, value, out_a = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value, out_a))
     allowed = allowed.to(torch.int8) if allowed.dtype == torch.bool else allowed
     out = torch.empty(1, rows, heads, dim, dtype=query.dtype, device=query.device)
     _new_rows_kernel[(rows, heads_kv)](

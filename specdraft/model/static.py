@@ -241,16 +241,15 @@ class CudaGraph:
 
 
 def static_forward(model: Any, store: KVStore, windows: dict[str, int | None], mask_kind: str, cache_keyword: str,
-                   capacity: int, flash: bool = False, model_pass: Callable[..., torch.Tensor] | None = None
+                   capacity: int, flash: bool, model_pass: Callable[..., torch.Tensor]
                    ) -> Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]:
     """The forward a bucket runs: the last step's cache moves, then the model over every row, all
     from the static buffers (what a graph captures); ``flash``: hand the flash split its layout;
-    ``model_pass``: what runs it (:attr:`StaticForwards.model_pass`; by default eagerly)."""
-    run = model_pass or model_pass_eager
+    ``model_pass``: what runs it (:attr:`StaticForwards.model_pass`: eagerly, or compiled)."""
 
     def forward(inputs: dict[str, torch.Tensor], block: torch.Tensor) -> torch.Tensor:
         store.apply_moves(inputs["move_from"], inputs["move_to"])
-        return run(model, store, windows, mask_kind, cache_keyword, capacity, flash, inputs, block)
+        return model_pass(model, store, windows, mask_kind, cache_keyword, capacity, flash, inputs, block)
 
     return forward
 
