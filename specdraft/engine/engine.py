@@ -34,7 +34,7 @@ class Engine:
     def __init__(self, runner: ModelRunner, drafter: Drafter, budget: Budget,
                  kernels: Callable[[], ContextManager[Any]] = nullcontext,
                  text: Callable[[Sequence[int]], str | None] = lambda ids: None,
-                 attention: str | None = None, padding: Widths | None = None) -> None:
+                 attention: str | None = None) -> None:
         self.runner = runner
         self.drafter = drafter
         self.budget = budget
@@ -44,7 +44,6 @@ class Engine:
         #: another decoder over the same model may have switched it)
         self.attention = attention
         self._padding: Widths | None = None
-        self.padding = padding
         #: The timer behind the statistics and the budget's step costs. A replay of recorded outputs
         #: on a simulated clock (``benchmarks/budget_replay.py``) swaps it, with the runner.
         self.clock: Callable[[], float] = time.perf_counter
