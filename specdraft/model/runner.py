@@ -196,7 +196,8 @@ class ModelRunner:
         plan = _Plan.of(segments, self.max_positions)
         if padding is not None:
             plan.pad_kept(padding(len(plan.keep_rows)))
-        self._check_layout(segments)
+        if len(segments) > 1 or segments[0].region.start != 0:
+            self.check_batches()
         if self.static is not None and all(s.block is not None for s in segments) \
                 and self.static.holds(plan.total, riders, self.store.pending_moves) \
                 and len(plan.keep_rows) == plan.total:
@@ -293,10 +294,6 @@ class ModelRunner:
             return False
         seg = segments[0]
         return seg.region.length == 0 if seg.block is None else len(seg.tokens) == 1
-
-    def _check_layout(self, segments: Sequence[Segment]) -> None:
-        if len(segments) > 1 or segments[0].region.start != 0:
-            self.check_batches()
 
     @property
     def batches_supported(self) -> bool:
