@@ -279,11 +279,10 @@ class Decoder:
         """The widths forwards run at: in exact mode, those the layers that run now compute every
         row alike at; on a GPU, a few buckets whose forwards are captured as CUDA graphs
         (:mod:`specdraft.model.static`); elsewhere, as they come."""
-        on_gpu = self.runner.device.type == "cuda"
         rule = load_or_probe(self.model, self._packed) if self.exact else None
         # exact attention at fixed shapes reads committed tokens in place from chunk boundaries
         self.runner.store.align = CHUNK if self.exact else 1
-        if not on_gpu:
+        if self.runner.device.type != "cuda":
             self.engine.padding = RowWidths(rule) if rule is not None else None
             return
         # on a GPU: the buckets, in exact mode those at which the rule holds (fixed widths serve both)
