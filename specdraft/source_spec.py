@@ -85,10 +85,9 @@ def parse_source_spec(spec: str, registry: Mapping[str, Callable[..., Any]], che
     """Parse one spec against ``registry`` (name -> factory taking keyword arguments); with
     ``check``, also build the source once so that the constructor judges the values now."""
     text = "".join(spec.split())
-    allowed = ", ".join(registry)
     name, bracket, rest = text.partition("[")
     if name not in registry:
-        raise SourceSpecError(f"unknown draft source {name!r}; allowed: {allowed}")
+        raise SourceSpecError(f"unknown draft source {name!r}; allowed: {', '.join(registry)}")
     kwargs: dict[str, Any] = {}
     if bracket:
         if not rest.endswith("]") or "[" in rest[:-1] or "]" in rest[:-1]:
