@@ -48,15 +48,14 @@ def time_plain_generate(model: Any, input_ids: torch.Tensor | Sequence[int], max
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ids = as_input_ids(input_ids).to(model.device)
-    kwargs = dict(gen_kwargs)
-    kwargs.setdefault("attention_mask", torch.ones_like(ids))
+    gen_kwargs.setdefault("attention_mask", torch.ones_like(ids))  # (the caller's dict is a copy: ** made it)
     gen_config = getattr(model, "generation_config", None)
-    if gen_config is not None and gen_config.pad_token_id is None and "pad_token_id" not in kwargs:
+    if gen_config is not None and gen_config.pad_token_id is None and "pad_token_id" not in gen_kwargs:
         eos = gen_config.eos_token_id
         if eos is not None:  # silences "Setting pad_token_id to eos_token_id" on every call
-            kwargs["pad_token_id"] = eos[0] if isinstance(eos, (list, tuple)) else eos
+            gen_kwargs["pad_token_id"] = eos[0] if isinstance(eos, (list, tuple)) else eos
     start = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=max_new_tokens, **kwargs)
+    out = model.generate(ids, max_new_tokens=max_new_tokens, **gen_kwargs)
     seconds = time.perf_counter() - start
     sequences = out.sequences if hasattr(out, "sequences") else out
     return sequences[0, ids.shape[1]:].tolist(), seconds
