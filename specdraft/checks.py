@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 
-def check_int(name: str, value: Any, minimum: int, meaning: str = "") -> None:
+def check_int(name: str, value: Any, minimum: int, meaning: str = "", none_ok: bool = False,
+              numpy_ok: bool = False) -> None:
     """Refuse ``value`` unless it is an int of at least ``minimum``; a bool is refused too, since
     ``True`` passing as 1 hides a misplaced argument. ``meaning`` follows the bound in the message
-    (``" (0: no global tree)"``)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}{meaning}, got {value!r}")
+    (``" (0: no global tree)"``); ``none_ok`` lets ``None`` through (the message says so);
+    ``numpy_ok`` takes any integral number (numpy's ints too, which grids of settings hand over).
+    The type is checked before the bound, so a wrong one (a string from the command line, say) is
+    named rather than failing a comparison."""
+    if none_ok and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if numpy_ok else int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{' or None' if none_ok else ''}{meaning}, got {value!r}")

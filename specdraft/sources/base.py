@@ -14,7 +14,6 @@ lookahead decoding uses it to run its iteration window for free in the spare wid
 from __future__ import annotations
 
 import itertools
-import numbers
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, Sequence, TypeVar, runtime_checkable
@@ -251,16 +250,6 @@ def observes_late(source: Any) -> bool:
         raise ValueError(f"draft source {getattr(source, 'name', source)!r} has observes_late={value!r}; "
                          "it must be True or False")
     return bool(value)
-
-
-def check_count(label: str, value: Any, low: int, none_ok: bool = False) -> None:
-    """Refuse a source's integer argument unless it is an int (numpy's too, never a bool) of at
-    least ``low``, or, with ``none_ok``, ``None``. The type is checked first, so a wrong one (a
-    string from the command line, say) is named rather than failing a comparison."""
-    if none_ok and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{label} must be an int >= {low}{' or None' if none_ok else ''}, got {value!r}")
 
 
 State = TypeVar("State")

@@ -45,7 +45,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .base import Context, Draft, Feedback, SideBlock, SourceBase, check_count
+from ..checks import check_int
+from .base import Context, Draft, Feedback, SideBlock, SourceBase
 
 __all__ = ["JacobiLookahead", "NGramPool", "LookaheadWindow", "window_side_block"]
 
@@ -216,7 +217,7 @@ class JacobiLookahead(SourceBase[LookaheadWindow]):
                  name: str = "jacobi") -> None:
         for label, value, low in (("window", window, 1), ("ngram", ngram, 3), ("max_candidates", max_candidates, 1),
                                   ("pool_size", pool_size, 1)):
-            check_count(label, value, low)
+            check_int(label, value, low, numpy_ok=True)
         if advance not in _ADVANCE:
             raise ValueError(f"advance must be one of {_ADVANCE}, got {advance!r}")
         super().__init__()

@@ -96,8 +96,9 @@ import threading
 from collections import OrderedDict
 from typing import Iterator, Sequence
 
+from ..checks import check_int
 from .bulk import collector_paused
-from .base import Context, Draft, Feedback, check_count
+from .base import Context, Draft, Feedback
 from .ngram_running import RunningCounts
 
 __all__ = ["MultiLevelNGram", "NGramModel"]
@@ -161,9 +162,9 @@ class NGramModel:
 
     def __init__(self, max_ngram: int = 5, max_contexts: int | None = None, max_followers: int | None = None,
                  base: "NGramModel | None" = None) -> None:
-        check_count("max_ngram", max_ngram, 2)  # (a context of at least one token)
-        check_count("max_contexts", max_contexts, 1, none_ok=True)
-        check_count("max_followers", max_followers, 1, none_ok=True)
+        check_int("max_ngram", max_ngram, 2, numpy_ok=True)  # (a context of at least one token)
+        check_int("max_contexts", max_contexts, 1, none_ok=True, numpy_ok=True)
+        check_int("max_followers", max_followers, 1, none_ok=True, numpy_ok=True)
         if base is not None and (base.max_ngram != max_ngram or max_contexts is not None):
             raise ValueError("an overlay has its base's max_ngram and no max_contexts of its own")
         self.max_ngram = max_ngram
@@ -364,9 +365,9 @@ class MultiLevelNGram:
                  max_requests: int = 64, name: str = "ngram") -> None:
         for label, value, low in (("max_ngram", max_ngram, 2), ("num_tokens", num_tokens, 1), ("top_b", top_b, 1),
                                   ("branch_depth", branch_depth, 0), ("max_requests", max_requests, 1)):
-            check_count(label, value, low)
-        check_count("max_contexts", max_contexts, 1, none_ok=True)
-        check_count("max_followers", max_followers, 1, none_ok=True)
+            check_int(label, value, low, numpy_ok=True)
+        check_int("max_contexts", max_contexts, 1, none_ok=True, numpy_ok=True)
+        check_int("max_followers", max_followers, 1, none_ok=True, numpy_ok=True)
         if shared:
             max_contexts = DEFAULT_SHARED_MAX_CONTEXTS if max_contexts is None else max_contexts
             max_followers = DEFAULT_SHARED_MAX_FOLLOWERS if max_followers is None else max_followers

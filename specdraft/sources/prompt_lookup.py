@@ -13,7 +13,8 @@ from __future__ import annotations
 from array import array
 from typing import Iterable, Sequence
 
-from .base import Context, Draft, SourceBase, check_count
+from ..checks import check_int
+from .base import Context, Draft, SourceBase
 
 
 class _TailIndex:
@@ -73,7 +74,7 @@ class PromptLookup(SourceBase[_TailIndex]):
                  name: str = "prompt") -> None:
         for label, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram), ("num_tokens", num_tokens),
                              ("max_branches", max_branches)):
-            check_count(label, value, 1)
+            check_int(label, value, 1, numpy_ok=True)
         if max_ngram < min_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
         super().__init__()
