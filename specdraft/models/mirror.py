@@ -326,7 +326,8 @@ def fetch_mirror(mirror: Mirror, root: Path, progress: bool) -> Path:
     target = root / mirror.alias
     work = root / ".downloads" / mirror.alias
     # whole, and nothing left by a killed run (a conversion in progress, the download area)
-    if check_marker(target) is None and not work.exists() and not any(root.glob(f".{mirror.alias}.tmp-*")):
+    if cached_checkpoint(mirror, root) is not None and not work.exists() \
+            and not any(root.glob(f".{mirror.alias}.tmp-*")):
         return target
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(root / f".{mirror.alias}.lock"):
