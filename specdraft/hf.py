@@ -661,7 +661,8 @@ def loop(sources: Sequence[DraftSource] | None = None, max_tree_nodes: int | Non
     combination), the largest tree checked per forward, the adaptive budget, the attention
     backend, the CPU kernels and, on a CUDA GPU, compiled decode forwards. Keep the loop and pass
     it to every call: its decoders and what its sources learned are reused."""
-    return SpecdraftLoop(sources, max_tree_nodes, adaptive_budget, attention, cpu_kernels, compile)
+    return SpecdraftLoop(sources, max_tree_nodes=max_tree_nodes, adaptive_budget=adaptive_budget,
+                         attention=attention, cpu_kernels=cpu_kernels, compile=compile)
 
 
 _default_loop: SpecdraftLoop | None = None
