@@ -131,6 +131,8 @@ def test_cli_bench_rejects_bad_arguments_before_loading(capsys, monkeypatch, pro
     code = cli.main(["bench", "--model", "x", "--dataset", str(prompt_file), "--methods", "baseline,turbo"])
     err = capsys.readouterr().err
     assert code == 2 and "unknown method 'turbo'" in err and "hf-prompt-lookup" in err and "Traceback" not in err
+    # every suffix kind is named in the list of valid methods
+    assert all(f"{suffix} to" in err for suffix in ("@fixed", "@fbgemm", "@noexact", "@flash", "@compiled")), err
     code = cli.main(["bench", "--model", "x", "--dataset", str(tmp_path / "missing.jsonl")])
     err = capsys.readouterr().err
     assert code == 2 and "unknown dataset" in err and "humaneval" in err

@@ -165,7 +165,7 @@ def valid_method_names() -> str:
             f"with sources from: {sources} (each NAME or NAME[key=value,...]); add @fixed to one of ours to "
             f"switch its adaptive budget off, {kernels} to run it on those CPU kernels instead of "
             f"{DEFAULT_KERNELS!r}, {exact} to run it with exact mode on or off, "
-            f"{attention} to run it on that attention, {compile} to compile its GPU forwards")
+            f"{attention} to run it on that attention, {compiled} to compile its GPU forwards")
 
 
 #: What a method without a kernel suffix runs: the library's default.
