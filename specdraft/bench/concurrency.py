@@ -38,10 +38,6 @@ __all__ = ["run_concurrency"]
 METHODS = ("generate", "hf-batched", "plain-batched", "default-batched")
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else 0.0
-
-
 def _groups(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
@@ -68,20 +64,6 @@ def run_sequential(generate_one: Callable[[list[int]], list[int]], prompts: Sequ
             outputs.append(generate_one(list(ids)))
             latencies.append(time.perf_counter() - group_start)
     return outputs, latencies, time.perf_counter() - started, {}
-
-
-def _plain_generate(model: Any, max_new_tokens: int) -> Callable[[list[int]], list[int]]:
-    """One greedy ``model.generate`` call on one prompt: its new tokens."""
-    import torch
-
-    def generate_one(ids: list[int]) -> list[int]:
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=max_new_tokens,
-                                 do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long,
-                                                                            device=model.device))
-        return out[0, len(ids):].tolist()
-
-    return generate_one
 
 
 def run_hf_batched(model: Any, prompts: Sequence[list[int]], n: int, max_new_tokens: int, pad_id: int,
@@ -123,6 +105,7 @@ def run_concurrency(model: Any, tokenizer: Any, prompts: Sequence[list[int]], le
                     say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Run every method at every level (see the module docstring) and return the summary (the
     caller writes it: ``concurrency.json``, and :func:`markdown`'s table)."""
+    from specdraft.baseline import time_plain_generate
     from specdraft.decoder import Decoder
     from specdraft.stopping import eos_ids
 
@@ -137,9 +120,9 @@ def run_concurrency(model: Any, tokenizer: Any, prompts: Sequence[list[int]], le
     # warm-up: the first forwards of a process pay for allocations and kernel choices
     plain.generate_batch(list(prompts[:2]), max_new_tokens=4, concurrency=2)
     ours.generate_batch(list(prompts[:2]), max_new_tokens=4, concurrency=2)
-    generate_one = _plain_generate(model, max_new_tokens)
     runners: dict[str, Callable[[int], Timed]] = {  # in the order of each level's rows
-        "generate": lambda n: run_sequential(generate_one, prompts, n),
+        "generate": lambda n: run_sequential(
+            lambda ids: time_plain_generate(model, ids, max_new_tokens, do_sample=False)[0], prompts, n),
         "hf-batched": lambda n: run_hf_batched(model, prompts, n, max_new_tokens, pad_id, eos),
         "plain-batched": lambda n: run_ours_batched(plain, prompts, n, max_new_tokens),
         "default-batched": lambda n: run_ours_batched(ours, prompts, n, max_new_tokens),
@@ -167,7 +150,8 @@ def _row(n: int, method: str, timed: Timed, reference: Timed) -> dict[str, Any]:
     base_rate = sum(len(o) for o in reference[0]) / reference[2]
     return {"concurrency": n, "method": method, "tokens": tokens, "seconds": seconds,
             "tokens_per_s": rate, "vs_generate": rate / base_rate if base_rate else 0.0,
-            "latency_median": statistics.median(latencies), "latency_p90": _percentile(latencies, 90),
+            "latency_median": statistics.median(latencies),
+            "latency_p90": float(np.percentile(latencies, 90)),
             "identical": sum(a == b for a, b in zip(outputs, reference[0])), "requests": len(reference[0]), **extra}
 
 
