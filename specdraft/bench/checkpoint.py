@@ -27,11 +27,10 @@ import pickle
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-from .compare import first_difference
-
-__all__ = ["Checkpoint", "CheckpointMismatch", "dumps_with_locks", "load_checkpoint", "save_checkpoint"]
+__all__ = ["Checkpoint", "CheckpointMismatch", "dumps_with_locks", "first_difference", "load_checkpoint",
+           "save_checkpoint"]
 
 #: Bumped when the layout of :class:`Checkpoint` changes; older files are refused with a clear error.
 FORMAT = 1
@@ -57,6 +56,16 @@ class Checkpoint:
     def done(self) -> int:
         """Prompts finished by every method."""
         return min((len(r) for r in self.runs.values()), default=0)
+
+
+def first_difference(a: Sequence[Any], b: Sequence[Any]) -> int | None:
+    """The first index where ``a`` and ``b`` differ (a length difference counts), else None: where a
+    saved prompt list leaves the one asked for now, and (in the runner, which imports this module)
+    where a method's output leaves the baseline's."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def _reduce_lock(lock: Any) -> tuple[Any, tuple[()]]:

@@ -35,8 +35,7 @@ from typing import Any, Sequence
 import torch
 
 from ..model.runner import context_limit
-from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from .compare import first_difference
+from .checkpoint import Checkpoint, first_difference, load_checkpoint, save_checkpoint
 from .datasets import PromptRecord
 from .methods import BASELINE, Method, MethodResult
 
