@@ -34,6 +34,7 @@ import re
 import statistics
 import time
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -129,7 +130,7 @@ def summarize(run: DatasetRun) -> dict[str, Any]:
         "max_new_tokens": run.max_new_tokens,
         "repeats": run.repeats,
         "methods": methods,
-        "mismatches": [m.as_dict() for m in run.mismatches],
+        "mismatches": [asdict(m) for m in run.mismatches],
         "skipped": run.skipped,
         "per_prompt": per_prompt,
     }

@@ -68,9 +68,6 @@ class Mismatch:
     margin: float | None = None  # top1 - top2 of the baseline model's logits at ``position``
     method_token_gap: float | None = None  # top1 - logit of the method's token there
 
-    def as_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
-
 
 @dataclass
 class DatasetRun:
@@ -119,13 +116,6 @@ def _margin_info(row: torch.Tensor, method_token: int | None) -> dict[str, Any]:
     return out
 
 
-def _progress(total: int, desc: str, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="run", file=sys.stderr, disable=not enabled, dynamic_ncols=True,
-                leave=True)
-
-
 def run_benchmark(model: Any, prompts: Sequence[PromptRecord], methods: Sequence[Method], max_new_tokens: int,
                   *, repeats: int = 1, dataset: str = "", progress: bool = True, checkpoint: Path | None = None,
                   resume: bool = False, setup: dict[str, Any] | None = None) -> DatasetRun:
@@ -167,7 +157,10 @@ def run_benchmark(model: Any, prompts: Sequence[PromptRecord], methods: Sequence
             run.runs[method.name] = list(saved.runs[method.name][: run.resumed])
             method.set_state(saved.states[method.name])  # only used if prompts are left to run
 
-    bar = _progress((len(usable) - run.resumed) * len(methods) * repeats, dataset or "bench", progress)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=(len(usable) - run.resumed) * len(methods) * repeats, desc=dataset or "bench",
+               unit="run", file=sys.stderr, disable=not progress, dynamic_ncols=True, leave=True)
     try:
         for index in range(run.resumed, len(usable)):
             prompt = usable[index]
@@ -188,16 +181,13 @@ def run_benchmark(model: Any, prompts: Sequence[PromptRecord], methods: Sequence
 
 def _time_method(method: Method, prompt_ids: Sequence[int], max_new_tokens: int, repeats: int, bar: Any) -> PromptRun:
     """Run a method ``repeats`` times; only the last run may change cross-request state."""
-    times: list[float] = []
-    outputs: list[list[int]] = []
-    result: MethodResult | None = None
+    results: list[MethodResult] = []
     for r in range(repeats):
-        result = _run_without_gc(method, prompt_ids, max_new_tokens, learn=(r == repeats - 1))
-        times.append(result.wall_time)
-        outputs.append(result.token_ids)
+        results.append(_run_without_gc(method, prompt_ids, max_new_tokens, learn=(r == repeats - 1)))
         bar.update(1)
-    assert result is not None
-    return PromptRun(result=result, wall_times=times, consistent=all(o == outputs[-1] for o in outputs))
+    last = results[-1]
+    return PromptRun(result=last, wall_times=[result.wall_time for result in results],
+                     consistent=all(result.token_ids == last.token_ids for result in results))
 
 
 def _run_without_gc(method: Method, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool) -> MethodResult:
