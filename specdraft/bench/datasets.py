@@ -216,19 +216,17 @@ def _read_jsonl(path: Path) -> Iterable[_Raw]:
 def read_prompts(spec: DatasetSpec, limit: int | None = None) -> list[_Raw]:
     """The first ``limit`` raw prompts of a dataset (all when ``limit`` is None or 0)."""
     reader = {"humaneval": _read_humaneval, "mtbench": _read_mtbench, "bfcl": _read_bfcl, "jsonl": _read_jsonl}[spec.kind]
-    out: list[_Raw] = []
-    seen: set[str] = set()
+    found: dict[str, _Raw] = {}  # by id as JSON (1 and "1" are two ids), in file order
     for raw in reader(spec.path):
         key = json.dumps(raw.id)
-        if key in seen:
+        if key in found:
             raise DatasetError(f"{spec.path}: prompt id {raw.id!r} appears twice; ids must be unique")
-        seen.add(key)
-        out.append(raw)
-        if limit and len(out) >= limit:
+        found[key] = raw
+        if limit and len(found) >= limit:
             break
-    if not out:
+    if not found:
         raise DatasetError(f"{spec.path}: no prompts found")
-    return out
+    return list(found.values())
 
 
 # --------------------------------------------------------------------------------------------
