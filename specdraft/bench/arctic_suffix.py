@@ -51,7 +51,6 @@ def _cache_class() -> Any:
 @dataclass
 class _Request:
     length: int  # context tokens handed to the cache (prompt at start_request, then responses)
-    prompt_length: int
 
 
 class ArcticSuffix(SourceBase[_Request]):
@@ -92,7 +91,7 @@ class ArcticSuffix(SourceBase[_Request]):
                 self._responses[context.request_id] = []
                 kept = self._cache.cached_requests
                 self._responses = {rid: tokens for rid, tokens in self._responses.items() if rid in kept}
-        state = _Request(context.prompt_length, context.prompt_length)
+        state = _Request(context.prompt_length)
         self._sync(state, context)
         return state
 
