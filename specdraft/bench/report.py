@@ -286,11 +286,8 @@ def plot(summaries: Sequence[dict[str, Any]], path: Path, title: str = "") -> Pa
     """Grouped bars per method (one bar per dataset): geomean speedup (with the median as a dot
     and the minimum as a tick) and mean accepted tokens per step."""
     plt = require_matplotlib()
-    methods: list[str] = []
-    for s in summaries:
-        methods += [m for m in s["methods"] if m not in methods]
-    n_sets = max(len(summaries), 1)
-    width = 0.8 / n_sets
+    methods = list(dict.fromkeys(m for s in summaries for m in s["methods"]))  # in order of first appearance
+    width = 0.8 / max(len(summaries), 1)
     fig, (ax_speed, ax_acc) = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(methods) + 4), 4.5))
     for k, s in enumerate(summaries):
         xs = [i - 0.4 + width * (k + 0.5) for i in range(len(methods))]
