@@ -46,7 +46,7 @@ import copy
 import inspect
 import threading
 import weakref
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -544,44 +544,29 @@ class SpecdraftLoop:
         start = positions.position
         todo = [r for r in range(len(rows.prompts)) if positions.produces(r)]
         requests = [rows.prompts[r] + positions.tokens[r][:start] for r in todo]
-        new_tokens = positions.limit - start
+        options = dict(max_new_tokens=positions.limit - start, **processors.options)
         held = self._hold(model)
         with held.lock, _engine_view(model, sorted(positions.eos), processors):
-            if len(requests) == 1 and positions.batch == 1:
-                self._decode_one(held.decoder, todo[0], requests[0], new_tokens, processors, positions)
-            elif not held.decoder.runner.batches_supported:
-                # a model whose attention cannot share a forward between requests (GPT-2's eager
-                # attention in older transformers): each row alone, in turn, as generate's tokens
-                for row, prompt in zip(todo, requests):
-                    self._decode_one(held.decoder, row, prompt, new_tokens, processors, positions, alone=True)
-                _check_complete(positions, dict.fromkeys(todo))
+            if positions.batch > 1 and held.decoder.runner.batches_supported:
+                self._decode_many(held.decoder, todo, requests, options, positions)
             else:
-                self._decode_many(held.decoder, todo, requests, new_tokens, processors, positions)
+                # one row, or a model whose attention cannot share a forward between requests (GPT-2's
+                # eager attention in older transformers): each row alone, one after another, as
+                # generate's tokens; a row's positions are released once the others have theirs
+                for row, prompt in zip(todo, requests):
+                    self.last_stats[row] = stats = GenerationStats()
+                    with closing(held.decoder.stream(prompt, stats=stats, **options)) as stream:
+                        for chunk in stream:
+                            positions.feed(row, chunk)
+                            positions.release()
+                            if not positions.produces(row):
+                                break
+                _check_complete(positions, dict.fromkeys(todo))
 
-    def _decode_one(self, decoder: Decoder, row: int, prompt: list[int], new_tokens: int,
-                    processors: _Processors, positions: _Positions, alone: bool = False) -> None:
-        """Decode ``row`` by itself; ``alone``: one of several rows decoded in turn, so positions are
-        released only once the others have theirs and the row runs until it no longer produces."""
-        stats = GenerationStats()
-        self.last_stats[row] = stats
-        stream = decoder.stream(prompt, max_new_tokens=new_tokens, stats=stats, **processors.options)
-        try:
-            for chunk in stream:
-                positions.feed(row, chunk)
-                positions.release()
-                if positions.finished or (alone and not positions.produces(row)):
-                    break
-        finally:
-            stream.close()
-        if not alone:
-            _check_complete(positions, {row: None})
-
-    def _decode_many(self, decoder: Decoder, todo: list[int], requests: list[list[int]], new_tokens: int,
-                     processors: _Processors, positions: _Positions) -> None:
-        stream = decoder.stream_batch(requests, max_new_tokens=new_tokens, concurrency=len(requests),
-                                      **processors.options)
+    def _decode_many(self, decoder: Decoder, todo: list[int], requests: list[list[int]],
+                     options: dict[str, Any], positions: _Positions) -> None:
         index_of = {row: i for i, row in enumerate(todo)}
-        try:
+        with closing(decoder.stream_batch(requests, concurrency=len(requests), **options)) as stream:
             for index, chunk in stream:
                 positions.feed(todo[index], chunk)
                 for row in positions.release():
@@ -589,8 +574,6 @@ class SpecdraftLoop:
                         stream.cancel(index_of[row])
                 if positions.finished:
                     break
-        finally:
-            stream.close()
         outputs = stream.outputs
         for row, i in index_of.items():
             if outputs[i] is not None:
