@@ -294,11 +294,8 @@ def _check_model_inputs(model_kwargs: dict[str, Any]) -> None:
 
 
 def _eos_ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, torch.Tensor):
-        value = value.reshape(-1).tolist()
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+    """EOS ids as a config or a criterion holds them: None, one id, a list or a tensor."""
+    return [] if value is None else [int(v) for v in torch.as_tensor(value).reshape(-1).tolist()]
 
 
 # -- stopping, one generated position at a time ----------------------------------------------
