@@ -70,6 +70,7 @@ from transformers.generation.stopping_criteria import (
 )
 
 from specdraft import Decoder, GenerationStats, SamplingSettings, UnsupportedOptionError
+from specdraft.checks import check_int
 from specdraft.sources import DraftSource
 
 # The one private name used here: what the decoder resolves a call's options to, so that this
@@ -411,10 +412,7 @@ class SpecdraftLoop:
                  adaptive_budget: bool = True, attention: str = "auto", cpu_kernels: str = "auto",
                  compile: bool = False) -> None:
         _check_transformers()
-        if max_tree_nodes is not None and (isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int)
-                                           or max_tree_nodes < 0):
-            raise ValueError(f"max_tree_nodes must be an int >= 0 or None (the device's default), "
-                             f"got {max_tree_nodes!r}")
+        check_int("max_tree_nodes", max_tree_nodes, 0, " (the device's default)", none_ok=True)
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, got {compile!r}")
         #: the draft sources every decoder of this loop uses (``None``: each decoder makes the default ones)
