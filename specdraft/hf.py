@@ -79,12 +79,15 @@ from specdraft.sampling import resolve_settings as _engine_settings
 
 __all__ = ["SpecdraftLoop", "loop", "generate"]
 
-#: The warpers the decoder applies, in the order transformers builds them (and the decoder applies them):
-#: each one's attribute and decoder option (same name), its type, and the option's value without it.
-_WARPERS: dict[type, tuple[str, type, Any]] = {TemperatureLogitsWarper: ("temperature", float, 1.0),
-                                               TopKLogitsWarper: ("top_k", int, 0),
-                                               TopPLogitsWarper: ("top_p", float, 1.0),
-                                               MinPLogitsWarper: ("min_p", float, None)}
+#: The processors the decoder applies, in the order transformers builds them (and the decoder applies them):
+#: each one's decoder option, the attribute holding its value, the value's type and the option's value without
+#: it. All but the repetition penalty are sampling warpers.
+_APPLIED: dict[type, tuple[str, str, type, Any]] = {
+    RepetitionPenaltyLogitsProcessor: ("repetition_penalty", "penalty", float, 1.0),
+    TemperatureLogitsWarper: ("temperature", "temperature", float, 1.0),
+    TopKLogitsWarper: ("top_k", "top_k", int, 0),
+    TopPLogitsWarper: ("top_p", "top_p", float, 1.0),
+    MinPLogitsWarper: ("min_p", "min_p", float, None)}
 
 #: Model inputs transformers prepares for a decoder-only loop, beyond ``input_ids``, that the loop
 #: reads or that carry nothing the decoder must reproduce (``logits_to_keep`` and ``use_cache``
@@ -157,37 +160,37 @@ class _Processors:
 def _read_processors(processors: Sequence[Any], do_sample: bool, rows: _Rows) -> _Processors:
     """Map each processor to a decoder setting, refusing what cannot be applied exactly."""
     length = rows.input_ids.shape[1]
-    penalty = 1.0
-    warps: dict[type, Any] = {}
+    order = list(_APPLIED)
+    applied: dict[type, Any] = {}  # in the order given, which must be the decoder's
     min_tokens = 0
-    order: list[int] = []
     for processor in processors:
         kind = type(processor)
         name = kind.__name__
-        if kind is RepetitionPenaltyLogitsProcessor:
-            if order:
-                raise UnsupportedOptionError(f"{name} after a warper: the decoder applies the repetition penalty first, "
-                                             "as generate builds it")
-            _check_penalty_prefix(processor, rows)
-            penalty = float(processor.penalty)
-            order.append(0)
-        elif kind is MinLengthLogitsProcessor:
+        if kind is MinLengthLogitsProcessor:
             min_tokens = max(min_tokens, int(processor.min_length) - length)
         elif kind is MinNewTokensLengthLogitsProcessor:
             min_tokens = max(min_tokens, int(processor.prompt_length_to_skip) + int(processor.min_new_tokens) - length)
-        elif kind in _WARPERS:
-            if not do_sample:
-                raise UnsupportedOptionError(f"{name} is a sampling warper, but do_sample=False (greedy decoding "
-                                             "takes the argmax of the logits)")
-            rank = 1 + list(_WARPERS).index(kind)
-            if kind in warps:
-                raise UnsupportedOptionError(f"two {name} processors: the decoder applies each warper once")
-            if order and order[-1] > rank:
-                raise UnsupportedOptionError(
-                    f"{name} comes after {list(_WARPERS)[order[-1] - 1].__name__}: the decoder applies temperature, "
-                    "top-k, top-p and min-p in that order (transformers' order); build them in it, or set them in the "
-                    "generation config")
-            if kind is not TemperatureLogitsWarper:
+        elif kind not in _APPLIED:
+            raise UnsupportedOptionError(
+                f"logits processor {name} cannot be applied exactly per token-tree node by specdraft; "
+                "supported: RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, "
+                "TopPLogitsWarper, MinPLogitsWarper, MinLengthLogitsProcessor, "
+                "MinNewTokensLengthLogitsProcessor (generation options repetition_penalty, temperature, top_k, "
+                "top_p, min_p, min_length, min_new_tokens)")
+        elif kind is not RepetitionPenaltyLogitsProcessor and not do_sample:
+            raise UnsupportedOptionError(f"{name} is a sampling warper, but do_sample=False (greedy decoding "
+                                         "takes the argmax of the logits)")
+        elif kind in applied:
+            raise UnsupportedOptionError(f"two {name} processors: the decoder applies each processor once")
+        elif applied and order.index(list(applied)[-1]) > order.index(kind):
+            raise UnsupportedOptionError(
+                f"{name} comes after {list(applied)[-1].__name__}: the decoder applies the repetition "
+                "penalty, temperature, top-k, top-p and min-p in that order (transformers' order); build "
+                "them in it, or set them in the generation config")
+        else:
+            if kind is RepetitionPenaltyLogitsProcessor:
+                _check_penalty_prefix(processor, rows)
+            elif kind is not TemperatureLogitsWarper:
                 # top-k folds min_tokens_to_keep into top_k itself (max of the two)
                 keep = 1 if kind is TopKLogitsWarper else processor.min_tokens_to_keep
                 if processor.filter_value != -float("inf") or keep != 1:
@@ -195,18 +198,11 @@ def _read_processors(processors: Sequence[Any], do_sample: bool, rows: _Rows) ->
                         f"{name}(filter_value={processor.filter_value}, min_tokens_to_keep={keep}) "
                         "is not supported: the decoder filters to -inf and keeps at least 1 token, as generate "
                         "does with num_beams=1")
-            warps[kind] = processor
-            order.append(rank)
-        else:
-            raise UnsupportedOptionError(
-                f"logits processor {name} cannot be applied exactly per token-tree node by specdraft; supported: "
-                "RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, "
-                "MinPLogitsWarper, MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor "
-                "(generation options repetition_penalty, temperature, top_k, top_p, min_p, min_length, min_new_tokens)")
-    options: dict[str, Any] = {"do_sample": do_sample, "repetition_penalty": penalty}
-    if do_sample:
-        for kind, (option, cast, default) in _WARPERS.items():
-            options[option] = cast(getattr(warps[kind], option)) if kind in warps else default
+            applied[kind] = processor
+    options: dict[str, Any] = {"do_sample": do_sample}
+    for kind, (option, attribute, cast, default) in _APPLIED.items():
+        if do_sample or kind is RepetitionPenaltyLogitsProcessor:
+            options[option] = cast(getattr(applied[kind], attribute)) if kind in applied else default
     return _Processors(options, SamplingSettings(**options), min_tokens)
 
 
