@@ -402,6 +402,11 @@ class SpecdraftLoop:
     default combination of its own. Calls on one model run one at a time (a second thread waits).
     ``last_stats`` holds the statistics of the last call's rows (``None`` for a row the decoder
     did not run: one that ended within the tokens ``min_new_tokens`` forces).
+
+    The arguments are :class:`~specdraft.Decoder`'s: the draft sources (``None``: the default
+    combination), the largest tree checked per forward, the adaptive budget, the attention
+    backend, the CPU kernels and, on a CUDA GPU, compiled decode forwards. Keep the loop and pass
+    it to every call: its decoders and what its sources learned are reused.
     """
 
     def __init__(self, sources: Sequence[DraftSource] | None = None, max_tree_nodes: int | None = None,
@@ -627,16 +632,9 @@ def _check_transformers() -> None:
                           "use specdraft.Decoder directly")
 
 
-def loop(sources: Sequence[DraftSource] | None = None, max_tree_nodes: int | None = None, adaptive_budget: bool = True,
-         attention: str = "auto", cpu_kernels: str = "auto", compile: bool = False) -> SpecdraftLoop:
-    """A decoding loop to pass as ``model.generate(..., custom_generate=loop(...))``.
-
-    The arguments are :class:`~specdraft.Decoder`'s: the draft sources (``None``: the default
-    combination), the largest tree checked per forward, the adaptive budget, the attention
-    backend, the CPU kernels and, on a CUDA GPU, compiled decode forwards. Keep the loop and pass
-    it to every call: its decoders and what its sources learned are reused."""
-    return SpecdraftLoop(sources, max_tree_nodes=max_tree_nodes, adaptive_budget=adaptive_budget,
-                         attention=attention, cpu_kernels=cpu_kernels, compile=compile)
+#: A decoding loop to pass as ``model.generate(..., custom_generate=loop(...))``: the name the
+#: documentation calls.
+loop = SpecdraftLoop
 
 
 _default_loop: SpecdraftLoop | None = None
