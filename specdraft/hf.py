@@ -418,11 +418,9 @@ class SpecdraftLoop:
             raise ValueError(f"compile must be True or False, got {compile!r}")
         #: the draft sources every decoder of this loop uses (``None``: each decoder makes the default ones)
         self.sources = list(sources) if sources is not None else None
-        self.max_tree_nodes = max_tree_nodes
-        self.adaptive_budget = adaptive_budget
-        self.attention = attention
-        self.cpu_kernels = cpu_kernels
-        self.compile = compile
+        # the rest of each decoder's arguments
+        self._options = dict(max_tree_nodes=max_tree_nodes, adaptive_budget=adaptive_budget,
+                             attention=attention, cpu_kernels=cpu_kernels, compile=compile)
         self.last_stats: list[GenerationStats | None] = []
         self._held: "weakref.WeakKeyDictionary[Any, _Held]" = weakref.WeakKeyDictionary()
         self._making = threading.Lock()
@@ -441,9 +439,7 @@ class SpecdraftLoop:
         with self._making:
             held = self._held.get(model)
             if held is None:
-                held = self._held[model] = _Held(Decoder(
-                    model, None, sources=self.sources, max_tree_nodes=self.max_tree_nodes, compile=self.compile,
-                    adaptive_budget=self.adaptive_budget, attention=self.attention, cpu_kernels=self.cpu_kernels))
+                held = self._held[model] = _Held(Decoder(model, None, sources=self.sources, **self._options))
             return held
 
     def __call__(self, model: Any, input_ids: torch.LongTensor, logits_processor: Any = None,
