@@ -610,11 +610,10 @@ def _engine_view(model: Any, eos: list[int], processors: _Processors) -> Iterato
 
 
 def _engine_agrees(config: GenerationConfig | None, eos: list[int], processors: _Processors) -> bool:
-    if sorted(set(_eos_ids(getattr(config, "eos_token_id", None)))) != eos:
-        return False
     try:
-        return _engine_settings(config, **processors.options) == processors.expected
-    except UnsupportedOptionError:
+        return (sorted(set(_eos_ids(getattr(config, "eos_token_id", None)))) == eos
+                and _engine_settings(config, **processors.options) == processors.expected)
+    except UnsupportedOptionError:  # the decoder would refuse this config
         return False
 
 
