@@ -125,26 +125,24 @@ class _Rows:
         mask = (torch.ones((batch, length), dtype=torch.long) if attention_mask is None
                 else attention_mask.detach().to("cpu", torch.long))
         ids = input_ids.detach().to("cpu", torch.long)
+        custom_positions = position_ids is not None and tuple(position_ids.shape) == (batch, length)
         pads, prompts = [], []
         for row in range(batch):
             m = mask[row].tolist()
-            pad = length - sum(1 for v in m if v)
-            if any(v not in (0, 1) for v in m) or any(m[:pad]) or not all(m[pad:]):
+            pad = m.count(0)
+            if m != [0] * pad + [1] * (length - pad):
                 raise UnsupportedOptionError(
                     f"attention_mask row {row} is {m}: only left padding (zeros, then ones) is supported; "
                     "tokenize with padding_side='left', as decoder-only generation needs")
             if pad == length:
                 raise UnsupportedOptionError(f"row {row} of the batch is all padding: give every row at least one token")
+            if custom_positions and position_ids[row, pad:].tolist() != list(range(length - pad)):
+                raise UnsupportedOptionError(
+                    f"position_ids of row {row} are {position_ids[row, pad:pad + 8].tolist()}...: the "
+                    "decoder numbers each prompt's tokens 0, 1, 2, ... after its padding, as generate does; "
+                    "custom positions are not supported")
             pads.append(pad)
             prompts.append(ids[row, pad:].tolist())
-        if position_ids is not None and tuple(position_ids.shape) == (batch, length):
-            positions = position_ids.detach().to("cpu", torch.long)
-            for row in range(batch):
-                real = positions[row, pads[row]:].tolist()
-                if real != list(range(length - pads[row])):
-                    raise UnsupportedOptionError(
-                        f"position_ids of row {row} are {real[:8]}...: the decoder numbers each prompt's "
-                        "tokens 0, 1, 2, ... after its padding, as generate does; custom positions are not supported")
         return cls(input_ids, pads, prompts)
 
 
