@@ -309,7 +309,7 @@ class _Positions:
         self.limit = limit
         self.tokens: list[list[int]] = [[] for _ in range(self.batch)]
         self.unfinished = [True] * self.batch
-        self.released: list[list[int]] = []
+        self.position = 0  # positions released so far
         # transformers' own test for "finished rows get padding"
         self.pads_finished = any(hasattr(c, "eos_token_id") for c in criteria)
         if self.pads_finished and pad is None:
@@ -318,16 +318,10 @@ class _Positions:
         self.pad = pad
         self.eos = frozenset(t for c in criteria if type(c) is EosTokenCriteria for t in _eos_ids(c.eos_token_id))
         self.others = StoppingCriteriaList([c for c in criteria if type(c) not in (MaxLengthCriteria, EosTokenCriteria)])
-        self.buffer: torch.Tensor | None = None
-        if len(self.others):
-            self.buffer = torch.full((self.batch, self.length + limit), pad if pad is not None else 0, dtype=torch.long)
-            self.buffer[:, : self.length] = rows.input_ids.detach().to("cpu", torch.long)
+        # the batch's input_ids as generate grows them: the prompts, then each released position
+        self.buffer = torch.full((self.batch, self.length + limit), pad or 0, dtype=torch.long)
+        self.buffer[:, : self.length] = rows.input_ids.detach().to("cpu", torch.long)
         self.streamer = streamer
-
-    @property
-    def position(self) -> int:
-        """Positions released so far."""
-        return len(self.released)
 
     @property
     def finished(self) -> bool:
@@ -349,14 +343,15 @@ class _Positions:
             if any(self.produces(r) and len(self.tokens[r]) <= t for r in range(self.batch)):
                 break
             step = [self.tokens[r][t] if self.produces(r) else self.pad for r in range(self.batch)]
-            self.released.append(step)
+            column = torch.tensor(step, dtype=torch.long)
+            self.buffer[:, self.length + t] = column
+            self.position += 1
             done = [token in self.eos for token in step]
-            if self.buffer is not None:
-                self.buffer[:, self.length + t] = torch.tensor(step, dtype=torch.long)
+            if len(self.others):
                 verdict = self._others(self.buffer[:, : self.length + t + 1])
                 done = [d or bool(v) for d, v in zip(done, verdict)]
             if self.streamer is not None:
-                self.streamer.put(torch.tensor(step, dtype=torch.long))
+                self.streamer.put(column)
             for r in range(self.batch):
                 if self.unfinished[r] and done[r]:
                     self.unfinished[r] = False
@@ -375,7 +370,7 @@ class _Positions:
         return [bool(v) for v in torch.as_tensor(verdict).reshape(-1).tolist()]
 
     def new_tokens(self) -> torch.Tensor:
-        return torch.tensor(self.released, dtype=torch.long).reshape(self.position, self.batch).T.contiguous()
+        return self.buffer[:, self.length : self.length + self.position].contiguous()
 
 
 # -- the loop --------------------------------------------------------------------------------
