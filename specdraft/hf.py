@@ -559,11 +559,10 @@ class SpecdraftLoop:
                         stream.cancel(index_of[row])
                 if positions.finished:
                     break
-        outputs = stream.outputs
-        for row, i in index_of.items():
-            if outputs[i] is not None:
-                self.last_stats[row] = outputs[i].stats
-        _check_complete(positions, {row: outputs[i] for row, i in index_of.items()})
+        outputs = {row: stream.outputs[i] for row, i in index_of.items()}
+        for row, output in outputs.items():
+            self.last_stats[row] = output.stats if output is not None else None
+        _check_complete(positions, outputs)
 
 
 def _check_complete(positions: _Positions, outputs: dict[int, Any]) -> None:
