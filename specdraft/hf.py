@@ -484,18 +484,17 @@ class SpecdraftLoop:
             streamer.put(input_ids.cpu())
         positions = _Positions(rows, criteria, max(limit, 0), pad, streamer)
         self.last_stats = [None] * len(rows.prompts)
-        if limit > 0:
-            forced = min(processors.min_tokens, limit)
-            if forced > 0:
-                if _config_settings(generation_config) != processors.expected:
-                    raise UnsupportedOptionError(
-                        "min_new_tokens / min_length together with logits processors passed to generate() directly "
-                        "is not supported: the first tokens are decoded by generate from the generation config; set "
-                        "repetition_penalty, temperature, top_k, top_p and min_p there instead")
-                self._forced_tokens(model, input_ids, model_kwargs.get("attention_mask"), generation_config,
-                                    forced, positions)
-            if not positions.finished:
-                self._decode(model, rows, positions, processors)
+        forced = min(processors.min_tokens, positions.limit)
+        if forced > 0:
+            if _config_settings(generation_config) != processors.expected:
+                raise UnsupportedOptionError(
+                    "min_new_tokens / min_length together with logits processors passed to generate() "
+                    "directly is not supported: the first tokens are decoded by generate from the generation "
+                    "config; set repetition_penalty, temperature, top_k, top_p and min_p there instead")
+            self._forced_tokens(model, input_ids, model_kwargs.get("attention_mask"), generation_config,
+                                forced, positions)
+        if not positions.finished:  # (with no room for new tokens it is finished from the start)
+            self._decode(model, rows, positions, processors)
         if streamer is not None:
             streamer.end()
         sequences = torch.cat([input_ids, positions.new_tokens().to(input_ids.device)], dim=1)
@@ -518,8 +517,7 @@ class SpecdraftLoop:
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         out = GenerationMixin.generate(model, input_ids, attention_mask=mask, generation_config=config,
                                        custom_generate=None)
-        new = out[:, input_ids.shape[1]:].detach().to("cpu").tolist()
-        for row, tokens in enumerate(new):
+        for row, tokens in enumerate(out[:, input_ids.shape[1]:].tolist()):
             positions.feed(row, tokens)
         positions.release()
 
