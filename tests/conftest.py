@@ -343,6 +343,22 @@ def reference_merge(sources: Sequence[Sequence[Sequence[int]]], budget: int, rat
     return {seq: {s for s, _ in proposers[seq]} for seq in order}, order
 
 
+# -- looking inside sources ----------------------------------------------------------------------
+
+
+def ngram_model_for(source, request_id: int):
+    """The model a :class:`MultiLevelNGram` request drafts from (in shared mode the running
+    requests' view, an overlay of the shared model), or, for a request not running, the shared
+    model (``None`` in per-request mode)."""
+    state = source._requests.get(request_id)
+    return source.shared_model if state is None else state.model
+
+
+def max_bucket(pool) -> int:
+    """The largest number of continuations a Jacobi :class:`NGramPool` stores under one key."""
+    return max((len(b) for b in pool._by_key.values()), default=0)
+
+
 # -- toy draft sources ---------------------------------------------------------------------------
 
 

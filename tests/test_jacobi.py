@@ -22,7 +22,7 @@ from specdraft.sources.jacobi import NGramPool, window_side_block
 from specdraft.tree import TokenTree
 
 from conftest import (FAST, VOCAB, AlternatingBudget, add_branch, OracleSource, RandomGuess, SideBlockToy, assert_float32_logits_match,
-                      full_logits, generation_config_override, reference_greedy, tiny_model)
+                      full_logits, generation_config_override, max_bucket, reference_greedy, tiny_model)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -46,16 +46,16 @@ class Recording(JacobiLookahead):
     def propose(self, context, budget):
         draft = super().propose(context, budget)
         self._open = dict(context=list(context.tokens), side=draft.side_block, branches=draft.branches,
-                          levels_before=[list(l) for l in self.state(context.request_id).levels])
+                          levels_before=[list(l) for l in self.peek_state(context.request_id).levels])
         return draft
 
     def observe(self, feedback):
         super().observe(feedback)
         rec, self._open = self._open, None
-        st_ = self.state(feedback.context.request_id)
+        st_ = self.peek_state(feedback.context.request_id)
         rec.update(side_logits=None if feedback.side_logits is None else feedback.side_logits.clone(),
                    committed=list(feedback.committed), levels_after=[list(l) for l in st_.levels],
-                   pool=len(st_.pool), max_bucket=st_.pool.max_bucket())
+                   pool=len(st_.pool), max_bucket=max_bucket(st_.pool))
         self.steps.append(rec)
 
 
@@ -111,7 +111,7 @@ def full_window_source(root=7, W=5, N=4, G=2):
     """A JacobiLookahead whose request 1 has a full window and two pool n-grams for ``root``."""
     src = JacobiLookahead(window=W, ngram=N, max_candidates=G, prompt_as_reference=False)
     src.begin(ctx([3, 4, 5, root]))
-    st_ = src.state(1)
+    st_ = src.peek_state(1)
     st_.levels = [[11 + k for k in range(W - 1)]] + [[20 + 10 * l + i for i in range(W)] for l in range(N - 2)]
     st_.generated = [[True] * len(l) for l in st_.levels]
     st_.pool.add(root, [60, 61, 62][: N - 1])
@@ -203,7 +203,7 @@ def test_initial_fill_and_steady_shift() -> None:
     src = JacobiLookahead(window=W, ngram=N, max_candidates=3, prompt_as_reference=False)
     c = ctx(prompt)
     src.begin(c)
-    st_ = src.state(1)
+    st_ = src.peek_state(1)
     assert len(st_.levels) == 1 and len(st_.levels[0]) == W + N - 3
     assert set(st_.levels[0]) <= set(prompt)  # random tokens of the prompt (Algorithm 1, L4)
     assert len(st_.pool) == 0
@@ -235,21 +235,21 @@ def test_initial_fill_and_steady_shift() -> None:
                          torch.cat([torch.zeros(3 + 4, VOCAB), logits_with_argmax(new3)])))
     for i in range(W):
         key = root if i == 0 else levels[0][i - 1]
-        assert (key, (levels[1][i], levels[2][i], new3[i])) in st_.pool
+        assert (levels[1][i], levels[2][i], new3[i]) in st_.pool.get(key)
     assert len(st_.pool) == W
     assert st_.levels == [levels[1][1:], levels[2], new3]  # Algorithm 1: oldest level out, new level in
     # the pool answers with n-grams starting with the root
     st_.pool.add(54, [1, 2, 3])
     assert src.propose(ctx(tokens), 16).branches[0] == [1, 2, 3]
     src.end(ctx(tokens))
-    assert src.state(1) is None
+    assert src.peek_state(1) is None
 
 
 def test_advance_committed_drops_columns_and_refills() -> None:
     W, N = 5, 4
     src = full_window_source(root=7, W=W, N=N)
     src.advance = "committed"
-    st_ = src.state(1)
+    st_ = src.peek_state(1)
     before = [list(l) for l in st_.levels]
     src.propose(ctx([3, 4, 5, 7]), 16)
     new = [45, 46, 47, 48, 49]
@@ -270,13 +270,13 @@ def test_advance_committed_drops_columns_and_refills() -> None:
     tokens.append(8)
     src.observe(Feedback([8], ctx(tokens, 4), torch.cat([torch.zeros(4 + 5, VOCAB), logits_with_argmax(new)])))
     assert len(st_.pool) == pool_before + 3
-    assert (levels[0][3], (levels[1][4], levels[2][4], 59)) not in st_.pool
+    assert (levels[1][4], levels[2][4], 59) not in st_.pool.get(levels[0][3])
     assert st_.generated[1] == [True] * 3 + [False] * 2 and st_.generated[2] == [True] * 5
 
 
 def test_budget_zero_means_no_side_block_and_no_change() -> None:
     src = full_window_source()
-    st_ = src.state(1)
+    st_ = src.peek_state(1)
     levels = [list(l) for l in st_.levels]
     assert src.propose(ctx([3, 4, 5, 7]), 0).side_block is None
     src.observe(Feedback([8], ctx([3, 4, 5, 7, 8], 4), None))
@@ -307,7 +307,7 @@ def test_prompt_as_reference_seeds_the_pool() -> None:
     prompt = [3, 4, 5, 6, 3, 4, 9, 9]
     src = JacobiLookahead(window=2, ngram=3, max_candidates=4, prompt_as_reference=True)
     src.begin(ctx(prompt))
-    pool = src.state(1).pool
+    pool = src.peek_state(1).pool
     assert pool.get(3) == [(4, 9), (4, 5)] and pool.get(9) == []
     assert src.propose(ctx(prompt[:-3] + [3]), 16).branches[:2] == [[4, 9], [4, 5]]
     # committed n-grams join the pool as they complete
@@ -317,7 +317,7 @@ def test_prompt_as_reference_seeds_the_pool() -> None:
     assert pool.get(9) == [(9, 2), (9, 9)] and len(pool) == size + 2
     off = JacobiLookahead(window=2, ngram=3, prompt_as_reference=False)
     off.begin(ctx(prompt))
-    assert len(off.state(1).pool) == 0
+    assert len(off.peek_state(1).pool) == 0
 
 
 def test_pool_is_bounded_lru() -> None:
@@ -330,9 +330,9 @@ def test_pool_is_bounded_lru() -> None:
     pool.add(3, [30, 31])
     pool.add(1, [12, 13])  # re-adding refreshes
     pool.add(4, [40, 41])  # total bound: the least recently added, (1, (14, 15)), goes
-    assert len(pool) == 4 and (1, (14, 15)) not in pool and (1, (12, 13)) in pool
+    assert len(pool) == 4 and (14, 15) not in pool.get(1) and (12, 13) in pool.get(1)
     pool.add(5, [50, 51])
-    assert (2, (20, 21)) not in pool and pool.get(2) == [] and pool.max_bucket() == 1
+    assert pool.get(2) == [] and max_bucket(pool) == 1
     assert pool.get(1, limit=0) == []
 
 
@@ -356,7 +356,7 @@ def test_pool_stays_bounded_over_a_long_generation() -> None:
     sizes = [r["pool"] for r in src.steps]
     assert max(sizes) == 25 and sizes[-1] == 25  # it filled up and eviction kept it there
     assert max(r["max_bucket"] for r in src.steps) <= 2
-    assert src.state(1) is None and src.active_requests == 0  # end() dropped the request
+    assert src.peek_state(1) is None and src.active_requests == 0  # end() dropped the request
 
 
 # -- identity with plain decoding --------------------------------------------------------------------

@@ -18,7 +18,7 @@ from specdraft.sources import Context, Draft, DraftSource, Feedback
 from specdraft.sources.ngram import _BEST, NGramModel
 from specdraft.tree import TokenTree
 
-from conftest import VOCAB, RandomGuess, reference_greedy, tiny_model
+from conftest import VOCAB, RandomGuess, ngram_model_for, reference_greedy, tiny_model
 
 SETTINGS = settings(deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -149,7 +149,7 @@ def test_counts_equal_brute_force_recount(prompt, chunks, N) -> None:
     source = MultiLevelNGram(max_ngram=N)
     ctx = run_request(source, prompt, chunks, end=False)
     stream = list(ctx.tokens)
-    model = source.model_for(1)
+    model = ngram_model_for(source, 1)
     for n in range(2, N + 1):
         assert model.counts(n) == brute_counts([stream], n), n
     assert model.num_contexts == sum(len(brute_counts([stream], n)) for n in range(2, N + 1))
@@ -337,11 +337,11 @@ def test_per_request_state_is_dropped_at_end() -> None:
     source.begin(a)
     source.begin(b)
     assert sorted(source.active_requests) == [10, 11]
-    assert source.model_for(10) is not source.model_for(11)
+    assert ngram_model_for(source, 10) is not ngram_model_for(source, 11)
     assert source.propose(a, 3).branches == [[3, 1, 2]]
     assert source.propose(b, 3).branches == [[8, 7, 8]]  # request 10's tokens are not visible
     source.end(a)
-    assert source.active_requests == [11] and source.model_for(10) is None
+    assert source.active_requests == [11] and ngram_model_for(source, 10) is None
     source.end(b)
     assert source.active_requests == []
     source.end(b)  # ending twice is harmless

@@ -23,7 +23,7 @@ from specdraft.sources.ngram import MultiLevelNGram
 from specdraft.sources.prompt_lookup import PromptLookup
 from specdraft.sources.trie import FrequencyTrie
 
-from conftest import VOCAB, reference_greedy, tiny_model
+from conftest import VOCAB, max_bucket, reference_greedy, tiny_model
 
 N_REQUESTS = 2000
 CHECK_EVERY = 100
@@ -56,10 +56,10 @@ class PoolProbe:
         pass
 
     def propose(self, context: Context, budget: int) -> Draft:
-        state = self.jacobi.state(context.request_id)
+        state = self.jacobi.peek_state(context.request_id)
         assert state is not None, "Jacobi has no window for a running request"
         self.largest_pool = max(self.largest_pool, len(state.pool))
-        self.largest_bucket = max(self.largest_bucket, state.pool.max_bucket())
+        self.largest_bucket = max(self.largest_bucket, max_bucket(state.pool))
         self.steps += 1
         return Draft()
 

@@ -31,7 +31,7 @@ from specdraft.sources.ngram import _BEST, _BEST_KEY, _CLOCK_MASK, MultiLevelNGr
 from specdraft.sources.suffix_tree import SuffixTree
 from specdraft.sources.token_recycling import TokenRecycling
 
-from conftest import FAST
+from conftest import FAST, ngram_model_for
 
 SEEDS = range(8)
 
@@ -135,7 +135,7 @@ def test_ngram_abort_restores_the_shared_table_exactly(seed: int) -> None:
     ngram_request(src, tokens, 8, 99)
     during = ngram_snapshot(src)
     assert {**during, "live": []} == before, "a running request changed the shared table"
-    view = src.model_for(99)  # what it drafts from: the running requests' view over the shared table
+    view = ngram_model_for(src, 99)  # what it drafts from: the running requests' view over the shared table
     assert any(view.counts(n) != before["counts"][n] for n in before["counts"]), "the request counted nothing"
     src.abort(ctx(tokens, 8, 99))
     assert ngram_snapshot(src) == before

@@ -31,7 +31,7 @@ from specdraft.sources.ngram import MultiLevelNGram
 from specdraft.sources.trie import FrequencyTrie
 from specdraft.tree import TokenTree
 
-from conftest import ancestor_block
+from conftest import ancestor_block, max_bucket, ngram_model_for
 
 MACHINE = settings(max_examples=100, stateful_step_count=40, deadline=None, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -294,7 +294,7 @@ class NGramMachine(RuleBasedStateMachine):
         if budget == 0:
             assert branches == []
             return
-        model = self.src.model_for(rid)
+        model = ngram_model_for(self.src, rid)
         table = model_table(model)
         # every drafted token follows some suffix (of 1..N-1 tokens) of what precedes it in the model
         for branch in branches:
@@ -318,7 +318,7 @@ class NGramMachine(RuleBasedStateMachine):
         live = self.src.active_requests
         assert len(live) <= self.src.max_requests
         assert set(live) <= set(self.streams), "a state outlived its request"
-        models = [self.src.shared_model] if self.shared else [self.src.model_for(r) for r in live]
+        models = [self.src.shared_model] if self.shared else [ngram_model_for(self.src, r) for r in live]
         running: dict = {}  # what the running requests counted (shared mode: their view holds it)
         for rid in live:
             for ctx, f in recount(self.streams[rid], self.N).items():
@@ -326,7 +326,7 @@ class NGramMachine(RuleBasedStateMachine):
                     running.setdefault(ctx, {})[t] = running.get(ctx, {}).get(t, 0) + c
         if self.shared:
             for rid in live:  # the view holds what the running requests counted, not bounded by the shared caps
-                assert set(self.src.model_for(rid).contexts()) <= set(running)
+                assert set(ngram_model_for(self.src, rid).contexts()) <= set(running)
         for model in models:
             if self.bounded:
                 assert model.num_contexts <= 5
@@ -345,10 +345,10 @@ class NGramMachine(RuleBasedStateMachine):
                 for ctx, f in running.items():
                     for t, c in f.items():
                         combined.setdefault(ctx, {})[t] = combined.get(ctx, {}).get(t, 0) + c
-                assert model_table(self.src.model_for(rid)) == combined
+                assert model_table(ngram_model_for(self.src, rid)) == combined
         else:
             for rid in live:
-                assert model_table(self.src.model_for(rid)) == recount(self.streams[rid], self.N)
+                assert model_table(ngram_model_for(self.src, rid)) == recount(self.streams[rid], self.N)
 
 
 TestNGramMachine = NGramMachine.TestCase
@@ -393,9 +393,9 @@ class PoolMachine(RuleBasedStateMachine):
         if not hasattr(self, "pool"):
             return
         assert len(self.pool) == len(self.entries) <= self.pool.capacity
-        assert self.pool.max_bucket() <= self.pool.per_key
+        assert max_bucket(self.pool) <= self.pool.per_key
         for entry in self.entries:
-            assert entry in self.pool
+            assert entry[1] in self.pool.get(entry[0])
 
 
 TestPoolMachine = PoolMachine.TestCase
@@ -436,7 +436,7 @@ class JacobiMachine(RuleBasedStateMachine):
         req = self.requests[rid]
         ctx = Context(tuple(req["tokens"]), req["plen"], rid)
         draft = self.src.propose(ctx, budget)
-        st_ = self.src.state(rid)
+        st_ = self.src.peek_state(rid)
         pool_entries = {(k, c) for k in range(self.V) for c in st_.pool.get(k)}
         assert sum(len(b) for b in draft.branches) <= budget
         assert len(draft.branches) <= self.src.max_candidates
@@ -477,18 +477,18 @@ class JacobiMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.requests)))
         req = self.requests.pop(rid)
         self.src.end(Context(tuple(req["tokens"]), req["plen"], rid))
-        assert self.src.state(rid) is None
+        assert self.src.peek_state(rid) is None
 
     @invariant()
     def pools(self) -> None:
         if not hasattr(self, "src"):
             return
         assert self.src.active_requests == len(self.requests), "a window outlived its request"
-        assert all(self.src.state(rid) is not None for rid in self.requests)
+        assert all(self.src.peek_state(rid) is not None for rid in self.requests)
         for rid, req in self.requests.items():
-            pool = self.src.state(rid).pool
+            pool = self.src.peek_state(rid).pool
             assert len(pool) <= self.src.pool_size
-            assert pool.max_bucket() <= self.src.max_candidates
+            assert max_bucket(pool) <= self.src.max_candidates
             for k in range(self.V):
                 for cont in pool.get(k):
                     assert len(cont) == self.src.ngram - 1

@@ -66,14 +66,14 @@ def test_duplicate_rows_last_wins_like_sequential_updates():
 
 def test_lazy_matrix_grows_to_the_largest_token_and_keeps_what_it_had():
     src = TokenRecycling(k=2, template=[(-1, 0)])
-    assert src.matrix.shape == (0, 2) and src.memory_bytes == 0
+    assert src.matrix.shape == (0, 2) and src.matrix.nbytes == 0
     assert src.propose(ctx(5), 8).branches == []  # nothing seen: no draft, no error
     feed(src, [5], [[3000, 1]])  # a candidate larger than any input row
     assert src.matrix.shape[0] >= 3001 and src.matrix.shape[0] % 1024 == 0
     feed(src, [5000], [[5, 6]])
     m = src.matrix
     assert m.shape[0] >= 5001 and m[5].tolist() == [3000, 1] and m[5000].tolist() == [5, 6]
-    assert src.memory_bytes == m.shape[0] * 2 * 4
+    assert m.nbytes == m.shape[0] * 2 * 4
 
 
 def test_fewer_columns_than_k_fill_the_rest_with_empty():
@@ -242,7 +242,7 @@ def test_pickle_deepcopy_and_the_bench_copy_keep_the_matrix_and_a_working_lock()
 def test_protocol_attributes_and_memory():
     src = TokenRecycling(k=8, vocab_size=151936)
     assert src.top_k == 8 and src.name == "recycle" and len(src.template) == 16  # the default template, tr16
-    assert src.memory_bytes == 151936 * 8 * 4  # 4.9 MB for Qwen2.5's vocabulary
+    assert src.matrix.nbytes == 151936 * 8 * 4  # 4.9 MB for Qwen2.5's vocabulary
     from specdraft.sources.base import DraftSource, source_option
     assert isinstance(src, DraftSource) and source_option(src, "top_k") == 8
 

@@ -75,10 +75,6 @@ class NGramPool:
     def __len__(self) -> int:
         return len(self._order)
 
-    def __contains__(self, item: tuple[int, Sequence[int]]) -> bool:
-        key, cont = item
-        return (int(key), tuple(int(t) for t in cont)) in self._order
-
     def add(self, key: int, continuation: Sequence[int]) -> None:
         key = int(key)
         cont = tuple(int(t) for t in continuation)
@@ -110,10 +106,6 @@ class NGramPool:
             return []
         out = list(reversed(bucket))
         return out if limit is None else out[:limit]
-
-    def max_bucket(self) -> int:
-        """The largest number of continuations stored under one key (for tests and stats)."""
-        return max((len(b) for b in self._by_key.values()), default=0)
 
 
 def window_side_block(levels: Sequence[Sequence[int]]) -> SideBlock:
@@ -247,10 +239,6 @@ class JacobiLookahead(SourceBase[LookaheadWindow]):
 
     # per-request windows live in SourceBase (begin/end, under a lock); ``active_requests`` times
     # one window and one pool of at most ``pool_size`` n-grams bounds the source's memory
-
-    def state(self, request_id: int) -> LookaheadWindow | None:
-        """The live state of a request (for inspection and tests); ``None`` outside a request."""
-        return self.peek_state(request_id)
 
     def new_state(self, context: Context) -> LookaheadWindow:
         tokens = [int(t) for t in context.tokens]

@@ -434,14 +434,6 @@ class MultiLevelNGram:
 
     # -- inspection ----------------------------------------------------------------------------
 
-    def model_for(self, request_id: int) -> NGramModel | None:
-        """The model a request drafts from (in shared mode the running requests' view, an overlay of
-        the shared model), or, for a request not running, the shared model (``None`` in per-request
-        mode)."""
-        with self._lock:
-            state = self._requests.get(request_id)
-            return self._shared_model if state is None else state.model
-
     @property
     def shared_model(self) -> NGramModel | None:
         return self._shared_model

@@ -383,12 +383,6 @@ class TokenRecycling(SourceBase[_Undo]):
         with self._lock:
             return self._matrix[:-1].copy()
 
-    @property
-    def memory_bytes(self) -> int:
-        """Bytes held by the matrix (``rows * k * 4``, the empty sentinel row not counted)."""
-        with self._lock:
-            return int(self._matrix[:-1].nbytes)
-
     def reset(self) -> None:
         """Forget everything learnt (the paper's cold start); the size is kept."""
         with self._lock:
