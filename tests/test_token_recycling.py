@@ -251,10 +251,10 @@ def test_protocol_attributes_and_memory():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(k=0), r"k \(candidates kept per token\) must be an int > 0, got 0"),
-    (dict(k=-3), r"must be an int > 0, got -3"),
-    (dict(k=2.5), r"must be an int > 0, got 2.5"),
-    (dict(k=True), r"must be an int > 0, got True"),
+    (dict(k=0), r"k must be an int >= 1 \(candidates kept per token\), got 0"),
+    (dict(k=-3), r"must be an int >= 1 .*, got -3"),
+    (dict(k=2.5), r"must be an int >= 1 .*, got 2.5"),
+    (dict(k=True), r"must be an int >= 1 .*, got True"),
     (dict(template="tr99"), r"unknown tree template 'tr99'; allowed: tr8, tr16, tr32, tr80"),
     (dict(k=4, template="tr80"), r"'tr80' uses ranks up to 7, so it needs k >= 8, got k=4; .*fit k=4: tr8"),
     (dict(template=[]), r"non-empty list of \(parent_index, rank\) pairs"),
@@ -264,7 +264,7 @@ def test_protocol_attributes_and_memory():
     (dict(template=[(-1, 0), (-1, 0)]), r"node 1 is \(-1, 0\), which an earlier node already is"),
     (dict(template=[(-1, 0, 1)]), r"node 0 is \(-1, 0, 1\); each node must be a pair of ints"),
     (dict(template=3), r"template must be a name .* got 3"),
-    (dict(vocab_size=0), r"vocab_size must be an int > 0 or None .* got 0"),
+    (dict(vocab_size=0), r"vocab_size must be an int >= 1 or None .* got 0"),
 ])
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -95,6 +95,7 @@ from typing import Any, Sequence, Union
 
 import numpy as np
 
+from ..checks import check_int
 from .base import Context, Draft, Feedback, SourceBase
 
 __all__ = ["DEFAULT_TEMPLATE", "PAPER_TREE_PATHS", "TEMPLATES", "TokenRecycling", "TreeTemplate"]
@@ -324,8 +325,9 @@ class TokenRecycling(SourceBase[_Undo]):
     def __init__(self, k: int = 8, template: TemplateArg = DEFAULT_TEMPLATE, vocab_size: int | None = None,
                  name: str = "recycle") -> None:
         super().__init__()
-        if not _is_int(k) or k <= 0:
-            raise ValueError(f"k (candidates kept per token) must be an int > 0, got {k!r}")
+        check_int("k", k, 1, " (candidates kept per token)", numpy_ok=True)
+        check_int("vocab_size", vocab_size, 1, " (None: grow as tokens are seen)", none_ok=True,
+                  numpy_ok=True)
         self.k = int(k)
         self.top_k = self.k
         #: observe only writes the matrix; a draft reads its context and the matrix as it stands
@@ -349,8 +351,6 @@ class TokenRecycling(SourceBase[_Undo]):
                              f"{tree.max_rank + 1}, got k={self.k}; named templates that fit k={self.k}: "
                              f"{', '.join(fits) or 'none'}")
         self.template = tree
-        if vocab_size is not None and (not _is_int(vocab_size) or vocab_size <= 0):
-            raise ValueError(f"vocab_size must be an int > 0 or None (grow as tokens are seen), got {vocab_size!r}")
         self.vocab_size = None if vocab_size is None else int(vocab_size)
         # one extra row at the end, always empty: an empty entry (-1) used as a row index reads it,
         # so an empty node's whole subtree comes out empty with no masking in the BFS
