@@ -75,7 +75,7 @@ def snapshot(sources: dict[str, Any]) -> dict[str, Any]:
     model = shared.shared_model
     return dict(
         trie=(trie.snapshot(), trie.tree_sizes(), trie.prunes, trie.pruned_nodes, len(trie)),
-        shared=({n: model.counts(n) for n in range(2, shared.max_ngram + 1)}, list(model.contexts())),
+        shared=({n: model.counts(n) for n in range(2, shared.max_ngram + 1)}, list(model._table)),
         recycle=recycle._matrix.tolist(),
         suffix=(suffix.global_counts(), suffix.cached_sequences()),
         live={name: _live(source) for name, source in sources.items()},

@@ -411,9 +411,9 @@ def test_follower_cap_evicts_the_weakest_and_keeps_the_prediction_exact() -> Non
 def test_context_lru_evicts_the_least_recently_updated() -> None:
     model = NGramModel(max_ngram=2, max_contexts=2)
     model.add([1, 2, 1, 3])  # contexts (1,), (2,) ; then (1,) updated again at the end
-    assert set(model.contexts()) == {(1,), (2,)}
+    assert set(model._table) == {(1,), (2,)}
     model.add([1, 2, 1, 3, 4], start=4)  # new context (3,) evicts (2,), the least recently updated
-    assert set(model.contexts()) == {(1,), (3,)}
+    assert set(model._table) == {(1,), (3,)}
 
 
 # -- greedy identity through the Decoder --------------------------------------------------------------------

@@ -60,7 +60,7 @@ def ngram_snapshot(src: MultiLevelNGram) -> dict[str, Any]:
     assert model is not None
     return dict(
         counts={n: model.counts(n) for n in range(2, src.max_ngram + 1)},
-        order=list(model.contexts()),
+        order=list(model._table),
         stats={c: dict(f) for c, f in model._table.items()},  # stamps and the prediction included
         clock=model.clock,
         contexts=model.num_contexts,

@@ -326,7 +326,7 @@ class NGramMachine(RuleBasedStateMachine):
                     running.setdefault(ctx, {})[t] = running.get(ctx, {}).get(t, 0) + c
         if self.shared:
             for rid in live:  # the view holds what the running requests counted, not bounded by the shared caps
-                assert set(ngram_model_for(self.src, rid).contexts()) <= set(running)
+                assert set(ngram_model_for(self.src, rid)._table) <= set(running)
         for model in models:
             if self.bounded:
                 assert model.num_contexts <= 5

@@ -94,7 +94,7 @@ import heapq
 import itertools
 import threading
 from collections import OrderedDict
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from ..checks import check_int
 from .bulk import collector_paused
@@ -135,15 +135,16 @@ def ranked(stats: Followers, b: int) -> list[int]:
 
 def evict_one(stats: Followers) -> None:
     """Forget the weakest follower (lowest count, ties: least recently seen)."""
-    followers = [t for t in stats if t >= 0]
-    victim = min(followers, key=stats.__getitem__)
+    victim = min((t for t in stats if t >= 0), key=stats.__getitem__)
     del stats[victim]
     if victim == stats[_BEST]:
-        if len(followers) > 1:
-            best = max((t for t in stats if t >= 0), key=stats.__getitem__)
-            stats[_BEST], stats[_BEST_KEY] = best, stats[best]
-        else:
-            stats[_BEST], stats[_BEST_KEY] = -1, -1
+        set_best(stats)
+
+
+def set_best(stats: Followers) -> None:
+    """Store the prediction of a context's followers under :data:`_BEST` (``-1`` and ``-1`` for none)."""
+    best = max((t for t in stats if t >= 0), key=stats.__getitem__, default=-1)
+    stats[_BEST], stats[_BEST_KEY] = best, stats.get(best, -1)
 
 
 class NGramModel:
@@ -151,41 +152,37 @@ class NGramModel:
 
     One table keyed by the context tuple holds every level (a context's length says its level:
     ``n = len(context) + 1``). ``add`` counts a token stream incrementally; ``candidates``
-    and ``draft`` query it with back-off. With a ``base`` model the model is an *overlay* of it: a
-    context is copied from the base at its first update here (copy on write), and queries read the
-    overlay first, then the base; the base is never written. An overlay neither evicts contexts nor
-    caps followers (it holds what the running requests count, which their lengths bound). Not
-    thread-safe by itself (:class:`MultiLevelNGram` locks).
+    and ``draft`` query it with back-off. A model made by another's :meth:`overlay` is an *overlay*
+    of that base model: a context is copied from the base at its first update here (copy on
+    write), and queries read the overlay first, then the base; the base is never written. An
+    overlay neither evicts contexts nor caps followers (it holds what the running requests count,
+    which their lengths bound). Not thread-safe by itself (:class:`MultiLevelNGram` locks).
     """
 
-    __slots__ = ("max_ngram", "max_contexts", "max_followers", "_table", "_clock", "_base")
+    __slots__ = ("max_ngram", "max_contexts", "max_followers", "_table", "clock", "_base")
 
-    def __init__(self, max_ngram: int = 5, max_contexts: int | None = None, max_followers: int | None = None,
-                 base: "NGramModel | None" = None) -> None:
+    def __init__(self, max_ngram: int = 5, max_contexts: int | None = None,
+                 max_followers: int | None = None) -> None:
         check_int("max_ngram", max_ngram, 2, numpy_ok=True)  # (a context of at least one token)
         check_int("max_contexts", max_contexts, 1, none_ok=True, numpy_ok=True)
         check_int("max_followers", max_followers, 1, none_ok=True, numpy_ok=True)
-        if base is not None and (base.max_ngram != max_ngram or max_contexts is not None):
-            raise ValueError("an overlay has its base's max_ngram and no max_contexts of its own")
         self.max_ngram = max_ngram
         self.max_contexts = max_contexts
         self.max_followers = max_followers
-        self._base = base
+        self._base: NGramModel | None = None  # the model this one is an overlay of
         # An OrderedDict only when it must evict (LRU); a plain dict is faster.
         self._table: dict[tuple[int, ...], Followers] = OrderedDict() if max_contexts is not None else {}
-        # one tick per counted position: the "most recent" of the tie-break (an overlay goes on from
-        # its base's clock, so what it counts is newer than anything it copies)
-        self._clock = 0 if base is None else base.clock
+        #: Positions counted so far, one tick each: the stamp of the most recent update, the "most
+        #: recent" of the tie-break.
+        self.clock = 0
 
     def overlay(self) -> "NGramModel":
-        """A new, empty overlay of this model (see the class docstring)."""
-        return NGramModel(self.max_ngram, None, None, base=self)
-
-    def sync_clock(self) -> None:
-        """An overlay: go on from the base's clock if the base got ahead, so that what is counted
-        next is newer than anything the base holds."""
-        if self._base is not None and self._base._clock > self._clock:
-            self._clock = self._base._clock
+        """A new, empty overlay of this model (see the class docstring). It goes on from this
+        model's clock, so what it counts is newer than anything it copies."""
+        view = NGramModel(self.max_ngram)
+        view._base = self
+        view.clock = self.clock
+        return view
 
     def recount(self, ctx: tuple[int, ...], counted: dict[int, int] | None) -> None:
         """An overlay: set its statistics of ``ctx`` to its base's plus ``counted`` (``token ->
@@ -203,8 +200,7 @@ class NGramModel:
             packed = stats.get(token, 0)
             seen = max(packed & _CLOCK_MASK, old.get(token, 0) & _CLOCK_MASK)
             stats[token] = ((packed >> _SHIFT) + count) << _SHIFT | seen
-        best = max((t for t in stats if t >= 0), key=stats.__getitem__)
-        stats[_BEST], stats[_BEST_KEY] = best, stats[best]
+        set_best(stats)
         table[ctx] = stats
 
     def _lookup(self):
@@ -234,7 +230,7 @@ class NGramModel:
         max_contexts = self.max_contexts or 0
         cap = (self.max_followers or 0) + _RESERVED if self.max_followers is not None else None
         one, shift = _ONE, _SHIFT
-        clock = self._clock
+        clock = self.clock
         for i in range(max(start - lo, 1), len(window)):
             clock += 1
             nxt = window[i]
@@ -259,7 +255,7 @@ class NGramModel:
                 if key > f[_BEST_KEY]:  # more frequent, or as frequent and (being this one) newer
                     f[_BEST] = nxt
                     f[_BEST_KEY] = key
-        self._clock = clock
+        self.clock = clock
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -310,14 +306,6 @@ class NGramModel:
         out.update({ctx: {t: key >> _SHIFT for t, key in f.items() if t >= 0}
                     for ctx, f in self._table.items() if len(ctx) == n - 1})
         return out
-
-    def contexts(self) -> Iterator[tuple[int, ...]]:
-        return iter(self._table)
-
-    @property
-    def clock(self) -> int:
-        """Positions counted so far (the stamp of the most recent update)."""
-        return self._clock
 
     @property
     def num_contexts(self) -> int:
@@ -385,8 +373,9 @@ class MultiLevelNGram:
         self.observes_late = True
         self._lock = threading.Lock()
         self._requests: OrderedDict[int, _Request] = OrderedDict()
-        self._shared_model = self._new_model() if shared else None
-        self._running = RunningCounts(self._shared_model) if shared else None
+        #: in shared mode, the model every request learns into (``None`` per request)
+        self.shared_model = self._new_model() if shared else None
+        self._running = RunningCounts(self.shared_model) if shared else None
         # rank vectors of the branching positions, best first (see the module docstring)
         depth = min(branch_depth, num_tokens) if top_b > 1 else 0
         self._rank_vectors = sorted(itertools.product(range(top_b), repeat=depth),
@@ -433,10 +422,6 @@ class MultiLevelNGram:
             return Draft(branches=self._tree(model, tail, budget))
 
     # -- inspection ----------------------------------------------------------------------------
-
-    @property
-    def shared_model(self) -> NGramModel | None:
-        return self._shared_model
 
     @property
     def active_requests(self) -> list[int]:
@@ -487,7 +472,7 @@ class MultiLevelNGram:
         request ``ended``, first count what it counted into the shared model."""
         if state is not None and state.tokens is not None and self._running is not None and state.seen > state.start:
             if ended:
-                self._shared_model.add(state.tokens[: state.seen], state.start)  # type: ignore[union-attr]
+                self.shared_model.add(state.tokens[: state.seen], state.start)  # type: ignore[union-attr]
             self._running.take_back(state.tokens, state.start, state.seen)
 
     def _tree(self, model: NGramModel, tail: tuple[int, ...], budget: int) -> list[list[int]]:

@@ -46,7 +46,7 @@ class RunningCounts:
         """Count ``tokens[i]`` after its contexts for every ``i >= start`` (as
         :meth:`NGramModel.add`), in the view and in ``pending``."""
         view = self.view
-        view.sync_clock()  # what is counted now is newer than anything the shared model holds
+        view.clock = max(view.clock, self.shared.clock)  # newer than anything the shared model holds
         view.add(tokens, start)
         pending = self.pending
         for ctx, token in _positions(tokens, start, view.max_ngram - 1):
