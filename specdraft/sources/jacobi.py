@@ -65,8 +65,6 @@ class NGramPool:
     """
 
     def __init__(self, capacity: int, per_key: int) -> None:
-        if capacity < 1 or per_key < 1:
-            raise ValueError(f"capacity and per_key must be >= 1, got {capacity}, {per_key}")
         self.capacity = capacity
         self.per_key = per_key
         self._by_key: dict[int, OrderedDict[tuple[int, ...], None]] = {}
@@ -80,12 +78,10 @@ class NGramPool:
         cont = tuple(int(t) for t in continuation)
         entry = (key, cont)
         bucket = self._by_key.setdefault(key, OrderedDict())
-        if cont in bucket:
-            bucket.move_to_end(cont)
-            self._order.move_to_end(entry)
-            return
-        bucket[cont] = None
+        bucket[cont] = None  # new, or re-added: then it only moves, and no bound can be passed
+        bucket.move_to_end(cont)
         self._order[entry] = None
+        self._order.move_to_end(entry)
         if len(bucket) > self.per_key:
             self._remove((key, next(iter(bucket))))
         while len(self._order) > self.capacity:
@@ -101,11 +97,7 @@ class NGramPool:
 
     def get(self, key: int, limit: int | None = None) -> list[tuple[int, ...]]:
         """Continuations of ``key``, most recently added first, at most ``limit``."""
-        bucket = self._by_key.get(int(key))
-        if not bucket:
-            return []
-        out = list(reversed(bucket))
-        return out if limit is None else out[:limit]
+        return list(reversed(self._by_key.get(int(key), {})))[:limit]
 
 
 def window_side_block(levels: Sequence[Sequence[int]]) -> SideBlock:
