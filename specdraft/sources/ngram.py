@@ -499,17 +499,13 @@ class MultiLevelNGram:
                 continue
             if len(path) == len(ranks):
                 path += model.draft((tail + tuple(path))[-top:], length - len(path))
-            if not path:
-                continue
             node, shared = trie, 0
             while shared < len(path) and path[shared] in node:
                 node = node[path[shared]]
                 shared += 1
-            new = len(path) - shared
-            if new == 0:
+            if shared == len(path):  # nothing new (or no path at all)
                 continue
-            if new > left:
-                path = path[: shared + left]
+            del path[shared + left :]  # what does not fit the budget
             for t in path[shared:]:
                 node = node.setdefault(t, {})
             branches.append(path)
