@@ -149,9 +149,7 @@ class TreeTemplate:
         the root, else the index of an *earlier* pair. Raises ``ValueError`` naming the bad pair."""
         if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence) or len(pairs) == 0:
             raise ValueError(f"a tree template must be a non-empty list of (parent_index, rank) pairs, got {pairs!r}")
-        parents: list[int] = []
-        ranks: list[int] = []
-        seen: set[tuple[int, int]] = set()
+        nodes: dict[tuple[int, int], None] = {}  # (parent, rank) in order; a dict finds a repeat at once
         for i, pair in enumerate(pairs):
             if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2 \
                     or not all(_is_int(v) for v in pair):
@@ -163,13 +161,12 @@ class TreeTemplate:
                                  f"or an earlier node, 0..{i - 1}; parents come before their children")
             if rank < 0:
                 raise ValueError(f"tree template node {i} is {pair!r}: rank must be >= 0")
-            if (parent, rank) in seen:
+            if (parent, rank) in nodes:
                 raise ValueError(f"tree template node {i} is {pair!r}, which an earlier node already is; "
                                  "each (parent_index, rank) may appear once")
-            seen.add((parent, rank))
-            parents.append(parent)
-            ranks.append(rank)
-        return cls(tuple(parents), tuple(ranks), name)
+            nodes[parent, rank] = None
+        parents, ranks = zip(*nodes)
+        return cls(parents, ranks, name)
 
     @classmethod
     def from_paths(cls, paths: Sequence[Sequence[int]], name: str = "custom",
@@ -181,19 +178,19 @@ class TreeTemplate:
         keyed = [tuple(int(r) for r in p) for p in paths]
         if not keyed or any(len(p) == 0 for p in keyed):
             raise ValueError(f"a tree template needs non-empty rank paths, got {paths!r}")
-        if len(set(keyed)) != len(keyed):
-            raise ValueError(f"tree template paths repeat a path: {paths!r}")
         known = set(keyed)
+        if len(known) != len(keyed):
+            raise ValueError(f"tree template paths repeat a path: {paths!r}")
         for p in keyed:
             if len(p) > 1 and p[:-1] not in known:
                 raise ValueError(f"tree template path {list(p)} has no parent {list(p[:-1])} in the list")
+        # (sorts are stable: ties keep the list's order)
         if best_first:
-            order = sorted(range(len(keyed)), key=lambda i: (-_prior_score(keyed[i]), len(keyed[i]), i))
-        else:  # stable by depth: parents first, the list's order otherwise
-            order = sorted(range(len(keyed)), key=lambda i: len(keyed[i]))
-        ordered = [keyed[i] for i in order]
-        index = {p: i for i, p in enumerate(ordered)}
-        return cls.from_pairs([(index.get(p[:-1], -1), p[-1]) for p in ordered], name)
+            keyed.sort(key=lambda p: (-_prior_score(p), len(p)))
+        else:  # by depth: parents first, the list's order otherwise
+            keyed.sort(key=len)
+        index = {p: i for i, p in enumerate(keyed)}
+        return cls.from_pairs([(index.get(p[:-1], -1), p[-1]) for p in keyed], name)
 
     # --- derived ----------------------------------------------------------------------------
 
