@@ -89,7 +89,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Sequence, Union
 
@@ -239,6 +239,7 @@ _GROW_ROWS = 1024
 TemplateArg = Union[str, TreeTemplate, Sequence[Sequence[int]]]
 
 
+@dataclass(slots=True)
 class _Undo:
     """What one begun request overwrote in the matrix, to put it back if the request fails.
 
@@ -253,22 +254,16 @@ class _Undo:
     the request touched at most.
     """
 
-    __slots__ = ("serial", "rows", "before", "writers", "logged", "compacted", "grown_from", "grown_to")
-
-    def __init__(self, serial: int) -> None:
-        self.serial = serial
-        self.rows: list[np.ndarray] = []
-        self.before: list[np.ndarray] = []
-        self.writers: list[np.ndarray] = []
-        self.logged = 0  # rows in the log
-        self.compacted = 0  # rows in the log after the last compaction
-        self.grown_from: int | None = None  # the matrix's rows before this request first grew it
-        self.grown_to = 0  # its rows after this request last grew it
+    serial: int
+    #: (rows, their content before, their last writer before), in time order
+    entries: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+    logged: int = 0  # rows in the log
+    compacted: int = 0  # rows in the log after the last compaction
+    grown_from: int | None = None  # the matrix's rows before this request first grew it
+    grown_to: int = 0  # its rows after this request last grew it
 
     def log(self, rows: np.ndarray, before: np.ndarray, writers: np.ndarray) -> None:
-        self.rows.append(rows)
-        self.before.append(before)
-        self.writers.append(writers)
+        self.entries.append((rows, before, writers))
         self.logged += rows.shape[0]
         if self.logged > max(_COMPACT_ROWS, 2 * self.compacted):
             self.compact()
@@ -276,15 +271,13 @@ class _Undo:
     def compact(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rows, their content before this request's last run of writes, their writer then): the
         latest entry of each row. Only for a log that holds some."""
-        if len(self.rows) > 1:
-            rows = np.concatenate(self.rows)  # in time order
+        if len(self.entries) > 1:
+            rows, before, writers = (np.concatenate(column) for column in zip(*self.entries))
             _, first_reversed = np.unique(rows[::-1], return_index=True)
             latest = rows.shape[0] - 1 - first_reversed
-            self.rows = [rows[latest]]
-            self.before = [np.concatenate(self.before)[latest]]
-            self.writers = [np.concatenate(self.writers)[latest]]
+            self.entries = [(rows[latest], before[latest], writers[latest])]
             self.logged = self.compacted = latest.shape[0]
-        return self.rows[0], self.before[0], self.writers[0]
+        return self.entries[0]
 
 
 #: A request's undo log is first compacted when it reaches this many rows.
@@ -439,7 +432,7 @@ class TokenRecycling(SourceBase[_Undo]):
             return
         with self._lock:
             matrix = self._matrix
-            if undo.rows:
+            if undo.entries:
                 rows, before, writers = undo.compact()
                 inside = rows < matrix.shape[0] - 1  # (a row past a shrunk matrix is empty anyway)
                 rows, before, writers = rows[inside], before[inside], writers[inside]
