@@ -117,14 +117,12 @@ def window_side_block(levels: Sequence[Sequence[int]]) -> SideBlock:
     tokens = [int(t) for level in levels for t in level]
     positions = list(range(1, s + 1)) + [i + l for l in range(1, f + 1) for i in range(cols)]
     mask = np.zeros((n, n), dtype=bool)
-    for k in range(s):
-        mask[k, : k + 1] = True
+    mask[:s, :s] = np.tri(s, dtype=bool)  # level 0: a causal run
     for l in range(1, f + 1):
         for i in range(cols):
             row = s + (l - 1) * cols + i
             mask[row, :i] = True
-            for m in range(1, l + 1):
-                mask[row, s + (m - 1) * cols + i] = True
+            mask[row, s + i : row + 1 : cols] = True  # column i of levels 1 .. l
     return SideBlock(tokens=tokens, positions=positions, mask=mask, sees_root=True)
 
 
