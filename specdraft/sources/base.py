@@ -130,11 +130,6 @@ class Draft:
     branches: list[list[int]] = field(default_factory=list)
     side_block: SideBlock | None = None
 
-    @property
-    def num_tokens(self) -> int:
-        """Total tokens over all branches (a prefix shared by two branches counts twice)."""
-        return sum(len(b) for b in self.branches)
-
 
 @dataclass(frozen=True)
 class Feedback:
