@@ -47,15 +47,12 @@ def fsync_path(path: Path) -> None:
     """Flush a file or directory to disk, so a rename that follows cannot outlive the data it
     names after a power loss (a killed process loses nothing the kernel already has)."""
     flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if path.is_dir() else 0)
-    try:
+    with contextlib.suppress(OSError):  # e.g. directories cannot be opened on Windows: best effort
         fd = os.open(path, flags)
-    except OSError:  # e.g. directories cannot be opened on Windows: best effort
-        return
-    try:
-        with contextlib.suppress(OSError):
+        try:
             os.fsync(fd)
-    finally:
-        os.close(fd)
+        finally:
+            os.close(fd)
 
 
 @contextlib.contextmanager
@@ -96,30 +93,23 @@ def write_marker(directory: Path, provenance: dict[str, Any]) -> None:
     write_text_atomic(directory / MARKER, json.dumps(record, indent=2) + "\n")
 
 
-def _read_marker(directory: Path) -> tuple[dict[str, Any] | None, str]:
-    try:
-        record = json.loads((directory / MARKER).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None, f"{MARKER} is missing, so the directory was never finished"
-    except (OSError, ValueError) as exc:
-        return None, f"{MARKER} is unreadable ({exc})"
-    files = record.get("files") if isinstance(record, dict) else None
-    if not isinstance(record, dict) or not (files is None or isinstance(files, dict)):
-        return None, f"{MARKER} is not a specdraft marker"
-    return record, ""
-
-
 def check_marker(directory: Path) -> str | None:
     """``None`` if ``directory`` is a finished checkpoint whose recorded files all still have
     their recorded size; otherwise what is wrong, naming the file. Uses ``stat`` only."""
     if not directory.is_dir():
         return f"{directory} does not exist"
-    record, problem = _read_marker(directory)
-    if record is None:
-        return problem
-    if record.get("files") is None:  # format 1, from before files were recorded
+    try:
+        record = json.loads((directory / MARKER).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"{MARKER} is missing, so the directory was never finished"
+    except (OSError, ValueError) as exc:
+        return f"{MARKER} is unreadable ({exc})"
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(record, dict) or not (files is None or isinstance(files, dict)):
+        return f"{MARKER} is not a specdraft marker"
+    if files is None:  # format 1, from before files were recorded
         return None if (directory / "config.json").is_file() else "config.json is missing"
-    for name, entry in record["files"].items():
+    for name, entry in files.items():
         try:
             size = (directory / name).stat().st_size
         except FileNotFoundError:
@@ -137,10 +127,9 @@ def verify_marker(directory: Path) -> list[str]:
     problem = check_marker(directory)
     if problem is not None:
         return [problem]
-    record, _ = _read_marker(directory)
-    files = ((record or {}).get("files") or {}).items()
+    files = json.loads((directory / MARKER).read_text(encoding="utf-8")).get("files") or {}
     return [f"{name} does not have the sha256 recorded in {MARKER}"
-            for name, entry in files if sha256_file(directory / name) != entry.get("sha256")]
+            for name, entry in files.items() if sha256_file(directory / name) != entry.get("sha256")]
 
 
 def damaged_safetensors(directory: Path) -> list[str]:
