@@ -133,11 +133,8 @@ def _from_mirror(mirror: Mirror, root: Path, progress: bool) -> ResolvedModel:
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """The torch dtype for a name in :data:`DTYPES` (or such a dtype itself); else a clear error."""
-    if isinstance(dtype, torch.dtype):
-        if dtype in DTYPES.values():
-            return dtype
-    elif isinstance(dtype, str):
-        key = dtype.strip().lower().removeprefix("torch.")
+    if isinstance(dtype, (str, torch.dtype)):  # str(torch.float32) is "torch.float32"
+        key = str(dtype).strip().lower().removeprefix("torch.")
         if key in DTYPES:
             return DTYPES[key]
     raise ValueError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
