@@ -47,9 +47,8 @@ def split_top_level(text: str, separator: str = ",") -> list[str]:
     ``"prompt,jacobi[window=3,ngram=4]"`` -> ``["prompt", "jacobi[window=3,ngram=4]"]``.
     """
     parts: list[str] = []
-    depth = 0
-    current: list[str] = []
-    for char in text:
+    depth = start = 0
+    for i, char in enumerate(text):
         if char == "[":
             depth += 1
         elif char == "]":
@@ -57,22 +56,21 @@ def split_top_level(text: str, separator: str = ",") -> list[str]:
             if depth < 0:
                 raise SourceSpecError(f"unbalanced ']' in {text!r}")
         if char == separator and depth == 0:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(char)
+            parts.append(text[start:i])
+            start = i + 1
     if depth != 0:
         raise SourceSpecError(f"unbalanced '[' in {text!r}")
-    parts.append("".join(current))
+    parts.append(text[start:])
     return [p.strip() for p in parts if p.strip()]
 
 
+#: Values written as words (in any case); every other value is an int, a float or else a string.
+_WORDS = {"true": True, "false": False, "none": None}
+
+
 def _value(text: str) -> Any:
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
+    if text.lower() in _WORDS:
+        return _WORDS[text.lower()]
     for convert in (int, float):
         try:
             return convert(text)
