@@ -12,6 +12,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .stopping import eos_ids
+
 __all__ = ["as_input_ids", "time_plain_generate", "warmup_forward"]
 
 
@@ -49,11 +51,9 @@ def time_plain_generate(model: Any, input_ids: torch.Tensor | Sequence[int], max
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ids = as_input_ids(input_ids).to(model.device)
     gen_kwargs.setdefault("attention_mask", torch.ones_like(ids))  # (the caller's dict is a copy: ** made it)
-    gen_config = getattr(model, "generation_config", None)
-    if gen_config is not None and gen_config.pad_token_id is None and "pad_token_id" not in gen_kwargs:
-        eos = gen_config.eos_token_id
-        if eos is not None:  # silences "Setting pad_token_id to eos_token_id" on every call
-            gen_kwargs["pad_token_id"] = eos[0] if isinstance(eos, (list, tuple)) else eos
+    eos = eos_ids(model)  # (none without a generation config)
+    if eos and model.generation_config.pad_token_id is None and "pad_token_id" not in gen_kwargs:
+        gen_kwargs["pad_token_id"] = eos[0]  # silences "Setting pad_token_id to eos_token_id" on every call
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=max_new_tokens, **gen_kwargs)
     seconds = time.perf_counter() - start
