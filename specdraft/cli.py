@@ -118,10 +118,14 @@ CPU_KERNELS_HELP = ("auto = measure the exact kernel paths below once on this ma
                     "keep a second copy of the weights in memory; see docs/cpu-fast-path.md (default: %(default)s)")
 
 
-def _add_tree_arguments(parser: argparse.ArgumentParser, one_decoder: bool = True,
-                        tree_help: str = "draft tokens checked per forward pass; 0 = plain decoding") -> None:
-    """--max-tree-nodes and --exact; with ``one_decoder`` (generate and demo, not the bench, whose
-    method names say these) also --fixed-budget and --cpu-kernels."""
+def _add_decoding_arguments(
+        parser: argparse.ArgumentParser, one_decoder: bool = True,
+        tree_help: str = "draft tokens checked per forward pass; 0 = plain decoding") -> None:
+    """--max-new-tokens, --max-tree-nodes and --exact, shared by every subcommand; with
+    ``one_decoder`` (generate and demo, not the bench, whose method names say these) also
+    --fixed-budget and --cpu-kernels."""
+    parser.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="N",
+                        help="stop after N new tokens (or at end of sequence) (default: %(default)s)")
     parser.add_argument("--max-tree-nodes", type=_int_at_least(0), default=None, metavar="N",
                         help=f"{tree_help} (default: {TREE_NODES_DEFAULTS})")
     if one_decoder:
@@ -162,9 +166,7 @@ def _add_generate_command(sub: Any) -> None:
                      help=f"comma-separated draft sources, each NAME or NAME[key=value,...] with the source's constructor "
                           f"arguments (jacobi[window=3,ngram=4]); allowed: {', '.join(SOURCES)} (default: "
                           f"{','.join(DEFAULT_SOURCES)}; on a CUDA GPU {','.join(GPU_DEFAULT_SOURCES)})")
-    gen.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="N",
-                     help="stop after N new tokens (or at end of sequence) (default: %(default)s)")
-    _add_tree_arguments(gen)
+    _add_decoding_arguments(gen)
     gen.add_argument("--attention", choices=["auto", "sdpa", "eager", "flash"], default="auto",
                      help="attention backend; flash = split+merge flash kernel (default: %(default)s)")
     gen.add_argument("--compile", action="store_true",
@@ -194,8 +196,7 @@ def _add_demo_command(sub: Any) -> None:
                     "compare, in this process and interleaved, plain model.generate, transformers' prompt lookup "
                     "and specdraft. Reports median speed ratios and whether the greedy outputs are identical.")
     _add_model_arguments(demo)
-    demo.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="N", help="(default: %(default)s)")
-    _add_tree_arguments(demo)
+    _add_decoding_arguments(demo)
     demo.add_argument("--repeats", type=_int_at_least(1), default=3, metavar="N",
                       help="timed rounds per method; medians are reported (default: %(default)s)")
     demo.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
@@ -220,9 +221,7 @@ def _add_bench_command(sub: Any) -> None:
                             "combines several)")
     bench.add_argument("--limit", type=_int_at_least(0), default=10, metavar="K",
                        help="first K prompts of each dataset; 0 = all (default: %(default)s)")
-    bench.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, metavar="T",
-                       help="(default: %(default)s)")
-    _add_tree_arguments(bench, one_decoder=False, tree_help="draft tokens per forward for our methods")
+    _add_decoding_arguments(bench, one_decoder=False, tree_help="draft tokens per forward for our methods")
     bench.add_argument("--repeats", type=_int_at_least(1), default=1, metavar="R",
                        help="time each method R times per prompt and take the median (default: %(default)s)")
     bench.add_argument("--chat", choices=["auto", "on", "off"], default="auto",
