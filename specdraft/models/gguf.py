@@ -5,6 +5,7 @@ Shared by ``load_model("x.gguf")`` and by the one-time conversion of PyPI-mirror
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,11 +40,9 @@ def load_gguf(directory: Path, gguf_file: str, dtype: torch.dtype,
     require_gguf_support()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    try:
+    with contextlib.suppress(ImportError):  # transformers 4.x has no GgufConfig
         from transformers import GgufConfig
-    except ImportError:
-        pass
-    else:
+
         kwargs["quantization_config"] = GgufConfig(gguf_file=gguf_file, dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, gguf_file=gguf_file, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
