@@ -85,16 +85,15 @@ def stream_pieces(batch: Batch, tokenizer: Any) -> Iterator[tuple[int, str | lis
     outputs = batch.outputs
     tokens: dict[int, list[int]] = {}
     shown: dict[int, int] = {}
-    for index, chunk in batch:
-        mine = tokens.setdefault(index, [])
-        mine.extend(chunk)
-        text = tokenizer.decode(mine, skip_special_tokens=True)
-        if text.endswith("\ufffd") and outputs[index] is None:
-            continue
-        if len(text) > shown.get(index, 0):
+
+    def new_text(index: int, hold_back: bool) -> Iterator[tuple[int, str]]:
+        text = tokenizer.decode(tokens[index], skip_special_tokens=True)
+        if len(text) > shown.get(index, 0) and not (hold_back and text.endswith("\ufffd")):
             yield index, text[shown.get(index, 0):]
             shown[index] = len(text)
-    for index, mine in tokens.items():
-        text = tokenizer.decode(mine, skip_special_tokens=True)
-        if len(text) > shown.get(index, 0):
-            yield index, text[shown.get(index, 0):]
+
+    for index, chunk in batch:
+        tokens.setdefault(index, []).extend(chunk)
+        yield from new_text(index, hold_back=outputs[index] is None)
+    for index in tokens:
+        yield from new_text(index, hold_back=False)
