@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from specdraft.budget import Ask, Budget, Grant
+from specdraft.budget import AcceptanceTracker, Ask, Budget, Grant, RequestAcceptance
 from specdraft.tree import TokenTree
+
+
+def observe(tracker: AcceptanceTracker, request: RequestAcceptance, full: TokenTree, committed: Sequence[int],
+            start: int) -> None:
+    """A step of ``request`` drafted ``full`` (its full tree) and committed ``committed[start:]``
+    after its root (``committed`` is the request's whole sequence), taken in as the engine does:
+    the step counted, then its tree walked."""
+    tracker.count_step(request, full, start)
+    tracker.walk(request, committed)
 
 
 class OneRequest:
@@ -28,7 +37,7 @@ class OneRequest:
         return self.budget.allocate([ask])[0]
 
     def observe(self, full: TokenTree, committed: Sequence[int], start: int) -> None:
-        self.budget.acceptance.observe(self.request, full, committed, start)
+        observe(self.budget.acceptance, self.request, full, committed, start)
 
     def observe_chain(self, offered: int, right: int) -> None:
         """The sources offered a chain of ``offered`` nodes, the first ``right`` of them right."""

@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 
 from specdraft import Decoder
 from specdraft.budget import AcceptanceTracker, RequestAcceptance
+from specdraft.budget.acceptance import SourceRates
 from specdraft.sources.base import Context, Draft
 from specdraft.tree import TokenTree
 
+from _budget_driver import observe
 from conftest import FAST, VOCAB, OracleSource, PassiveSource, generation_config_override, reference_greedy, tiny_model
 
 
@@ -61,22 +63,29 @@ def _observe_steps(tracker: AcceptanceTracker, request: RequestAcceptance, steps
         full = TokenTree.from_drafts(committed[-1], [[wrong], [right]], 6, request.source_rates)
         start = len(committed)
         committed += right + [truth[at + 4]]
-        tracker.observe(request, full, committed, start)
+        observe(tracker, request, full, committed, start)
         at += 5
+
+
+def _rate(tracker: AcceptanceTracker, source_index: int, depth: int, request: RequestAcceptance | None = None
+          ) -> float:
+    """One learned source rate (first sibling): the request's fast one, or the long-run one."""
+    values = request.source_rates.values if request is not None else tracker.long_run_sources
+    return SourceRates(values)(source_index, depth, 0)
 
 
 def test_calibration_learns_which_source_is_accepted() -> None:
     tracker = AcceptanceTracker(6, 2)
-    assert tracker.source_rate(0, 1) == tracker.source_rate(1, 1)  # no evidence yet: equal
+    assert _rate(tracker, 0, 1) == _rate(tracker, 1, 1)  # no evidence yet: equal
     request = tracker.start()
     _observe_steps(tracker, request, 12)
     for depth in (1, 2, 3, 4):
-        assert tracker.source_rate(1, depth, request=request) > 0.9
-        assert tracker.source_rate(1, depth) > 0.9  # the long-run average learned it too
-    assert tracker.source_rate(0, 1, request=request) < 0.05 and tracker.source_rate(0, 1) < 0.1
+        assert _rate(tracker, 1, depth, request=request) > 0.9
+        assert _rate(tracker, 1, depth) > 0.9  # the long-run average learned it too
+    assert _rate(tracker, 0, 1, request=request) < 0.05 and _rate(tracker, 0, 1) < 0.1
     # the rejected source's deeper nodes were never in the running (their parent was rejected):
     # no evidence about them
-    assert tracker.source_rate(0, 2) == AcceptanceTracker(6, 2).source_rate(0, 2)
+    assert _rate(tracker, 0, 2) == _rate(AcceptanceTracker(6, 2), 0, 2)
     # a new request starts from the long-run averages, and the merge now puts source 1 first
     tree = TokenTree.from_drafts(0, [[[90, 91, 92]], [[1, 2, 3]]], 3, tracker.start().source_rates)
     assert tree.branches() == [[1, 2, 3]]
@@ -89,12 +98,12 @@ def test_calibration_waits_for_the_tokens_below_a_long_walk() -> None:
     request = tracker.start()
     full = TokenTree.from_drafts(0, [[[1, 2, 3, 4, 5, 6]]], 6, request.source_rates)
     committed = [0, 1, 2]
-    tracker.observe(request, full, committed, 1)  # a step that committed two tokens; the walk is at node "2"
-    assert tracker.source_rate(0, 3, request=request) == 0.5  # not known yet
+    observe(tracker, request, full, committed, 1)  # a step that committed two tokens; the walk is at node "2"
+    assert _rate(tracker, 0, 3, request=request) == 0.5  # not known yet
     committed += [3, 4, 9]
-    tracker.observe(request, TokenTree(2), committed, 3)
-    assert tracker.source_rate(0, 3, request=request) == 1.0 and tracker.source_rate(0, 4, request=request) == 1.0
-    assert tracker.source_rate(0, 5, request=request) == 0.0  # "5" was proposed, "9" came
+    observe(tracker, request, TokenTree(2), committed, 3)
+    assert _rate(tracker, 0, 3, request=request) == 1.0 and _rate(tracker, 0, 4, request=request) == 1.0
+    assert _rate(tracker, 0, 5, request=request) == 0.0  # "5" was proposed, "9" came
 
 
 def test_calibration_rejects_bad_settings() -> None:
@@ -104,8 +113,6 @@ def test_calibration_rejects_bad_settings() -> None:
         AcceptanceTracker(4, 2, source_slow=1.5)
     with pytest.raises(ValueError, match="num_sources"):
         AcceptanceTracker(4, -1)
-    with pytest.raises(ValueError, match="source_index"):
-        AcceptanceTracker(4, 2).source_rate(2, 1)
 
 
 _tok = st.integers(0, 5)
@@ -125,7 +132,7 @@ def test_calibrated_merge_keeps_the_prefix_property(drafts, budget, history) -> 
         full = TokenTree.from_drafts(sequence[-1], old[: tracker.num_sources], 30, request.source_rates)
         start = len(sequence)
         sequence += committed
-        tracker.observe(request, full, sequence, start)
+        observe(tracker, request, full, sequence, start)
     rates = request.source_rates
     full = TokenTree.from_drafts(0, drafts, 10_000, rates)
     tree = TokenTree.from_drafts(0, drafts, budget, rates)

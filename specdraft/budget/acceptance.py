@@ -136,21 +136,6 @@ class AcceptanceTracker:
         """A request's averages, starting from the long-run ones."""
         return RequestAcceptance(list(self.long_run_ranks), list(self.long_run_sources))
 
-    def source_rate(self, source_index: int, depth: int, rank: int = 0, request: RequestAcceptance | None = None
-                    ) -> float:
-        """One learned source rate: the request's fast one, or the long-run one (for inspection)."""
-        if not 0 <= source_index < self.num_sources:
-            raise ValueError(f"source_index must be in [0, {self.num_sources}), got {source_index}")
-        values = request.source_rates.values if request is not None else self.long_run_sources
-        return values[_slot(source_index, depth, rank)]
-
-    def observe(self, request: RequestAcceptance, full: TokenTree, committed: Sequence[int], start: int) -> None:
-        """A step of ``request`` drafted ``full`` (its full tree) and committed ``committed[start:]``
-        after its root (``committed`` is the request's whole sequence): :meth:`count_step`, then
-        :meth:`walk`."""
-        self.count_step(request, full, start)
-        self.walk(request, committed)
-
     def count_step(self, request: RequestAcceptance, full: TokenTree, start: int) -> None:
         """Count a tree step and queue its tree's walk from ``start``: what the next plan reads
         (its opening rule counts tree steps), so it never waits."""
