@@ -143,9 +143,13 @@ class Budget:
 
     @staticmethod
     def _whole(asks: Sequence[Ask], offered: list[int], limit: int | None) -> list[Grant]:
-        """Every decoding request's full tree with its side blocks, within ``limit`` rows."""
+        """Every decoding request's full tree with its side blocks, within ``limit`` rows: where
+        they exceed it, one node to each request in turn (:func:`_add_in_turns`)."""
         full = [Grant(n, True) if a.decoding else _NOTHING for a, n in zip(asks, offered)]
-        return full if limit is None else _fit_in_turns(asks, full, limit)
+        width = sum(a.fixed_rows + (g.nodes + a.side_rows if g.side_blocks else 0) for a, g in zip(asks, full))
+        if limit is None or width <= limit:
+            return full
+        return _add_in_turns(asks, [0] * len(asks), [g.nodes for g in full], lambda rows, _: rows <= limit)
 
     @property
     def chooses(self) -> bool:
@@ -176,8 +180,7 @@ class Budget:
         nodes are taken one at a time (equal requests share the rows) and every prefix is priced,
         so for one request every tree size is tried."""
         attention = self.costs.attention_price()
-        width = sum(a.fixed_rows for a in asks)
-        row_columns = sum(a.fixed_rows * a.context for a in asks)
+        width, row_columns = _rows(asks, [0] * len(asks))
         tokens = float(sum(1 for a in asks if a.decoding))
         best_rate = tokens / (self.costs.shape(width) + attention * row_columns) if tokens else 0.0
         runs = [_hull_runs(a.rates, offered[i]) if offered[i] > 0 else [] for i, a in enumerate(asks)]
@@ -273,15 +276,6 @@ def _add_in_turns(asks: Sequence[Ask], nodes: Sequence[int], caps: Sequence[int]
                 row_columns += rows * a.context
                 growing = True
     return [Grant(n, n > 0) for n in nodes]
-
-
-def _fit_in_turns(asks: Sequence[Ask], grants: list[Grant], limit: int) -> list[Grant]:
-    """``grants`` (every request's full tree) cut to ``limit`` rows in all, if they exceed it: one
-    node to each request in turn (:func:`_add_in_turns`)."""
-    width = sum(a.fixed_rows + (g.nodes + a.side_rows if g.side_blocks else 0) for a, g in zip(asks, grants))
-    if width <= limit:
-        return grants
-    return _add_in_turns(asks, [0] * len(asks), [g.nodes for g in grants], lambda rows, _: rows <= limit)
 
 
 def _hull_runs(rates: Sequence[float | None], offered: int) -> list[tuple[float, int]]:
