@@ -54,18 +54,6 @@ def _moving_average(old: float | None, new: float, weight: float) -> float:
     return new if old is None else math.exp((1 - weight) * math.log(old) + weight * math.log(new))
 
 
-def check_curve(curve: Sequence[float]) -> list[float]:
-    """A cost curve as floats (seconds, or any unit, of a forward of 1, 2, ... rows), checked."""
-    values = [float(c) for c in curve]
-    if not values:
-        raise ValueError("a cost curve needs at least the cost of a one-row forward, got an empty curve")
-    bad = [c for c in values if not (math.isfinite(c) and c > 0)]
-    if bad:
-        raise ValueError(f"cost curve values must be finite and > 0 (the cost of a forward of 1, 2, ... rows), "
-                         f"got {bad[:3]}")
-    return values
-
-
 class StepCosts:
     """Seconds of a step by forward width: ``level * shape(width)``, plus attention (see the
     module docstring).
@@ -92,12 +80,19 @@ class StepCosts:
         self.set_curve(curve)
 
     def set_curve(self, curve: Sequence[float] | None) -> None:
-        """Price widths from ``curve`` from now on (``None``: learn them from the steps)."""
+        """Price widths from ``curve`` (seconds, or any unit, of a forward of 1, 2, ... rows) from
+        now on (``None``: learn them from the steps)."""
         if curve is None:
             self.curve: list[float] | None = None
             self._one_row_seconds: float | None = None
             return
-        values = check_curve(curve)
+        values = [float(c) for c in curve]
+        if not values:
+            raise ValueError("a cost curve needs at least the cost of a one-row forward, got an empty curve")
+        bad = [c for c in values if not (math.isfinite(c) and c > 0)]
+        if bad:
+            raise ValueError(f"cost curve values must be finite and > 0 (the cost of a forward of 1, 2, ... "
+                             f"rows), got {bad[:3]}")
         self.curve = [c / values[0] for c in values]
         self._one_row_seconds = values[0]
 
@@ -128,8 +123,6 @@ class StepCosts:
         # before any plain step the wide ones seen count as two plain steps: a guess that makes
         # the budget try a plain step, after which the real prices are known
         points = sorted(self.learned.items()) or [(w, min(2.0, w / plain)) for w in sorted(self._unpriced)]
-        if not points:
-            return 1.0
         below = [(plain, 1.0)] + [(w, s) for w, s in points if w < width]
         above = [(w, s) for w, s in points if w >= width]
         if not above:
