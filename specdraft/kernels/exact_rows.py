@@ -76,8 +76,7 @@ from __future__ import annotations
 
 import inspect
 import json
-import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -85,7 +84,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .cpu_kernels import PackedModel
+from .cpu_kernels import PackedModel, linear_modules
 from .kernel_costs import cache_dir, cache_key, cache_path, model_dtype, write_cache
 
 #: The widest decode forward the rule covers (the adaptive budget's widest tree).
@@ -160,15 +159,11 @@ def _same_rows(a: tuple[int, torch.Tensor], b: tuple[int, torch.Tensor]) -> bool
 def invariant_from(classes: Sequence[Sequence[int]]) -> int | None:
     """The smallest width ``W`` such that every measured width from ``W`` up is in the class of the
     widest; ``None`` when the widest width is alone in its class."""
-    widest = max(w for members in classes for w in members)
-    top = next(members for members in classes if widest in members)
-    measured = sorted(w for members in classes for w in members)
-    start = widest
-    for w in reversed(measured):
-        if w not in top:
-            break
-        start = w
-    return start if start < widest or len(measured) == 1 else None
+    measured = sorted(width for members in classes for width in members)
+    top = agreeing_widths(classes)
+    outside = [width for width in measured if width not in top]
+    start = min(width for width in top if not outside or width > outside[-1])
+    return start if start < measured[-1] or len(measured) == 1 else None
 
 
 def agreeing_widths(classes: Sequence[Sequence[int]], anchor: int | None = None) -> tuple[int, ...]:
@@ -235,7 +230,7 @@ def linear_layers(model: nn.Module, packed: PackedModel | None = None) -> list[n
     """The linear layers a forward of ``model`` runs: its ``nn.Linear`` modules, or where a
     :class:`~specdraft.kernels.cpu_kernels.PackedModel` swaps in stand-ins, those (and the layers it left
     on the stock kernel)."""
-    layers = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear) and name}
+    layers: dict[str, nn.Module] = dict(linear_modules(model))
     if packed is not None:
         layers.update(packed.layers)
     return list(layers.values())
@@ -300,15 +295,16 @@ def probe_rule(layers: Iterable[nn.Module], dtype: torch.dtype, max_rows: int = 
     for layer in layers:
         kinds.setdefault((_features(layer), _kernel_id(layer)), layer)
     widths = tuple(range(1, max_rows + 1))
-    if not kinds:
-        return RowRule(widths, wider=True)
     wide = tuple(sorted(w for w in set(wide) if w > max_rows))
     threads = torch.get_num_threads()
     per_shape = []
     common = set(widths)
     wider = True
     for (shape, kernel), layer in sorted(kinds.items(), key=lambda kv: kv[0]):
-        classes = _classes(shape, kernel, layer, dtype, widths + wide, rows_per_width, threads)
+        key = (shape, kernel, str(_device_of(layer)), dtype, widths + wide, rows_per_width, threads)
+        classes = _CLASSES.get(key)  # (one lookup and one store, each atomic: no lock needed across threads)
+        if classes is None:
+            classes = _CLASSES[key] = width_classes(layer, shape[0], dtype, widths + wide, rows_per_width)
         agree_all = agreeing_widths(classes, anchor=max_rows)
         agree = tuple(w for w in agree_all if w <= max_rows)
         wider = wider and set(wide) <= set(agree_all)
@@ -332,25 +328,10 @@ def _kernel_id(layer: nn.Module) -> str:
     return f"{type(layer).__name__}{getattr(layer, 'plan', '')}{getattr(fast, 'terms', '')}{bias}"
 
 
-_PROBE_LOCK = threading.Lock()
-
-
-def _classes(shape: tuple[int, int], kernel: str, layer: nn.Module, dtype: torch.dtype, widths: tuple[int, ...],
-             rows_per_width: int, threads: int) -> list[list[int]]:
-    """:func:`width_classes` of one kind of layer, remembered for the process: a layer's classes
-    depend on its kernel (shape, kernel, dtype, device, threads), not on its weights, and sets of
-    layers that share kinds (one model with its norms swapped, or some of its layers packed)
-    probe each shared kind once."""
-    key = (shape, kernel, str(_device_of(layer)), dtype, widths, rows_per_width, threads)
-    with _PROBE_LOCK:
-        cached = _CLASSES.get(key)
-    if cached is None:
-        cached = width_classes(layer, shape[0], dtype, widths, rows_per_width)
-        with _PROBE_LOCK:
-            _CLASSES[key] = cached
-    return cached
-
-
+#: :func:`width_classes` per kind of layer, remembered for the process: a layer's classes depend on
+#: its kernel (shape, kernel, dtype, device, threads), not on its weights, and sets of layers that
+#: share kinds (one model with its norms swapped, or some of its layers packed) probe each shared
+#: kind once.
 _CLASSES: dict[tuple, list[list[int]]] = {}
 
 
@@ -389,8 +370,7 @@ def load_or_probe(model: nn.Module, packed: PackedModel | None = None) -> RowRul
     except (OSError, ValueError, KeyError, TypeError):
         pass
     rule = probe_rule(layers, model_dtype(model))
-    write_cache(path, json.dumps({"key": key, "widths": list(rule.widths), "wider": rule.wider,
-                                  "per_shape": [[list(shape), list(widths)] for shape, widths in rule.per_shape]}))
+    write_cache(path, json.dumps({"key": key, **asdict(rule)}))
     return rule
 
 
