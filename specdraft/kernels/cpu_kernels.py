@@ -164,12 +164,9 @@ class PackedLinear(LinearStandIn):
         """Pack ``weight`` (always possible for oneDNN: ``True``)."""
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint)
+        #: bytes of the packed copy (what this layer adds to the model's memory)
+        self.nbytes = weight.numel() * weight.element_size()
         return True
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the packed copy (what this layer adds to the model's memory)."""
-        return self.out_features * self.in_features * self.original.weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.goes_to_original(x):
@@ -189,12 +186,10 @@ def linear_modules(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 def packing_bytes(model: nn.Module, kind: str) -> int:
     """Bytes a packed copy of ``model``'s linear weights takes for ``kind`` (an upper bound for
     ``"fbgemm"``: a float32 weight may need two float16 terms, 4 bytes, where one suffices)."""
-    total = 0
-    for _, module in linear_modules(model):
-        weight = module.weight
-        per = weight.element_size() if kind == "packed" else (2 if weight.element_size() <= 2 else 4)
-        total += weight.numel() * per
-    return total
+    weights = [module.weight for _, module in linear_modules(model)]
+    if kind == "packed":
+        return sum(weight.numel() * weight.element_size() for weight in weights)
+    return sum(weight.numel() * (2 if weight.element_size() <= 2 else 4) for weight in weights)
 
 
 def available_memory() -> int | None:

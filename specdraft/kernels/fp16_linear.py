@@ -184,12 +184,9 @@ class Fp16Linear(LinearStandIn):
         self.inverse_scale = None if row_scale is None else (1.0 / row_scale)
         #: float16 numbers summed per weight (2: the input goes in twice, ``[x | x]``)
         self.terms = terms
+        #: bytes of the packed float16 copy (what this layer adds to the model's memory)
+        self.nbytes = weight32.numel() * 2
         return True
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the packed float16 copy (what this layer adds to the model's memory)."""
-        return self.out_features * self.in_features * 2 * self.terms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in FP16_INPUT_DTYPES or self.goes_to_original(x):
