@@ -93,10 +93,10 @@ def test_a_cache_that_cannot_be_written_is_skipped(tmp_path: Path, monkeypatch: 
 def test_the_cheapest_path_per_width(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stock where one row is cheaper on it, the packed path from two rows up: plain steps never
     run slower than stock, and the budget is priced from the cheaper curve."""
-    if not kc.runnable_paths(model_for("packed", "llama"))[0]:
+    if not kc.runnable_paths(model_for("packed", "llama")):
         pytest.skip("no packed path runs here")
     model = model_for("packed", "llama")
-    kind = kc.runnable_paths(model)[0][0]
+    kind = kc.runnable_paths(model)[0]
     plan = tuple(w > 1 for w in ROWS)
     with_costs(monkeypatch, lambda m: fake_costs(m, plan, kind))
     dec = Decoder(model, sources=[PromptLookup()])
@@ -112,9 +112,9 @@ def test_the_cheapest_path_per_width(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_stock_everywhere_when_nothing_is_cheaper(monkeypatch: pytest.MonkeyPatch) -> None:
     model = model_for("packed", "llama")
-    if not kc.runnable_paths(model)[0]:
+    if not kc.runnable_paths(model):
         pytest.skip("no packed path runs here")
-    kind = kc.runnable_paths(model)[0][0]
+    kind = kc.runnable_paths(model)[0]
     with_costs(monkeypatch, lambda m: fake_costs(m, tuple(False for _ in ROWS), kind))
     dec = Decoder(model, sources=[PromptLookup()])
     assert dec.packed_weights is None and dec.kernels.kind == "stock" and dec.kernels.curve == [1.0] * len(ROWS)
@@ -141,7 +141,7 @@ def test_packing_is_refused_when_memory_is_short(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(CpuKernelError, match=r"cpu_kernels='packed' cannot pack this model's weights here: its "
                                              r"packed weights need .* GiB more memory"):
         Decoder(model, cpu_kernels="packed")
-    monkeypatch.setattr(kc, "runnable_paths", lambda m: (["packed"], []))
+    monkeypatch.setattr(kc, "runnable_paths", lambda m: ["packed"])
     with_costs(monkeypatch, lambda m: fake_costs(m, tuple(True for _ in ROWS), "packed"))
     with pytest.warns(RuntimeWarning, match="stays on stock kernels"):
         dec = Decoder(model, sources=[PromptLookup()])
@@ -183,7 +183,7 @@ def test_greedy_identity_with_a_per_width_mix_of_paths(kind, case, prompt, n, ma
     sources = build_sources(specs, oracle_sequence(model, prompt, n, specs))
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(kc, "runnable_paths", lambda m: ([kind], []))
+        mp.setattr(kc, "runnable_paths", lambda m: [kind])
         mp.setattr(kc, "load_or_measure", lambda m, paths: fake_costs(m, plan_t, kind))
         dec = Decoder(model, sources=sources, max_tree_nodes=max_tree_nodes, adaptive_budget=adaptive)
     finally:

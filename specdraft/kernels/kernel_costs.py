@@ -45,7 +45,9 @@ import platform
 import time
 import warnings
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from contextlib import suppress
+from dataclasses import asdict, dataclass
+from itertools import groupby
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -172,13 +174,10 @@ def _path_layers(sample: list[tuple[nn.Linear, float]], path: str) -> list[tuple
     ``fbgemm`` a layer float16 cannot hold keeps the stock kernel, as in :class:`PackedModel`."""
     if path == "stock":
         return list(sample)
-    layers: list[tuple[nn.Module, float]] = []
-    fast = 0
-    for linear, scale in sample:
-        layer = PackedLinear(linear) if path == "packed" else Fp16Linear.build(linear)
-        fast += layer is not None
-        layers.append((layer if layer is not None else linear, scale))
-    return layers if fast else None
+    fast = [PackedLinear(linear) if path == "packed" else Fp16Linear.build(linear) for linear, _ in sample]
+    if all(layer is None for layer in fast):
+        return None
+    return [(linear if layer is None else layer, scale) for layer, (linear, scale) in zip(fast, sample)]
 
 
 def measure(model: nn.Module, paths: Sequence[str], widths: Sequence[int] = WIDTHS, repeats: int = REPEATS,
@@ -250,8 +249,6 @@ class KernelChoice:
     curve: list[float] | None = None
     costs: KernelCosts | None = None
     note: str = ""
-    paths: dict[str, list[float]] = field(default_factory=dict)
-
     extra_bytes: int = 0  # memory the packed weights add to the model's (0 on stock)
 
     def release_packed(self) -> PackedModel | None:
@@ -260,20 +257,15 @@ class KernelChoice:
         packed, self.packed = self.packed, None
         return packed
 
-    def widths_on(self, path: str) -> list[int]:
-        """The widths (1..64) that run on ``path``."""
-        every = range(1, MAX_ROWS + 1)
-        fast = list(every) if self.plan is None else [w for w, use in enumerate(self.plan, 1) if use]
-        return fast if path == self.kind else [w for w in every if w not in fast]
-
     def describe(self) -> str:
         """One line: which path runs which widths, what the packed copy costs in memory, and why a
         path was left out."""
         if self.plan is None:
             text = self.kind if self.kind == "stock" else f"{self.kind} (+{self.extra_bytes / 2**30:.2f} GiB)"
         else:
-            parts = [f"{path} at {_ranges(self.widths_on(path))} rows" for path in ("stock", self.kind)
-                     if self.widths_on(path)]
+            fast = [width for width, use in enumerate(self.plan, 1) if use]
+            on = {"stock": [width for width in range(1, MAX_ROWS + 1) if width not in fast], self.kind: fast}
+            parts = [f"{path} at {_ranges(widths)} rows" for path, widths in on.items() if widths]
             text = ", ".join(parts) + f" (+{self.extra_bytes / 2**30:.2f} GiB)"
         if self.requested == "auto":
             text = f"auto: {text}"
@@ -284,26 +276,22 @@ class KernelChoice:
 
 
 def _ranges(widths: list[int]) -> str:
-    spans, start = [], None
-    for i, w in enumerate(widths):
-        if start is None:
-            start = w
-        if i + 1 == len(widths) or widths[i + 1] != w + 1:
-            spans.append(f"{start}" if start == w else f"{start}-{w}")
-            start = None
+    """Ascending ``widths`` as runs (``"1,3-5"``), with a ``+`` when the last reaches :data:`MAX_ROWS`."""
+    # consecutive widths keep the same difference to their index: groupby on it yields the runs
+    runs = [[width for _, width in run]
+            for _, run in groupby(enumerate(widths), lambda pair: pair[1] - pair[0])]
+    spans = [str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs]
     return ",".join(spans) + ("+" if widths and widths[-1] == MAX_ROWS else "")
 
 
-def runnable_paths(model: nn.Module) -> tuple[list[str], list[str]]:
-    """The packed paths that can run ``model`` here, and why each other one cannot."""
-    ok, why = [], []
+def runnable_paths(model: nn.Module) -> list[str]:
+    """The packed paths that can run ``model`` here (those :func:`check_cpu_kernels` accepts)."""
+    ok = []
     for kind in PACKED_KINDS:
-        try:
+        with suppress(CpuKernelError):
             check_cpu_kernels(model, kind)
             ok.append(kind)
-        except CpuKernelError as exc:
-            why.append(f"{kind}: {exc}")
-    return ok, why
+    return ok
 
 
 def choose_kernels(model: nn.Module, requested: str = "auto") -> KernelChoice:
@@ -318,16 +306,16 @@ def choose_kernels(model: nn.Module, requested: str = "auto") -> KernelChoice:
     device = getattr(model, "device", torch.device("cpu"))
     if torch.device(device).type != "cpu":
         return KernelChoice(requested, note=f"the model is on {device}: stock kernels")
-    kinds, why = runnable_paths(model)
+    kinds = runnable_paths(model)
     if not kinds:
         return KernelChoice(requested, note="no packed path runs this model here")
     costs = load_or_measure(model, ["stock", *kinds])
-    kinds = [k for k in kinds if k in costs.seconds]
     stock = costs.curve("stock")
-    curves = {k: costs.curve(k) for k in kinds}
-    saving = {k: sum(max(0.0, s - c) for s, c in zip(stock, curves[k])) for k in kinds}
-    best = max(kinds, key=lambda k: saving[k], default=None)
-    choice = KernelChoice(requested, costs=costs, curve=stock, paths={"stock": stock, **curves})
+    curves = {kind: costs.curve(kind) for kind in kinds if kind in costs.seconds}
+    saving = {kind: sum(max(0.0, base - fast) for base, fast in zip(stock, curve))
+              for kind, curve in curves.items()}
+    best = max(curves, key=lambda kind: saving[kind], default=None)
+    choice = KernelChoice(requested, costs=costs, curve=stock)
     if best is None or saving[best] <= 0:
         choice.note = "stock is cheapest at every width"
         return choice
