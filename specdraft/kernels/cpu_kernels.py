@@ -192,17 +192,21 @@ def packing_bytes(model: nn.Module, kind: str) -> int:
     return sum(weight.numel() * (2 if weight.element_size() <= 2 else 4) for weight in weights)
 
 
+def proc_field(path: str, name: str) -> str | None:
+    """What follows the colon on the first line of ``path`` (a Linux ``/proc`` file) that starts
+    with ``name`` (in lower case); ``None`` where there is none or the file cannot be read."""
+    try:
+        with open(path) as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.lower().startswith(name)), None)
+    except OSError:
+        return None
+
+
 def available_memory() -> int | None:
     """Bytes the system can still hand out without swapping (Linux ``MemAvailable``); ``None``
     where it cannot be read (packing is then not refused for memory)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    kilobytes = (proc_field("/proc/meminfo", "memavailable:") or "").split(" ")[0]  # e.g. "1234 kB"
+    return int(kilobytes) * 1024 if kilobytes.isdigit() else None
 
 
 def memory_problem(model: nn.Module, kind: str) -> str | None:

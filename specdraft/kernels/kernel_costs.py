@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from .cpu_kernels import (PACKED_KINDS, CpuKernelError, PackedLinear, PackedModel, check_cpu_kernels,
-                          linear_modules, memory_problem, packed_model)
+                          linear_modules, memory_problem, packed_model, proc_field)
 from .fp16_linear import Fp16Linear
 
 #: Forward widths measured (rows); the curve is interpolated linearly in between.
@@ -80,14 +80,8 @@ def cache_dir() -> Path:
 
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else what :mod:`platform` knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+    name = proc_field("/proc/cpuinfo", "model name")
+    return name if name is not None else platform.processor() or platform.machine() or "unknown CPU"
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:
