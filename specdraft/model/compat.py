@@ -10,7 +10,7 @@ so the same call is right on every release, including ones that drop the old nam
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Mapping
 
 #: The cache keyword of transformers releases before 5.24.
 LEGACY_CACHE_KEYWORD = "past_key_values"
@@ -18,24 +18,23 @@ LEGACY_CACHE_KEYWORD = "past_key_values"
 CACHE_KEYWORD = "cache"
 
 
+def forward_parameters(model: Any) -> Mapping[str, inspect.Parameter]:
+    """The parameters ``model.forward``'s signature names (none where it has no readable one)."""
+    forward = getattr(model, "forward", None)
+    try:
+        return inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):
+        return {}
+
+
 def cache_keyword(model: Any) -> str:
     """The keyword under which ``model.forward`` takes its KV cache: the one its signature names
     (``"cache"`` from 5.24, ``"past_key_values"`` before), or, for a forward that names neither
     (a wrapper taking ``**kwargs``), the one the installed transformers release expects."""
-    forward = getattr(model, "forward", None)
-    try:
-        parameters = inspect.signature(forward).parameters if forward is not None else {}
-    except (TypeError, ValueError):
-        parameters = {}
-    if CACHE_KEYWORD in parameters:
-        return CACHE_KEYWORD
-    if LEGACY_CACHE_KEYWORD in parameters:
-        return LEGACY_CACHE_KEYWORD
-    return _keyword_of_installed_release()
-
-
-def _keyword_of_installed_release() -> str:
-    """For a forward that names neither keyword: the one the installed transformers expects."""
+    parameters = forward_parameters(model)
+    for keyword in (CACHE_KEYWORD, LEGACY_CACHE_KEYWORD):
+        if keyword in parameters:
+            return keyword
     import transformers
     from packaging.version import Version
 

@@ -23,7 +23,6 @@ and the caller's riders) goes to the device in one upload.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from .compat import cache_keyword
+from .compat import cache_keyword, forward_parameters
 from .attention import FLASH_NAME
 from .exact_attention import EXACT_NAME
 from .flash_kernels import FLASH_LAYOUT_KEYWORD
@@ -123,10 +122,8 @@ class ModelRunner:
         self.vocab_size: int = int(text.vocab_size)
         self.max_positions: int | None = context_limit(model)
         self.windows = _layer_windows(text)
-        try:
-            self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        except (TypeError, ValueError):
-            self._takes_logits_to_keep = False
+        self.has_sliding_window = any(w is not None for w in self.windows.values())
+        self._takes_logits_to_keep = "logits_to_keep" in forward_parameters(model)
         #: ``cache`` from transformers 5.24, ``past_key_values`` before (see :mod:`specdraft.model.compat`)
         self._cache_keyword = cache_keyword(model)
         #: buffers of GPT-2's eager attention in older transformers releases, which mask by a causal
@@ -156,10 +153,6 @@ class ModelRunner:
         ``torch.compile`` with ``compile_backend`` if one is named (:mod:`specdraft.model.static`)."""
         self.static = StaticForwards(self.device, widths, capture, graph_kind, compile_backend)
         return self.static
-
-    @property
-    def has_sliding_window(self) -> bool:
-        return any(w is not None for w in self.windows.values())
 
     @property
     def flash_layouts(self) -> bool:
