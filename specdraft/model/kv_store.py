@@ -62,6 +62,12 @@ class Writes:
     past: int
 
 
+def _holds(buffer: torch.Tensor | None, states: torch.Tensor) -> bool:
+    """Whether ``buffer`` can hold rows of ``states``: same heads, head size, dtype and device."""
+    return buffer is not None and buffer.shape[:-2] == states.shape[:-2] and buffer.dtype == states.dtype \
+        and buffer.device == states.device
+
+
 class _StoreLayer(DynamicLayer):
     """One layer's keys and values for every region, in one buffer written in place."""
 
@@ -77,9 +83,7 @@ class _StoreLayer(DynamicLayer):
         writes = store.writes
         if writes is None:
             raise RuntimeError("the KV store was written outside a forward of the model runner")
-        buffer = self.key_buffer
-        if buffer is None or buffer.shape[-2] < store.capacity or buffer.shape[:-2] != key_states.shape[:-2] \
-                or buffer.dtype != key_states.dtype or buffer.device != key_states.device:
+        if not _holds(self.key_buffer, key_states) or self.key_buffer.shape[-2] < store.capacity:
             self._resize(key_states, value_states, store.capacity)
         if writes.span is not None:
             first, end = writes.span
@@ -97,8 +101,7 @@ class _StoreLayer(DynamicLayer):
         old_k, old_v = self.key_buffer, self.value_buffer
         self.key_buffer = keys.new_zeros((*keys.shape[:-2], capacity, keys.shape[-1]))
         self.value_buffer = values.new_zeros((*values.shape[:-2], capacity, values.shape[-1]))
-        if old_k is not None and old_k.shape[:-2] == keys.shape[:-2] and old_k.dtype == keys.dtype \
-                and old_k.device == keys.device:
+        if _holds(old_k, keys):
             held = min(old_k.shape[-2], capacity)
             self.key_buffer[..., :held, :].copy_(old_k[..., :held, :])
             self.value_buffer[..., :held, :].copy_(old_v[..., :held, :])
@@ -120,7 +123,8 @@ class _StoreLayer(DynamicLayer):
 class KVStore(DynamicCache):
     """Regions of one buffer per layer (see the module docstring).
 
-    The model runner says, before each forward, where the new rows go (:meth:`begin_forward`);
+    The model runner says, before each forward, where the new rows go (:attr:`writes`, ``None``
+    outside a forward);
     the layers write there and hand the attention a view of the first ``view`` rows."""
 
     def __init__(self) -> None:
@@ -219,9 +223,6 @@ class KVStore(DynamicCache):
         """Move the accepted rows down into place (before the forward writes its new rows)."""
         for layer in self.layers:
             layer.move(source, destination)
-
-    def begin_forward(self, writes: Writes | None) -> None:
-        self.writes = writes
 
     def _held(self) -> tuple[int, int, tuple[int, ...]]:
         """(layers, rows every layer's buffer holds, the buffers' addresses); see :attr:`_buffers`."""

@@ -207,8 +207,8 @@ class ModelRunner:
         if sources:
             self.store.apply_moves(source_rows, destination_rows)  # the last step's accepted rows, into place
         contiguous = plan.contiguous_span()
-        self.store.begin_forward(Writes(None if contiguous else write_columns, contiguous, plan.width,
-                                        plan.width - plan.total))
+        self.store.writes = Writes(None if contiguous else write_columns, contiguous, plan.width,
+                                   plan.width - plan.total)
         kwargs: dict = {self._cache_keyword: self.store}
         mask = None
         if not self._needs_no_mask(segments):
@@ -224,7 +224,7 @@ class ModelRunner:
         try:
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, **kwargs)
         finally:
-            self.store.begin_forward(None)
+            self.store.writes = None
         logits = out.logits[0] if self._takes_logits_to_keep else out.logits[0].index_select(0, keep_rows)
         for seg in segments:
             seg.region.pending = len(seg.tokens)

@@ -262,7 +262,7 @@ def model_pass_eager(model: Any, store: KVStore, windows: dict[str, int | None],
     same inputs gives the same result (it writes the new rows to the same columns again): the
     cache moves, which must not run twice, stay outside it."""
     width = inputs["ids"].shape[0]
-    store.begin_forward(Writes(inputs["write"], None, capacity, capacity - width))
+    store.writes = Writes(inputs["write"], None, capacity, capacity - width)
     layout = RowLayout(inputs["positions"], inputs["region_start"], inputs["region_length"], inputs["segment"],
                        inputs["write"], inputs["tree_rows"], block)
     mask = layer_masks(layout, capacity, windows, mask_kind, model.dtype)
@@ -273,7 +273,7 @@ def model_pass_eager(model: Any, store: KVStore, windows: dict[str, int | None],
         out = model(input_ids=inputs["ids"][None], position_ids=inputs["positions"][None], attention_mask=mask,
                     use_cache=True, logits_to_keep=inputs["keep"], **kwargs)
     finally:
-        store.begin_forward(None)
+        store.writes = None
     return out.logits[0]
 
 
