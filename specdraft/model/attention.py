@@ -44,6 +44,7 @@ from . import flash_merge_triton
 from .flash_kernels import (FLASH_DTYPES, FLASH_LAYOUT_KEYWORD, AttentionBackendError, FlashLayout,
                             cpu_flash_available, dense_with_lse, fa2_available, fa4_available, flash_with_lse,
                             prefix_attention, shared_heads)
+from .masks import visible
 from .packed_attention import register_backend
 
 #: Part (b) and the merge as one Triton kernel: ``None`` where Triton runs on CUDA, ``True`` /
@@ -134,16 +135,9 @@ def _split_by_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     key, value = shared_heads(key, heads), shared_heads(value, heads)
     kv_len = key.shape[2]
     prefix = kv_len - q_len
-    if attention_mask is None:
-        if prefix == 0 or q_len == 1:  # plain prefill or one-token decode: the ordinary flash path
-            return flash_with_lse(query, key, value, scale, causal=q_len > 1)[0]
-        q_pos = torch.arange(prefix, kv_len, device=query.device)
-        allowed = torch.arange(kv_len, device=query.device)[None, :] <= q_pos[:, None]
-        allowed = allowed[None, None].expand(batch, 1, q_len, kv_len)
-    else:  # a bool mask, or an additive float one
-        mask = attention_mask[..., -kv_len:]
-        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-    allowed = allowed.expand(batch, heads, q_len, kv_len)
+    if attention_mask is None and (prefix == 0 or q_len == 1):  # a plain prefill or one-token decode
+        return flash_with_lse(query, key, value, scale, causal=q_len > 1)[0]
+    allowed = visible(attention_mask, q_len, kv_len, query.device).expand(batch, heads, q_len, kv_len)
 
     new_out, new_lse = dense_with_lse(query, key[:, :, prefix:], value[:, :, prefix:], scale, allowed[..., prefix:])
     if prefix == 0:

@@ -82,6 +82,7 @@ from typing import Any, Callable
 
 import torch
 
+from .masks import visible
 from .packed_attention import register_backend
 
 #: The registered name (no "flash" in it: transformers treats such names specially).
@@ -124,12 +125,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _allowed(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """``[batch, q, kv]`` bool, contiguous: which key columns each query row may attend to. Without
     a mask the ``q`` rows are the last ``q`` positions of a causal sequence over the ``kv`` columns."""
-    if mask is None:
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
-        allowed = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
-        return allowed[None].expand(batch, q_len, kv_len).contiguous()
-    mask = mask[:, 0, :, -kv_len:]  # [B, 1, q, kv] (checked by exact_attention)
-    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    allowed = visible(mask, q_len, kv_len, device)[:, 0]  # a [B, 1, q, kv] mask (checked by exact_attention)
     return allowed.expand(batch, q_len, kv_len).contiguous()
 
 

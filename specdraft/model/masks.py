@@ -97,6 +97,18 @@ def layer_masks(layout: RowLayout, width: int, windows: dict[str, int | None], k
     return masks[""] if set(masks) == {""} else masks
 
 
+def visible(mask: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """Read back by an attention function: which of the ``kv_len`` key columns each of the ``q_len``
+    query rows may attend to (bool ``[B or 1, 1, q, kv]``), from a 4D bool or additive ``mask``
+    whose last ``kv_len`` columns are the keys'. Without a mask the rows are the last ``q_len``
+    positions of a causal sequence over the ``kv_len`` columns."""
+    if mask is None:
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+        return (torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None])[None, None]
+    mask = mask[..., -kv_len:]
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
 def flash_layout(layout: RowLayout, spans: Sequence[tuple[int, int, int, int]] | None = None) -> FlashLayout:
     """The flash split's layout of a forward (:class:`~specdraft.model.flash_kernels.FlashLayout`);
     ``spans``: the plan's ``(row_start, row_end, first_column, end_column)`` per segment, whose
