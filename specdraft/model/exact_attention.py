@@ -112,14 +112,17 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     two batch entries (zero padding, cut off again), so that every call runs the same float32
     kernel whatever its shape."""
     batch, rows, columns = a.shape[0], a.shape[1], b.shape[2]
-    if rows < MIN_ROWS:
-        a = torch.cat([a, a.new_zeros(batch, MIN_ROWS - rows, a.shape[2])], dim=1)
-    if columns < MIN_COLUMNS:
-        b = torch.cat([b, b.new_zeros(batch, b.shape[1], MIN_COLUMNS - columns)], dim=2)
-    if batch == 1:
-        a = torch.cat([a, torch.zeros_like(a)], dim=0)
-        b = torch.cat([b, torch.zeros_like(b)], dim=0)
+    a = _zero_padded(_zero_padded(a, 1, MIN_ROWS), 0, 2)
+    b = _zero_padded(_zero_padded(b, 2, MIN_COLUMNS), 0, 2)
     return torch.bmm(a, b)[:batch, :rows, :columns]
+
+
+def _zero_padded(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` with zeros appended along ``dim`` up to ``size`` entries (``x`` itself when it has as many)."""
+    missing = size - x.shape[dim]
+    if missing <= 0:
+        return x
+    return torch.cat([x, x.new_zeros(*x.shape[:dim], missing, *x.shape[dim + 1 :])], dim=dim)
 
 
 def _allowed(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -140,9 +143,7 @@ def _pairwise_sum(partial: torch.Tensor) -> torch.Tensor:
     of additions is fixed by the index alone, and zeros past the last nonzero entry change nothing,
     however many there are."""
     size = 1 << (partial.shape[1] - 1).bit_length()
-    if size > partial.shape[1]:
-        zeros = partial.new_zeros(partial.shape[0], size - partial.shape[1], *partial.shape[2:])
-        partial = torch.cat([partial, zeros], dim=1)
+    partial = _zero_padded(partial, 1, size)
     while size > 1:
         partial = partial[:, 0::2] + partial[:, 1::2]
         size //= 2
@@ -366,10 +367,7 @@ _ROW_ORDERS = _PerMask()
 def _padded_visible(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, columns: int,
                     device: torch.device) -> torch.Tensor:
     """:func:`_allowed` padded with hidden columns to ``columns``."""
-    allowed = _allowed(mask, batch, q_len, kv_len, device)
-    if columns > kv_len:
-        allowed = torch.cat([allowed, allowed.new_zeros(batch, q_len, columns - kv_len)], dim=2)
-    return allowed
+    return _zero_padded(_allowed(mask, batch, q_len, kv_len, device), 2, columns)
 
 
 def _fixed_layout(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, columns: int,
@@ -402,11 +400,8 @@ def _exact_fixed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
     out = query.new_zeros(batch, q_len, heads, dim, dtype=torch.float32)
     for b in range(batch):
         q = (query[b].to(torch.float32) * scale).reshape(heads_kv, groups, q_len, dim)
-        k = key[b].to(torch.float32)
-        v = value[b].to(torch.float32)
-        if columns > kv_len:
-            k = torch.cat([k, k.new_zeros(heads_kv, columns - kv_len, dim)], dim=1)
-            v = torch.cat([v, v.new_zeros(heads_kv, columns - kv_len, dim)], dim=1)
+        k = _zero_padded(key[b].to(torch.float32), 1, columns)
+        v = _zero_padded(value[b].to(torch.float32), 1, columns)
         v_ext = torch.cat([v, v.new_ones(heads_kv, columns, 1)], dim=2)
         for block in layout[b]:
             rows = slice(block.at, block.at + block.rows)
