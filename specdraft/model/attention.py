@@ -155,18 +155,6 @@ def register_flash_backend() -> str:
     return register_backend(FLASH_NAME, tree_flash_attention)
 
 
-def _check_cuda_flash(model: Any) -> None:
-    """Raise :class:`AttentionBackendError` unless a FlashAttention package runs this CUDA model."""
-    dtype = getattr(model, "dtype", None)
-    if dtype not in FLASH_DTYPES:
-        raise AttentionBackendError(f"attention='flash' on CUDA needs a float16 or bfloat16 model "
-                                    f"(FlashAttention has no {dtype} kernels); use attention='sdpa'")
-    if not (fa2_available() or fa4_available()):
-        raise AttentionBackendError("attention='flash' on CUDA needs flash-attn 2 (pip install 'specdraft[flash]') "
-                                    "or FlashAttention 4 on Hopper/Blackwell (pip install 'specdraft[flash4]'); "
-                                    "or use attention='sdpa'")
-
-
 def select_attention(model: Any, requested: str) -> str:
     """Switch ``model`` to the requested backend and return the implementation name it now uses.
 
@@ -192,8 +180,14 @@ def select_attention(model: Any, requested: str) -> str:
 
         requested = register_exact_backend()
     if requested == "flash":
-        if on_cuda:
-            _check_cuda_flash(model)
+        dtype = getattr(model, "dtype", None)
+        if on_cuda and dtype not in FLASH_DTYPES:
+            raise AttentionBackendError(f"attention='flash' on CUDA needs a float16 or bfloat16 model "
+                                        f"(FlashAttention has no {dtype} kernels); use attention='sdpa'")
+        if on_cuda and not (fa2_available() or fa4_available()):
+            raise AttentionBackendError("attention='flash' on CUDA needs flash-attn 2 (pip install "
+                                        "'specdraft[flash]') or FlashAttention 4 on Hopper/Blackwell "
+                                        "(pip install 'specdraft[flash4]'); or use attention='sdpa'")
         if not on_cuda and not cpu_flash_available():
             raise AttentionBackendError("attention='flash' on CPU needs torch's CPU flash kernel "
                                         "(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu), "

@@ -287,11 +287,6 @@ _compiled: dict[Any, Callable[..., torch.Tensor]] = {}
 RECOMPILE_LIMIT = 64
 
 
-def _limit_name() -> str:
-    """Dynamo's name for its recompile limit (``cache_size_limit`` before torch 2.6)."""
-    return "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-
-
 class CompiledPass:
     """:func:`model_pass_eager` through ``torch.compile``, one compiled copy per process and backend.
 
@@ -315,8 +310,11 @@ class CompiledPass:
             if compiled is None:
                 compiled = _compiled[self.backend] = torch.compile(model_pass_eager, backend=self.backend,
                                                                      dynamic=True)
+            # dynamo's name for its recompile limit (``cache_size_limit`` before torch 2.6)
+            limit = ("recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit")
+                     else "cache_size_limit")
             try:
-                with torch._dynamo.config.patch(**{_limit_name(): RECOMPILE_LIMIT}):
+                with torch._dynamo.config.patch(**{limit: RECOMPILE_LIMIT}):
                     return compiled(*args)
             except torch._dynamo.exc.TorchDynamoException as exc:  # compiling failed (a rerun is harmless)
                 cause = getattr(exc, "inner_exception", None) or exc
