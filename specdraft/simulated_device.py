@@ -103,9 +103,7 @@ def _simulate(x: Any) -> Any:
 
 
 def _unsimulate(x: Any) -> Any:
-    if isinstance(x, SimulatedTensor):
-        return x.as_subclass(torch.Tensor)
-    return x
+    return x.as_subclass(torch.Tensor) if _is_sim(x) else x
 
 
 # Reads that copy device values to the host and so wait for the device.
@@ -116,7 +114,8 @@ _SYNC_METHODS = {
     torch.unique, torch.Tensor.unique, torch.equal, torch.Tensor.__complex__,
 }
 # Calls that return host data from a device tensor: their result is a plain CPU tensor or value.
-_TO_HOST = {torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.item}
+_TO_HOST = {torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.item,
+            torch.Tensor.__array__}
 # Ops that only read metadata; they never mix devices or move data.
 _METADATA = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.__len__,
              torch.Tensor.stride, torch.Tensor.storage_offset, torch.Tensor.is_contiguous,
@@ -153,15 +152,13 @@ class SimulatedDevice(TorchFunctionMode):
             for name, buf in list(module._buffers.items()):
                 if buf is not None and not _is_sim(buf):
                     module._buffers[name] = buf.as_subclass(SimulatedTensor)
-        model.register_forward_pre_hook(lambda *_: self._enter_forward())
-        model.register_forward_hook(lambda *_: self._leave_forward())
+        model.register_forward_pre_hook(lambda *_: self._nest_forward(1))
+        model.register_forward_hook(lambda *_: self._nest_forward(-1))
         return model
 
-    def _enter_forward(self) -> None:
-        self._in_forward += 1
-
-    def _leave_forward(self) -> None:
-        self._in_forward -= 1
+    def _nest_forward(self, step: int) -> None:
+        """Enter (``step=1``) or leave (``-1``) a forward of an adopted model."""
+        self._in_forward += step
 
     @contextlib.contextmanager
     def patched_generator(self) -> Iterator[None]:
@@ -234,10 +231,9 @@ class SimulatedDevice(TorchFunctionMode):
                 self._count("sync", func)
                 return _unsimulate(func(*[_unsimulate(a) for a in args], **kwargs))
 
-        if any_sim and func not in _INDEXING:
-            mixed = [x for x in leaves if _is_plain_tensor(x) and x.dim() >= 1]
-            if mixed and func not in (torch.Tensor.to,):
-                shapes = [tuple(x.shape) for x in mixed]
+        if any_sim and func not in _INDEXING and func is not torch.Tensor.to:
+            shapes = [tuple(x.shape) for x in leaves if _is_plain_tensor(x) and x.dim() >= 1]
+            if shapes:
                 raise DeviceMixError(f"{getattr(func, '__name__', func)}: cuda tensors mixed with CPU tensors of "
                                      f"shape {shapes} (CUDA raises 'Expected all tensors to be on the same device')")
         if any_sim and func in _INDEXING and any(_is_plain_tensor(x) and x.dim() >= 1 for x in leaves[1:]):
@@ -255,10 +251,6 @@ class SimulatedDevice(TorchFunctionMode):
         plain_args = tree_map(_unsimulate, args)
         plain_kwargs = tree_map(_unsimulate, kwargs)  # (a simulated generator is a CPU one underneath)
         out = func(*plain_args, **plain_kwargs)
-        if func in _TO_HOST or func is torch.Tensor.__array__:
-            return out
-        if any_sim or to_device:
-            if func is torch.Tensor.__setitem__:
-                return out
-            return tree_map(_simulate, out)
+        if (any_sim or to_device) and func not in _TO_HOST:
+            return tree_map(_simulate, out)  # (``__setitem__``'s ``None`` stays ``None``)
         return out
