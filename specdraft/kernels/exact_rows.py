@@ -49,12 +49,12 @@ On a GPU
     the rule is then the one fixed width, and the decoder runs every decode forward at the buckets
     of its captured graphs where the rule holds (:func:`specdraft.engine.widths.exact_buckets`).
 
-The probe times nothing: it runs each distinct layer shape at every width on random rows, about
-``ROWS_PER_WIDTH`` rows per width, and compares bits. A bfloat16 output hides most reorderings
-(the float32 sums differ in their last bits, the rounded result only now and then), so it looks at
-enough rows that a kernel summing in another order is caught with near certainty (a different
-order flips about one bfloat16 output in a few thousand). It takes seconds to a minute for a 0.5B
-model (a vocabulary head of 150k rows is run some 150 times), so :func:`load_or_probe` keeps the
+The probe times nothing: it runs each distinct layer shape at every width on random rows and
+compares bits. A bfloat16 output hides most reorderings (the float32 sums differ in their last
+bits, the rounded result only now and then: on an Intel Xeon with AMX about 3 to 6 outputs in
+100,000), so it compares at least :data:`OUTPUTS_PER_WIDTH` outputs per width and layer, enough
+that a kernel summing in another order is caught with near certainty (some 13 flips expected at
+those rates). It takes seconds to a minute for a 0.5B model, so :func:`load_or_probe` keeps the
 answer per CPU model, torch version, thread count, dtype, layer shapes and kernels, next to the
 kernel-cost measurements (``$XDG_CACHE_HOME/specdraft/exact-rows/``).
 
@@ -93,8 +93,15 @@ MAX_WIDTH = 64
 #: Wider forwards checked against :data:`MAX_WIDTH` rows (a prefill chunk is up to 512 rows).
 WIDE_CHECKS = (96, 128, 256, 512)
 
-#: Rows of random input compared per width (a width of ``M`` runs ``ceil(ROWS_PER_WIDTH / M)`` forwards).
+#: Rows of random input compared per width, at least (a width of ``M`` runs ``ceil(rows / M)`` forwards).
 ROWS_PER_WIDTH = 64
+
+#: Outputs compared per width and layer, at least: a layer of ``N`` outputs runs
+#: ``max(ROWS_PER_WIDTH, OUTPUTS_PER_WIDTH / N)`` rows per width. Where a kernel sums in another
+#: order, only some bfloat16 outputs show it: measured on an Intel Xeon with AMX (one thread), about
+#: 3 to 6 in 100,000 for inner lengths of 896 and 4864. 64 rows of a 896-output layer then miss a
+#: reordering about one time in seven, so a narrow layer needs many more rows than a vocabulary head.
+OUTPUTS_PER_WIDTH = 1 << 18
 
 
 class ExactRowsError(RuntimeError):
@@ -120,7 +127,7 @@ def width_classes(layer: Callable[[torch.Tensor], torch.Tensor], in_features: in
         for width in widths:
             start = base - width // 2  # blocks start mid-way, so that no width lines up with another's
             forwards = -(-(width // 2 + rows_per_width) // width)
-            parts = [layer(inputs[None, start + i * width : start + (i + 1) * width])[0] for i in range(forwards)]
+            parts = [layer(_alone(inputs[start + i * width : start + (i + 1) * width]))[0] for i in range(forwards)]
             outputs[width] = (start, torch.cat(parts))
     classes: list[list[int]] = []
     for width in widths:
@@ -131,6 +138,14 @@ def width_classes(layer: Callable[[torch.Tensor], torch.Tensor], in_features: in
         else:
             classes.append([width])
     return classes
+
+
+def _alone(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as a forward passes them, ``[1, width, features]`` in memory of their own: a slice of
+    a taller tensor keeps that tensor's stride on the batch dimension, and with it a CPU linear layer
+    may take another path than on the same rows alone (measured on an Intel Xeon with AMX: a
+    bfloat16 ``nn.Linear`` over 22 rows gave other bits sliced from 33 rows than alone)."""
+    return rows.clone(memory_format=torch.contiguous_format)[None]
 
 
 def _device_of(layer: Callable[[torch.Tensor], torch.Tensor]) -> torch.device:
@@ -287,10 +302,12 @@ def _features(layer: nn.Module) -> tuple[int, int]:
 
 
 def probe_rule(layers: Iterable[nn.Module], dtype: torch.dtype, max_rows: int = MAX_WIDTH,
-               rows_per_width: int = ROWS_PER_WIDTH, wide: Sequence[int] = WIDE_CHECKS) -> RowRule:
+               rows_per_width: int = ROWS_PER_WIDTH, wide: Sequence[int] = WIDE_CHECKS,
+               outputs_per_width: int = OUTPUTS_PER_WIDTH) -> RowRule:
     """The :class:`RowRule` of these linear and normalization layers (one of each distinct shape and
-    kernel is run; see the module docstring). Raises :class:`ExactRowsError` when a layer has no
-    invariant width up to ``max_rows``."""
+    kernel is run, on at least ``rows_per_width`` rows and ``outputs_per_width`` outputs per width;
+    see the module docstring). Raises :class:`ExactRowsError` when a layer has no invariant width up
+    to ``max_rows``."""
     kinds: dict[tuple[tuple[int, int], str], nn.Module] = {}
     for layer in layers:
         kinds.setdefault((_features(layer), _kernel_id(layer)), layer)
@@ -301,10 +318,11 @@ def probe_rule(layers: Iterable[nn.Module], dtype: torch.dtype, max_rows: int = 
     common = set(widths)
     wider = True
     for (shape, kernel), layer in sorted(kinds.items(), key=lambda kv: kv[0]):
-        key = (shape, kernel, str(_device_of(layer)), dtype, widths + wide, rows_per_width, threads)
+        rows = max(rows_per_width, -(-outputs_per_width // shape[1]))
+        key = (shape, kernel, str(_device_of(layer)), dtype, widths + wide, rows, threads)
         classes = _CLASSES.get(key)  # (one lookup and one store, each atomic: no lock needed across threads)
         if classes is None:
-            classes = _CLASSES[key] = width_classes(layer, shape[0], dtype, widths + wide, rows_per_width)
+            classes = _CLASSES[key] = width_classes(layer, shape[0], dtype, widths + wide, rows)
         agree_all = agreeing_widths(classes, anchor=max_rows)
         agree = tuple(w for w in agree_all if w <= max_rows)
         wider = wider and set(wide) <= set(agree_all)
@@ -336,8 +354,8 @@ _CLASSES: dict[tuple, list[list[int]]] = {}
 
 
 #: Version of the cache files' content (a new one probes again; 2: normalization layers probed too;
-#: 3: biased and unbiased layers of one shape probed apart).
-CACHE_VERSION = 3
+#: 3: biased and unbiased layers of one shape probed apart; 4: at least OUTPUTS_PER_WIDTH outputs).
+CACHE_VERSION = 4
 
 
 def rule_cache_key(model: nn.Module, layers: Sequence[nn.Module]) -> dict[str, Any]:
@@ -347,7 +365,8 @@ def rule_cache_key(model: nn.Module, layers: Sequence[nn.Module]) -> dict[str, A
     kernels = sorted({"{}x{}:{}".format(*_features(layer), _kernel_id(layer)) for layer in layers})
     machine = {name: value for name, value in cache_key(model).items() if name != "linears"}
     return {**machine, "device": _device_name(layers), "version": CACHE_VERSION, "kernels": kernels,
-            "max_rows": MAX_WIDTH, "rows_per_width": ROWS_PER_WIDTH, "wide": list(WIDE_CHECKS)}
+            "max_rows": MAX_WIDTH, "rows_per_width": ROWS_PER_WIDTH, "outputs_per_width": OUTPUTS_PER_WIDTH,
+            "wide": list(WIDE_CHECKS)}
 
 
 def rule_cache_path(key: dict[str, Any]) -> Path:
