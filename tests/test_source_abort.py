@@ -31,6 +31,7 @@ from specdraft.sources.ngram import _BEST, _BEST_KEY, _CLOCK_MASK, MultiLevelNGr
 from specdraft.sources.suffix_tree import SuffixTree
 from specdraft.sources.token_recycling import TokenRecycling
 
+from _suffix_checks import check_source, global_counts
 from conftest import FAST, ngram_model_for
 
 SEEDS = range(8)
@@ -360,8 +361,8 @@ def test_token_recycling_abort_among_requests_that_end_keeps_their_rows(seed: in
 def suffix_snapshot(src: SuffixTree) -> dict[str, Any]:
     with src._lock:
         ids = list(src._cached)
-        opened = [src._global.is_open(i) for i in ids]
-    return dict(counts=src.global_counts(), sequences=src.cached_sequences(), ids=ids, open=opened,
+        opened = [i in src._global._open for i in ids]
+    return dict(counts=global_counts(src), sequences=src.cached_sequences(), ids=ids, open=opened,
                 cached=src.cached_requests, live=src.active_requests)
 
 
@@ -410,7 +411,7 @@ def test_suffix_abort_restores_the_global_tree(seed: int) -> None:
     src.abort(context)
     assert suffix_snapshot(src) == before
     assert suffix_drafts(src, tails) == drafts
-    src.check_invariants()
+    check_source(src)
     # had it ended, its response would have joined and the oldest gone
     context = suffix_request(src, tokens, 6, 100)
     src.end(context)
@@ -436,7 +437,7 @@ def test_suffix_abort_among_running_requests_is_as_if_it_never_ran() -> None:
             src.abort(context)
         src.observe(Feedback(committed=running[20:], context=ctx(running, 4, 2)))
         src.end(ctx(running, 4, 2))
-        src.check_invariants()
+        check_source(src)
         runs[with_abort] = suffix_snapshot(src)
     assert runs[True] == runs[False]
     assert runs[True]["sequences"][-1] == running[4:] and runs[True]["open"] == [False, False]
@@ -469,7 +470,7 @@ def test_suffix_concurrent_requests_join_the_cache_as_they_end(seed: int) -> Non
     src.abort(ctx(streams[11], 4, 11))
     src.end(ctx(streams[12], 4, 12))
     src.end(ctx(streams[10], 4, 10))
-    src.check_invariants()
+    check_source(src)
     snap = suffix_snapshot(src)
     assert snap["sequences"] == [streams[12][4:], streams[10][4:]]  # in the order they ended
     assert snap["open"] == [False, False] and snap["live"] == 0

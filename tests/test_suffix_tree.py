@@ -25,6 +25,8 @@ from specdraft.sources.registry import SOURCES, make_sources
 from specdraft.sources.suffix_tree import SuffixTree, SuffixTrie
 from specdraft.tree import TokenTree
 
+from _suffix_checks import (check_source, check_trie, count, global_counts, running_sequences, trie_counts,
+                            walk)
 from conftest import FAST
 
 def longest_match(trie: SuffixTrie, context) -> int:
@@ -36,7 +38,7 @@ def longest_match(trie: SuffixTrie, context) -> int:
 
 def num_nodes(trie: SuffixTrie) -> tuple[int, int]:
     """(explicit nodes, leaves) in the trie."""
-    refs = [ref for _, ref, _ in trie._walk()]
+    refs = [ref for _, ref, _ in walk(trie)]
     return sum(ref > 0 for ref in refs), sum(ref < 0 for ref in refs)
 
 
@@ -112,14 +114,14 @@ def test_counts_are_substring_occurrences() -> None:
     trie = SuffixTrie(3)
     trie.add(0, [1, 2, 1, 2, 3])
     trie.add(1, [2, 3])
-    assert trie.counts() == brute_counts([[1, 2, 1, 2, 3], [2, 3]], 3)
-    assert trie.count([1, 2]) == 2 and trie.count([2, 3]) == 2 and trie.count([1, 2, 3]) == 1
-    assert trie.count([1, 2, 1, 2]) == 0  # longer than max_depth
+    assert trie_counts(trie) == brute_counts([[1, 2, 1, 2, 3], [2, 3]], 3)
+    assert count(trie, [1, 2]) == 2 and count(trie, [2, 3]) == 2 and count(trie, [1, 2, 3]) == 1
+    assert count(trie, [1, 2, 1, 2]) == 0  # longer than max_depth
     trie.extend(1, [1, 2])
-    assert trie.counts() == brute_counts([[1, 2, 1, 2, 3], [2, 3, 1, 2]], 3)
+    assert trie_counts(trie) == brute_counts([[1, 2, 1, 2, 3], [2, 3, 1, 2]], 3)
     trie.remove(0)
-    assert trie.counts() == brute_counts([[2, 3, 1, 2]], 3)
-    trie.check_invariants()
+    assert trie_counts(trie) == brute_counts([[2, 3, 1, 2]], 3)
+    check_trie(trie)
 
 
 def test_single_occurrence_tails_are_leaves() -> None:
@@ -128,8 +130,8 @@ def test_single_occurrence_tails_are_leaves() -> None:
     trie.add(0, list(range(100)))
     assert num_nodes(trie) == (0, 100)
     trie.add(1, list(range(10)))  # repeats the first ten tokens: their substrings become nodes
-    assert trie.counts() == brute_counts([list(range(100)), list(range(10))], 24)
-    trie.check_invariants()
+    assert trie_counts(trie) == brute_counts([list(range(100)), list(range(10))], 24)
+    check_trie(trie)
 
 
 def test_longest_match() -> None:
@@ -178,7 +180,7 @@ def test_depth_limits_match_plus_draft() -> None:
     trie.add(0, list(range(20)))
     draft = trie.speculate(list(range(5)), 24)
     assert draft.match_length == 3 and draft.tokens == [5, 6, 7]  # p=3: room for 3, score 3
-    check_draft(draft, brute_speculate(trie.counts(), list(range(5)), 6, 24))
+    check_draft(draft, brute_speculate(trie_counts(trie), list(range(5)), 6, 24))
 
 
 def test_speculate_matches_brute_force_on_random_sequences() -> None:
@@ -279,8 +281,8 @@ def test_eviction_takes_back_exactly_the_oldest_response() -> None:
         run_request(src, rid, [9, 9], out)
         kept = outputs[max(0, rid - 1) : rid + 1]
         assert src.cached_sequences() == kept
-        assert src.global_counts() == brute_counts(kept, 5)
-        src.check_invariants()
+        assert global_counts(src) == brute_counts(kept, 5)
+        check_source(src)
 
 
 def test_a_response_joins_the_cache_when_its_request_ends() -> None:
@@ -290,13 +292,13 @@ def test_a_response_joins_the_cache_when_its_request_ends() -> None:
     src.begin(ctx([5], 1, 2))
     src.observe(Feedback([4], ctx([1, 2, 3, 4], 2, 1)))
     assert src.cached_sequences() == []  # nothing has ended yet
-    assert src.running_sequences() == [[3, 4], []]  # but the running responses are read already
-    assert src.request_state(ctx([1, 2, 3, 4], 2, 1)).local.counts() == brute_counts([[1, 2, 3, 4]], 4)
+    assert running_sequences(src) == [[3, 4], []]  # but the running responses are read already
+    assert trie_counts(src.request_state(ctx([1, 2, 3, 4], 2, 1)).local) == brute_counts([[1, 2, 3, 4]], 4)
     src.end(ctx([1, 2, 3, 4], 2, 1))
     assert src.cached_sequences() == [[3, 4]]
     src.end(ctx([5, 6], 1, 2))  # pushes request 1's response out (a cache of one)
     assert src.cached_sequences() == [[6]]
-    src.check_invariants()
+    check_source(src)
 
 
 def test_shared_between_threads() -> None:
@@ -312,16 +314,16 @@ def test_shared_between_threads() -> None:
         t.start()
     for t in threads:
         t.join()
-    src.check_invariants()
+    check_source(src)
     assert sorted(map(tuple, src.cached_sequences())) == sorted(tuple(o) for o in outputs.values())
-    assert src.global_counts() == brute_counts(outputs.values(), 6)
+    assert global_counts(src) == brute_counts(outputs.values(), 6)
 
 
 def test_pickles() -> None:
     src = SuffixTree(max_depth=4)
     run_request(src, 1, [1, 2], [3, 4, 5])
     copy = pickle.loads(pickle.dumps(src))
-    assert copy.global_counts() == src.global_counts()
+    assert global_counts(copy) == global_counts(src)
     run_request(copy, 2, [1, 2], [3, 4, 5])
 
 
@@ -419,15 +421,16 @@ class SuffixMachine(RuleBasedStateMachine):
     def trees_hold_exactly_the_live_suffixes(self) -> None:
         if not hasattr(self, "src"):
             return
-        self.src.check_invariants()
+        check_source(self.src)
         assert self.src.cached_requests == len(self.cache) <= self.cap
         assert self.src.cached_sequences() == [o for _, o in self.cache]
-        assert self.src.global_counts() == brute_counts(self.global_sequences(), self.depth)
-        assert self.src.running_sequences() == ([t[p:] for _, (p, t) in sorted(self.running.items())] if self.cap else [])
+        assert global_counts(self.src) == brute_counts(self.global_sequences(), self.depth)
+        running = [t[p:] for _, (p, t) in sorted(self.running.items())] if self.cap else []
+        assert running_sequences(self.src) == running
         for rid, (prompt_length, tokens) in self.running.items():
             local = self.src.request_state(ctx(tokens, prompt_length, rid)).local
-            local.check_invariants()
-            assert local.counts() == brute_counts([tokens], self.depth)
+            check_trie(local)
+            assert trie_counts(local) == brute_counts([tokens], self.depth)
         assert self.src.active_requests == len(self.running)
 
 

@@ -260,35 +260,10 @@ class SuffixTree(SourceBase[_Request]):
         with self._lock:
             return len(self._cached)
 
-    def global_counts(self) -> dict[tuple[int, ...], int]:
-        """The global tree's strings and counts (O(size); for tests): the cached responses and the
-        running requests' responses so far."""
-        with self._lock:
-            return self._global.counts()
-
     def cached_sequences(self) -> list[list[int]]:
         """The cached responses, oldest first (for tests and inspection)."""
         with self._lock:
             return [self._global.sequence(i) for i in self._cached]
-
-    def running_sequences(self) -> list[list[int]]:
-        """The running requests' responses so far, in the order they began (for tests and
-        inspection)."""
-        with self._lock:
-            return [self._global.sequence(i) for i in sorted(self._live_responses())]
-
-    def check_invariants(self) -> None:
-        with self._lock:
-            live = self._live_responses()
-            assert len(self._cached) <= max(self.max_cached_requests, 0)
-            assert list(self._cached) == [i for i in self._cached if i in self._global]
-            assert self._global.num_sequences == len(self._cached) + len(live), "a response outlived its request"
-            assert not any(self._global.is_open(i) for i in self._cached), "a cached response is still open"
-            assert all(self._global.is_open(i) for i in live), "a running response is closed"
-            self._global.check_invariants()
-
-    def _live_responses(self) -> set[int]:
-        return {s.response for s in self.running_states() if s.response is not None}
 
     def __repr__(self) -> str:
         return (f"SuffixTree(max_depth={self.max_depth}, max_spec_factor={self.max_spec_factor}, "

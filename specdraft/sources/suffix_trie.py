@@ -103,20 +103,9 @@ class SuffixTrie:
 
     # -- sequences --------------------------------------------------------------------------------
 
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._seqs
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self._seqs)
-
     def sequence(self, seq_id: int) -> list[int]:
         """The tokens of a sequence (a copy)."""
         return list(self._seqs[seq_id])
-
-    def is_open(self, seq_id: int) -> bool:
-        """Whether a sequence in the trie can still grow (added and not :meth:`close` d)."""
-        return seq_id in self._open
 
     def add(self, seq_id: int, tokens: Sequence[int] = ()) -> None:
         """Start a new sequence, ``tokens`` its first tokens."""
@@ -293,16 +282,6 @@ class SuffixTrie:
             node = child
         return node, -1
 
-    def count(self, key: Sequence[int]) -> int:
-        """C(key): occurrences of the string in the live sequences (0 if absent or too long)."""
-        key = [int(t) for t in key]
-        if not key or len(key) > self.max_depth:
-            return 0
-        pos = self._locate(key, 0)
-        if pos is None:
-            return 0
-        return 1 if pos[1] >= 0 else self._count[pos[0]]
-
     def speculate(self, context: Sequence[int], max_spec_tokens: int, max_spec_factor: float = 1.0,
                   max_spec_offset: float = 0.0, min_token_prob: float = 0.1, tree: bool = True,
                   seq_id: int | None = None) -> SuffixDraft:
@@ -414,55 +393,6 @@ class SuffixTrie:
                 heapq.heappush(heap, (-p, index, t, below))
         draft.score = math.fsum(probs)
         return draft
-
-    # -- inspection (tests) -----------------------------------------------------------------------
-
-    def _walk(self) -> Iterator[tuple[tuple[int, ...], int, int]]:
-        """``(string, reference, depth of its parent)`` for every node and leaf in the trie."""
-        stack: list[tuple[tuple[int, ...], int]] = [((), _ROOT)]
-        while stack:
-            key, node = stack.pop()
-            for token, child in (self._children[node] or {}).items():
-                yield key + (token,), child, len(key)
-                if child > 0:
-                    stack.append((key + (token,), child))
-
-    def counts(self) -> dict[tuple[int, ...], int]:
-        """Every string in the trie with its count (O(size); for tests)."""
-        out: dict[tuple[int, ...], int] = {}
-        for key, ref, _ in self._walk():
-            if ref > 0:
-                out[key] = self._count[ref]
-                continue
-            seq, start, depth = self._leaf_seq[~ref], self._leaf_start[~ref], self._leaf_depth[~ref]
-            for q in range(depth + 1, min(self.max_depth, len(seq) - start) + 1):
-                out[key[:-1] + tuple(seq[start + depth : start + q])] = 1
-        return out
-
-    def check_invariants(self) -> None:
-        """Assert the structure (O(size); for tests): positive counts, a parent's count at least its
-        children's sum, leaves reading live sequences and matching their key, and every index in
-        use or free (a leaf out of the trie only while an open suffix refers to it)."""
-        live = {id(s) for s in self._seqs.values()}
-        nodes, leaves = set(), set()
-        for key, ref, depth in self._walk():
-            if ref > 0:
-                assert self._count[ref] > 0 and depth + 1 <= self.max_depth, f"node {key}"
-                total = sum(self._count[c] if c > 0 else 1 for c in (self._children[ref] or {}).values())
-                assert total <= self._count[ref], f"children count {total} > node count at {key}"
-                assert self._children[ref] is None or self._children[ref], f"empty child dict kept at {key}"
-                nodes.add(ref)
-                continue
-            leaf = ~ref
-            seq, start = self._leaf_seq[leaf], self._leaf_start[leaf]
-            assert id(seq) in live, "leaf of a removed sequence"
-            assert self._leaf_depth[leaf] == depth and self._leaf_node[leaf] == _ATTACHED, "leaf at the wrong depth"
-            assert seq[start + depth] == key[-1], "leaf filed under the wrong token"
-            assert depth < min(self.max_depth, len(seq) - start)
-            leaves.add(leaf)
-        detached = {~r for states in self._open.values() for r in states if r < 0 and self._leaf_node[~r] != _ATTACHED}
-        assert len(nodes) + len(self._free_nodes) + 1 == len(self._count), "a node index is neither used nor free"
-        assert len(leaves) + len(detached) + len(self._free_leaves) == len(self._leaf_seq), "a leaf index leaks"
 
 
 #: What a freed leaf refers to instead of its sequence.
