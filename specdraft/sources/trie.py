@@ -345,19 +345,19 @@ class FrequencyTrie:
         """
         with self._lock:
             removed = self._prune_shared(target, first_token)
-            self._store.bound_running()  # (a node the running requests count in stays, running only)
+            self._store.bound(shared=False)  # (a node the running requests count in stays, running only)
             return removed
 
     def _prune_shared(self, target: int | None, first_token: int | None) -> int:
         store = self._store
         if first_token is not None:
             t = int(first_token)
-            return store.prune_tree(t, store.tree_watermark() if target is None else max(0, int(target)))
+            return store.prune(store.tree_watermark() if target is None else max(0, int(target)), t)
         if target is not None:
-            return store.prune_global(max(0, int(target)))
+            return store.prune(max(0, int(target)))
         low = store.tree_watermark()
-        removed = sum(store.prune_tree(t, low) for t in [t for t, n in store.tree_size.items() if n > low])
-        return removed + store.prune_global(store.global_watermark())
+        removed = sum(store.prune(low, t) for t in [t for t, n in store.tree_size.items() if n > low])
+        return removed + store.prune(store.global_watermark())
 
     def clear(self) -> None:
         """Forget everything (counts and running requests)."""

@@ -397,96 +397,76 @@ class NodeStore:
         return min(self.max_nodes, int(self.max_nodes * self.prune_to))
 
     def prune_if_needed(self) -> None:
-        """After every change that may add nodes: prune each grown tree past ``capacity``, then the
-        whole store if past ``max_nodes``; the shared part first (its drops may leave running-only
-        nodes), then the running-only nodes."""
-        if self._grown:
-            capacity, low = self.capacity, self.tree_watermark()
-            over = [t for t in self._grown if self.tree_size.get(t, 0) > capacity]
-            self._grown.clear()
-            for t in over:
-                self.prune_tree(t, low)
-        if self.size > self.max_nodes:
-            self.prune_global(self.global_watermark())
-        if self._running_grown or self.running_size > self.max_nodes:
-            self.bound_running()
+        """After every change that may add nodes: bound the shared part, then the running-only
+        nodes (the shared part's drops may leave running-only nodes)."""
+        self.bound(shared=True)
+        self.bound(shared=False)
 
-    def bound_running(self) -> None:
-        """Prune the nodes with only a running part: each grown tree past ``capacity``, then all of
-        them if past ``max_nodes``."""
-        capacity, low = self.capacity, self.tree_watermark()
-        if self._running_grown:
-            over = [t for t in self._running_grown if self.running_tree_size.get(t, 0) > capacity]
-            self._running_grown.clear()
-            for t in over:
-                self._prune_running(self._tree_nodes(t), self.running_tree_size[t] - low, t)
-        if self.running_size > self.max_nodes:
-            self._prune_running(self.subtree(ROOT)[1:], self.running_size - self.global_watermark())
+    def bound(self, shared: bool) -> None:
+        """Prune the shared part (``shared``) or the nodes with only a running part: each tree that
+        grew since the last check past ``capacity``, then the whole part if past ``max_nodes``."""
+        grown = self._grown if shared else self._running_grown
+        sizes = self.tree_size if shared else self.running_tree_size
+        over = [t for t in grown if sizes.get(t, 0) > self.capacity]
+        grown.clear()
+        for t in over:
+            self.prune(self.tree_watermark(), t, shared)
+        if (self.size if shared else self.running_size) > self.max_nodes:
+            self.prune(self.global_watermark(), shared=shared)
 
-    def _tree_nodes(self, first_token: int) -> list[int]:
-        kids = self.children[ROOT]
-        top = kids.get(first_token) if kids else None
-        return [] if top is None else self.subtree(top)
+    def prune(self, target: int, tree: int | None = None, shared: bool = True) -> int:
+        """Prune the least frequent nodes of the first-token tree ``tree`` (of the whole store with
+        ``None``) until ``target`` remain in its shared part (``shared``) or among its nodes with
+        only a running part; returns how many nodes were pruned. O(N log N) in the nodes looked at.
 
-    def prune_tree(self, first_token: int, target: int) -> int:
-        """Drop the shared part of the least frequent shared nodes of ``first_token``'s tree until
-        ``target`` remain in it."""
-        if self.tree_size.get(first_token, 0) <= target:
+        The least frequent go first (by frequency, then deepest first, then stalest stamp:
+        descendants first, so the key set stays prefix-closed), ranked by the shared counts and
+        stamps for the shared part, by the counts and stamps of the running-only nodes otherwise
+        (a running-only node's descendants are running-only). A shared victim with a running part
+        stays as a running-only node; every other victim goes, with its descendants, all victims
+        too."""
+        w, depth, out, prompt, stamp = self.prompt_weight, self.depth, self.out, self.prompt, self.stamp
+        s_out, s_prompt, s_stamp = self.shared_out, self.shared_prompt, self.shared_stamp
+        if shared:
+            size = self.size if tree is None else self.tree_size.get(tree, 0)
+        else:
+            size = self.running_size if tree is None else self.running_tree_size.get(tree, 0)
+        if size <= target:
             return 0
-        removed = self._drop_shared(self._tree_nodes(first_token), self.tree_size[first_token] - target, first_token)
-        self.tree_prunes += 1
-        return removed
-
-    def prune_global(self, target: int) -> int:
-        """Drop the shared part of the globally least frequent shared nodes until ``target``
-        remain. O(N log N)."""
-        if self.size <= target:
-            return 0
-        removed = self._drop_shared(self.subtree(ROOT)[1:], self.size - target)
-        self.global_prunes += 1
-        return removed
-
-    def _drop_shared(self, nodes: list[int], excess: int, tree: int | None = None) -> int:
-        """Drop the shared part of the ``excess`` least frequent shared nodes among ``nodes`` (by
-        shared frequency, then deepest first, then stalest shared stamp: descendants first, so the
-        shared key set stays prefix-closed). A victim with a running part stays as a running-only
-        node; one without goes, and so do its descendants, all victims without one too. ``tree``:
-        the first token of all of ``nodes``, if they share one."""
-        w, s_out, s_prompt, s_stamp, depth = (self.prompt_weight, self.shared_out, self.shared_prompt,
-                                              self.shared_stamp, self.depth)
-        ranked = [(s_out[n] + w * s_prompt[n], -depth[n], s_stamp[n], n) for n in nodes if s_out[n] or s_prompt[n]]
-        victims = [entry[3] for entry in _least(ranked, excess)]
-        out, prompt, parent = self.out, self.prompt, self.parent
-        empty = set()
+        if tree is None:
+            nodes = self.subtree(ROOT)[1:]
+        else:
+            nodes = self.subtree(self.children[ROOT][tree])  # type: ignore[index]
+        if shared:
+            ranked = [(s_out[n] + w * s_prompt[n], -depth[n], s_stamp[n], n)
+                      for n in nodes if s_out[n] or s_prompt[n]]
+        else:
+            ranked = [(out[n] + w * prompt[n], -depth[n], stamp[n], n)
+                      for n in nodes if not s_out[n] and not s_prompt[n]]
+        victims = [entry[3] for entry in _least(ranked, size - target)]
+        doomed = set()
         for n in victims:
-            if out[n] == s_out[n] and prompt[n] == s_prompt[n]:
-                empty.add(n)
+            if not shared or (out[n] == s_out[n] and prompt[n] == s_prompt[n]):
+                doomed.add(n)
                 continue
-            out[n] -= s_out[n]
+            out[n] -= s_out[n]  # (it has a running part: it stays, running only)
             prompt[n] -= s_prompt[n]
             s_out[n] = s_prompt[n] = s_stamp[n] = 0
             self._count_sizes(self.first_token(n) if tree is None else tree, -1, 1)
-        tops = [n for n in empty if parent[n] not in empty]  # (before any goes: removal unlinks)
-        removed = sum(self.remove(n, tree) for n in tops)
-        assert removed == len(empty), "pruned set was not closed under descendants"
-        self.prunes += 1
-        self.pruned_nodes += len(victims)
-        self.version += 1
-        return len(victims)
-
-    def _prune_running(self, nodes: list[int], excess: int, tree: int | None = None) -> None:
-        """Remove the ``excess`` least frequent running-only nodes among ``nodes`` (descendants
-        first, as in :meth:`_drop_shared`; a running-only node's descendants are running-only)."""
-        if excess <= 0:
-            return
-        w, out, prompt, stamp, depth = self.prompt_weight, self.out, self.prompt, self.stamp, self.depth
-        s_out, s_prompt, parent = self.shared_out, self.shared_prompt, self.parent
-        ranked = [(out[n] + w * prompt[n], -depth[n], stamp[n], n) for n in nodes if not s_out[n] and not s_prompt[n]]
-        doomed = {entry[3] for entry in _least(ranked, excess)}
-        tops = [n for n in doomed if parent[n] not in doomed]  # (before any goes: removal unlinks)
+        tops = [n for n in doomed if self.parent[n] not in doomed]  # (before any goes: removal unlinks)
         removed = sum(self.remove(n, tree) for n in tops)
         assert removed == len(doomed), "pruned set was not closed under descendants"
-        self.running_prunes += 1
+        if shared:
+            self.prunes += 1
+            self.pruned_nodes += len(victims)
+            self.version += 1
+            if tree is None:
+                self.global_prunes += 1
+            else:
+                self.tree_prunes += 1
+        else:
+            self.running_prunes += 1
+        return len(victims)
 
     # -- checks --------------------------------------------------------------------------------
 
