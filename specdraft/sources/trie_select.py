@@ -36,12 +36,7 @@ def retrieve(store: NodeStore, tokens: Sequence[int], k: int, branch_length: int
     best: list[Selected] = []
     children = store.children
     for m in range(min(branch_length, n), 0, -1):
-        node = 0
-        for i in range(n - m, n):
-            kids = children[node]
-            node = kids.get(tokens[i], -1) if kids is not None else -1
-            if node < 0:
-                break
+        node = store.find(tokens, n - m, n)
         if node < 0 or not children[node]:
             continue
         selected = select(store, node, k)
