@@ -115,7 +115,7 @@ from ..checks import check_int
 from .base import Context, Draft, Feedback
 from .trie_select import branches as _branches
 from .trie_select import retrieve as _retrieve
-from .trie_store import NodeStore
+from .trie_store import ROOT, NodeStore
 
 __all__ = ["FrequencyTrie", "TrieNode"]
 
@@ -371,20 +371,18 @@ class FrequencyTrie:
         running requests taught stays.
         """
         with self.lock:
-            removed = self._prune_shared(target, first_token)
-            self._store.bound(shared=False)  # (a node the running requests count in stays, running only)
+            store = self._store
+            if first_token is not None:
+                t = int(first_token)
+                removed = store.prune(store.tree_watermark if target is None else max(0, int(target)), t)
+            elif target is not None:
+                removed = store.prune(max(0, int(target)))
+            else:
+                low = store.tree_watermark
+                removed = sum(store.prune(low, t) for t in [t for t, n in store.tree_size.items() if n > low])
+                removed += store.prune(store.global_watermark)
+            store.bound(shared=False)  # (a node the running requests count in stays, running only)
             return removed
-
-    def _prune_shared(self, target: int | None, first_token: int | None) -> int:
-        store = self._store
-        if first_token is not None:
-            t = int(first_token)
-            return store.prune(store.tree_watermark() if target is None else max(0, int(target)), t)
-        if target is not None:
-            return store.prune(max(0, int(target)))
-        low = store.tree_watermark()
-        removed = sum(store.prune(low, t) for t in [t for t, n in store.tree_size.items() if n > low])
-        return removed + store.prune(store.global_watermark())
 
     def clear(self) -> None:
         """Forget everything (counts and running requests)."""
@@ -434,12 +432,10 @@ class FrequencyTrie:
         """``(out, prompt)`` counts of ``key`` in the shared trie, or with ``running`` in what the
         running requests draft from (the running counts added); ``None`` if it has none there."""
         key = [int(t) for t in key]
-        if not key:
-            return None
         with self.lock:
             store = self._store
             node = store.find(key, 0, len(key))
-            if node < 0 or not (running or store.is_shared(node)):
+            if node in (-1, ROOT) or not (running or store.is_shared(node)):  # (the root: the empty key)
                 return None
             if running:
                 return store.out[node], store.prompt[node]

@@ -67,6 +67,8 @@ class NodeStore:
         self.max_nodes = max_nodes
         self.prompt_weight = prompt_weight
         self.prune_to = prune_to
+        self.tree_watermark = min(capacity, int(capacity * prune_to))  #: where a tree's prune stops
+        self.global_watermark = min(max_nodes, int(max_nodes * prune_to))  #: where a global prune stops
         self.prunes = 0  #: how many times the shared part was pruned (per tree or global)
         self.tree_prunes = 0  #: of which per-tree prunes (a tree past ``capacity``)
         self.global_prunes = 0  #: of which global prunes (the store past ``max_nodes``)
@@ -289,22 +291,10 @@ class NodeStore:
         (either may be negative)."""
         if shared:
             self.size += shared
-            left = self.tree_size.get(tree, 0) + shared
-            if left:
-                self.tree_size[tree] = left
-            else:
-                del self.tree_size[tree]
-            if shared > 0:
-                self._grown.add(tree)
+            _resize(self.tree_size, self._grown, tree, shared)
         if running:
             self.running_size += running
-            left = self.running_tree_size.get(tree, 0) + running
-            if left:
-                self.running_tree_size[tree] = left
-            else:
-                del self.running_tree_size[tree]
-            if running > 0:
-                self._running_grown.add(tree)
+            _resize(self.running_tree_size, self._running_grown, tree, running)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -390,12 +380,6 @@ class NodeStore:
 
     # -- pruning (Sec. 4.3.1, node pruning) -----------------------------------------------------
 
-    def tree_watermark(self) -> int:
-        return min(self.capacity, int(self.capacity * self.prune_to))
-
-    def global_watermark(self) -> int:
-        return min(self.max_nodes, int(self.max_nodes * self.prune_to))
-
     def prune_if_needed(self) -> None:
         """After every change that may add nodes: bound the shared part, then the running-only
         nodes (the shared part's drops may leave running-only nodes)."""
@@ -410,9 +394,9 @@ class NodeStore:
         over = [t for t in grown if sizes.get(t, 0) > self.capacity]
         grown.clear()
         for t in over:
-            self.prune(self.tree_watermark(), t, shared)
+            self.prune(self.tree_watermark, t, shared)
         if (self.size if shared else self.running_size) > self.max_nodes:
-            self.prune(self.global_watermark(), shared=shared)
+            self.prune(self.global_watermark, shared=shared)
 
     def prune(self, target: int, tree: int | None = None, shared: bool = True) -> int:
         """Prune the least frequent nodes of the first-token tree ``tree`` (of the whole store with
@@ -513,6 +497,18 @@ class NodeStore:
             for column in (out, prompt, s_out, s_prompt):
                 assert column[node] >= sum(column[c] for c in kids.values()), f"counts grow going down at {key}"
             assert all(self.born[c] >= self.born[node] for c in kids.values()), f"born before its parent at {key}"
+
+
+def _resize(sizes: dict[int, int], grown: set[int], tree: int, change: int) -> None:
+    """``change`` more nodes in ``tree`` (fewer if negative): a tree left with none leaves ``sizes``,
+    one that grew joins ``grown`` (the trees the next bound looks at)."""
+    left = sizes.get(tree, 0) + change
+    if left:
+        sizes[tree] = left
+    else:
+        del sizes[tree]
+    if change > 0:
+        grown.add(tree)
 
 
 def _least(ranked: list[tuple[float, int, int, int]], excess: int) -> list[tuple[float, int, int, int]]:
