@@ -460,11 +460,9 @@ class FrequencyTrie:
         with self.lock:
             keys = self._store.check()
             assert set(tuple(k) for k in self.trie.keys()) == set(keys), "the pygtrie view is stale"
-            if not self._requests:
-                store = self._store
-                left = [key for key, n in store.items()
-                        if (store.out[n], store.prompt[n]) != (store.shared_out[n], store.shared_prompt[n])]
-                assert store.running_size == 0 and not left, f"running counts outlived their request at {left[:3]}"
+            if not self._requests:  # then what requests draft from is the shared trie alone
+                left = self.snapshot(running=True).items() - self.snapshot().items()
+                assert not left, f"running counts outlived their request at {sorted(left)[:3]}"
 
     def __repr__(self) -> str:
         return (f"FrequencyTrie(nodes={self._store.size}, trees={len(self._store.tree_size)}, "

@@ -47,6 +47,7 @@ Not thread-safe on its own: :class:`~specdraft.sources.trie.FrequencyTrie` guard
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from typing import Iterator, Sequence
 
 __all__ = ["NodeStore", "ROOT", "RUNNING_STAMPS"]
@@ -459,19 +460,15 @@ class NodeStore:
         shared nodes: links agree, both parts are >= 0 and every node holds a count, a parent's
         counts (each part) are at least the sum of its children's, the stamps follow the parts,
         tree sizes are right and within the bounds, and no removed index is reachable."""
-        keys: dict[tuple[int, ...], int] = {}
-        per_tree: dict[int, int] = {}
-        running_tree: dict[int, int] = {}
-        for key, node in self.items():
+        nodes = list(self.items())
+        for key, node in nodes:
             self._check_node(key, node)
-            if self.is_shared(node):
-                keys[key] = node
-                per_tree[key[0]] = per_tree.get(key[0], 0) + 1
-            else:
-                running_tree[key[0]] = running_tree.get(key[0], 0) + 1
-        live = len(keys) + sum(running_tree.values())
+        keys = {key: node for key, node in nodes if self.is_shared(node)}
+        per_tree = Counter(key[0] for key in keys)
+        running_tree = Counter(key[0] for key, node in nodes if not self.is_shared(node))
         assert len(keys) == self.size, f"size {self.size} but {len(keys)} shared nodes reachable"
-        assert live + len(self._free) + 1 == len(self.token), "a node index is neither used nor free"
+        assert len(nodes) - len(keys) == self.running_size, f"running size {self.running_size} is off"
+        assert len(nodes) + len(self._free) + 1 == len(self.token), "a node index is neither used nor free"
         assert per_tree == self.tree_size, "per-tree shared node counts are off"
         assert running_tree == self.running_tree_size, "per-tree running node counts are off"
         for sizes in (per_tree, running_tree):
