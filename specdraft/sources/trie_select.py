@@ -34,10 +34,9 @@ def retrieve(store: NodeStore, tokens: Sequence[int], k: int, branch_length: int
     n = len(tokens)
     need = min(min_nodes, k)
     best: list[Selected] = []
-    children = store.children
     for m in range(min(branch_length, n), 0, -1):
         node = store.find(tokens, n - m, n)
-        if node < 0 or not children[node]:
+        if node < 0 or not store.children[node]:
             continue
         selected = select(store, node, k)
         if len(selected) >= need:
@@ -48,11 +47,9 @@ def retrieve(store: NodeStore, tokens: Sequence[int], k: int, branch_length: int
 
 
 def select(store: NodeStore, start: int, k: int) -> list[Selected]:
-    """The ``k`` most frequent nodes below ``start`` (best first; ties: most recent first), as
-    :data:`Selected` tuples: a prefix-closed subtree, because a child is never more frequent than its
-    parent and enters the frontier only after it."""
-    if k <= 0:
-        return []
+    """The ``k`` (at least 1) most frequent nodes below ``start``, a node with children (best
+    first; ties: most recent first), as :data:`Selected` tuples: a prefix-closed subtree, because a
+    child is never more frequent than its parent and enters the frontier only after it."""
     w = store.prompt_weight
     out, prompt, stamp, children, token, depth = (store.out, store.prompt, store.stamp, store.children, store.token,
                                                   store.depth)
@@ -87,11 +84,8 @@ def branches(selected: list[Selected], k: int, parallel: bool) -> list[list[int]
     """Root-to-leaf token paths of a selection, most frequent leaf first (deeper first on ties,
     then selection order). Parallel mode keeps whole paths while their total length fits ``k``
     (the last one cut to fit), shared prefixes counted once per branch."""
-    has_child = [False] * len(selected)
-    for _, _, _, parent in selected:
-        if parent >= 0:
-            has_child[parent] = True
-    leaves = [i for i in range(len(selected)) if not has_child[i]]
+    parents = {parent for _, _, _, parent in selected}
+    leaves = [i for i in range(len(selected)) if i not in parents]
     leaves.sort(key=lambda i: (-selected[i][1], -selected[i][2], i))
     paths: list[list[int]] = []
     for i in leaves:
