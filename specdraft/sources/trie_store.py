@@ -412,10 +412,9 @@ class NodeStore:
         too."""
         w, depth, out, prompt, stamp = self.prompt_weight, self.depth, self.out, self.prompt, self.stamp
         s_out, s_prompt, s_stamp = self.shared_out, self.shared_prompt, self.shared_stamp
-        if shared:
-            size = self.size if tree is None else self.tree_size.get(tree, 0)
-        else:
-            size = self.running_size if tree is None else self.running_tree_size.get(tree, 0)
+        sizes = self.tree_size if shared else self.running_tree_size
+        total = self.size if shared else self.running_size
+        size = total if tree is None else sizes.get(tree, 0)
         if size <= target:
             return 0
         if tree is None:
@@ -482,8 +481,7 @@ class NodeStore:
         assert self.token[node] == key[-1] and self.depth[node] == len(key), f"node {node} under {key}"
         assert 0 <= s_out[node] <= out[node] and 0 <= s_prompt[node] <= prompt[node], f"parts at {key}"
         assert out[node] + prompt[node] > 0, f"zero-frequency node kept at {key}"
-        running = out[node] != s_out[node] or prompt[node] != s_prompt[node]
-        if running:
+        if out[node] != s_out[node] or prompt[node] != s_prompt[node]:  # a running part
             assert self.stamp[node] > RUNNING_STAMPS, f"running part without a running stamp at {key}"
         else:
             assert self.stamp[node] == self.shared_stamp[node] <= self.clock, f"stale stamp at {key}"
