@@ -20,9 +20,7 @@ import numpy as np
 import torch
 from transformers import GenerationConfig
 from transformers.generation.logits_process import (
-    LogitsProcessorList,
     MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -98,21 +96,20 @@ class SamplingSettings:
         """Whether processing a node's logits depends on the node's prefix."""
         return self.repetition_penalty != 1.0
 
-    def processors(self) -> LogitsProcessorList:
-        """transformers' processor list for these settings, in ``_get_logits_processor`` order."""
-        procs = LogitsProcessorList()
-        if self.repetition_penalty != 1.0:
-            procs.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
+    def warpers(self) -> list[Any]:
+        """transformers' warpers for these settings, in ``_get_logits_processor`` order (the
+        repetition penalty, which comes before them there, :class:`NodeScorer` applies itself)."""
+        warpers: list[Any] = []
         if self.do_sample:
             if self.temperature != 1.0:
-                procs.append(TemperatureLogitsWarper(self.temperature))
+                warpers.append(TemperatureLogitsWarper(self.temperature))
             if self.top_k is not None and self.top_k != 0:
-                procs.append(TopKLogitsWarper(top_k=self.top_k, min_tokens_to_keep=1))
+                warpers.append(TopKLogitsWarper(top_k=self.top_k, min_tokens_to_keep=1))
             if self.top_p < 1.0:
-                procs.append(TopPLogitsWarper(top_p=self.top_p, min_tokens_to_keep=1))
+                warpers.append(TopPLogitsWarper(top_p=self.top_p, min_tokens_to_keep=1))
             if self.min_p is not None:
-                procs.append(MinPLogitsWarper(min_p=self.min_p, min_tokens_to_keep=1))
-        return procs
+                warpers.append(MinPLogitsWarper(min_p=self.min_p, min_tokens_to_keep=1))
+        return warpers
 
 
 def resolve_settings(generation_config: GenerationConfig | None, **requested: Any) -> SamplingSettings:
@@ -255,12 +252,13 @@ class NodeScorer:
 
     def __init__(self, settings: SamplingSettings) -> None:
         self.settings = settings
-        self._processors = settings.processors()
-        self._warpers = [p for p in self._processors if not isinstance(p, RepetitionPenaltyLogitsProcessor)]
+        self._warpers = settings.warpers()
+        #: nothing to apply: the scores are the logits
+        self.is_identity = not self._warpers and not settings.needs_prefix
 
     def __call__(self, logits_row: torch.Tensor, input_ids: Sequence[int] | NodeIds) -> torch.Tensor:
         scores = logits_row.to(torch.float32).reshape(1, -1).clone()
-        if not self._processors:
+        if self.is_identity:
             return scores[0]
         if not self.settings.needs_prefix:
             return self.process_rows(scores, None)[0]
@@ -287,7 +285,3 @@ class NodeScorer:
             for warper in self._warpers:
                 scores = warper(no_ids, scores)
         return scores
-
-    @property
-    def is_identity(self) -> bool:
-        return not self._processors
