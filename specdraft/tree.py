@@ -20,6 +20,7 @@ Merging by expected value
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from typing import Callable, Sequence
@@ -110,7 +111,8 @@ class TokenTree:
         # reading the branches in turns would first meet it (a unique key, so the heap never
         # compares further). Heap items: (-log value, tie-break, token, parent, entries through
         # it, proposers, source bits).
-        rate_of = _memoized(prior_rate if rate is None else rate)
+        # each rate remembered for this merge, which asks for the same ones again and again
+        rate_of = functools.cache(prior_rate if rate is None else rate)
         log, push, pop = math.log, heapq.heappush, heapq.heappop
         tokens, select = tree.tokens, tree._select
         heap: list[tuple[float, int, int, int, list, tuple, int]] = []
@@ -246,20 +248,6 @@ def _entries(branches_per_source: Sequence[Sequence[Sequence[int]]]) -> list[tup
     if width > 62 and any(entry[1] >= 62 for entry in entries):
         raise ValueError(f"at most 62 sources can be merged (a node's sources are a 62-bit set), got {width}")
     return entries
-
-
-def _memoized(rate: RateFn) -> Callable[[int, int, int], float]:
-    """``rate`` remembered per (source, depth, rank) for one merge (the merge asks again and again)."""
-    memo: dict[tuple[int, int, int], float] = {}
-
-    def rate_of(source: int, depth: int, rank: int) -> float:
-        key = (source, depth, rank)
-        r = memo.get(key)
-        if r is None:
-            r = memo[key] = rate(source, depth, rank)
-        return r
-
-    return rate_of
 
 
 def _one_group(passing: list, depth: int) -> tuple | None:
