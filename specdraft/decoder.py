@@ -179,8 +179,9 @@ class Decoder:
         #: the CPU kernels per forward width and their measured costs (see :mod:`specdraft.kernels.kernel_costs`)
         self.kernels = choose_kernels(model, cpu_kernels)
         self.cpu_kernels = cpu_kernels
-        #: packed linear weights swapped in around each forward (``cpu_kernels="auto"``, ``"packed"`` or ``"fbgemm"``)
-        self._packed = self.kernels.release_packed()
+        #: the packed linear weights swapped in around each forward (``cpu_kernels="auto"``,
+        #: ``"packed"`` or ``"fbgemm"``; ``None``: stock kernels)
+        self.packed_weights = self.kernels.release_packed()
         drafter = Drafter(self.sources, max_tree_nodes, runner.vocab_size, runner.max_positions)
         budget = Budget(max_tree_nodes, len(self.sources), adaptive=adaptive_budget,
                         cost_curve=self.kernels.curve if adaptive_budget else None,
@@ -261,16 +262,11 @@ class Decoder:
             raise ValueError(f"hide_host_work must be True, False or None, got {value!r}")
         self.engine.hide_host_work = value
 
-    @property
-    def packed_weights(self) -> Any:
-        """The packed linear weights the decoder swaps in around each forward (``None``: stock kernels)."""
-        return self._packed
-
     def close(self) -> None:
         """Free what the decoder holds beyond the model: the packed weights of
         ``cpu_kernels="packed"`` or ``"fbgemm"`` (once no other decoder over the model holds them). The decoder
         then runs on stock kernels."""
-        self._packed = None
+        self.packed_weights = None
         self.cpu_kernels = "stock"
         self.budget.set_cost_curve(None)  # the packed curve no longer describes what runs
         self._widths()  # the stock layers may agree at other widths
@@ -279,7 +275,7 @@ class Decoder:
         """The widths forwards run at: in exact mode, those the layers that run now compute every
         row alike at; on a GPU, a few buckets whose forwards are captured as CUDA graphs
         (:mod:`specdraft.model.static`); elsewhere, as they come."""
-        rule = load_or_probe(self.model, self._packed) if self.exact else None
+        rule = load_or_probe(self.model, self.packed_weights) if self.exact else None
         # exact attention at fixed shapes reads committed tokens in place from chunk boundaries
         self.runner.store.align = CHUNK if self.exact else 1
         if self.runner.device.type != "cuda":
@@ -296,7 +292,7 @@ class Decoder:
 
     def _kernels_context(self):
         """Around each forward: the packed layers in the model (and back out after), or nothing."""
-        return self._packed.swapped() if self._packed is not None else nullcontext()
+        return self.packed_weights.swapped() if self.packed_weights is not None else nullcontext()
 
     def _text(self, ids: Sequence[int]) -> str | None:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer is not None else None

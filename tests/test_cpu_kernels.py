@@ -167,9 +167,9 @@ def test_decoders_share_one_packed_copy_and_close_drops_it(kind) -> None:
     model = model_for(kind, "llama")
     a = Decoder(model, sources=[PromptLookup()], cpu_kernels=kind)
     b = Decoder(model, sources=[PromptLookup()], cpu_kernels=kind)
-    assert a._packed is b._packed and a._packed.nbytes > 0
+    assert a.packed_weights is b.packed_weights and a.packed_weights.nbytes > 0
     a.close()
-    assert a._packed is None and a.cpu_kernels == "stock"
+    assert a.packed_weights is None and a.cpu_kernels == "stock"
     prompt = [3, 4, 5, 3, 4, 5, 3]
     assert a.generate(prompt, max_new_tokens=12).token_ids == reference_greedy(model, prompt, 12)
     b.close()

@@ -177,7 +177,7 @@ def _as_on_a_gpu(dec: Decoder, widths: tuple[int, ...] | None = None) -> Decoder
     """What the decoder does on a GPU in exact mode: every decode forward at a bucket width where
     the rule holds (the GPU's buckets, or those of ``widths``), from static buffers, each width
     "captured" (:class:`RerunGraph`)."""
-    rule = load_or_probe(dec.model, dec._packed)
+    rule = load_or_probe(dec.model, dec.packed_weights)
     held = exact_buckets(rule) if widths is None else tuple(w for w in widths if w in rule.widths)
     buckets = Buckets(held, mixes_prompts=rule.wider)
     dec.runner.use_static(buckets.widths, capture=True, graph_kind=RerunGraph)
