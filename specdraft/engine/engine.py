@@ -85,9 +85,8 @@ class Engine:
         """Whether each step chooses every tree row's token on the device at once (one read per
         step) rather than walking node by node (a read per node visited). On a CPU a read costs
         nothing and the walk touches only the rows it visits, so it stays the cheaper; elsewhere
-        one read per step is what keeps the device busy."""
-        if self.row_choices not in ("auto", "batched", "walk"):
-            raise ValueError(f"row_choices must be 'auto', 'batched' or 'walk', got {self.row_choices!r}")
+        one read per step is what keeps the device busy. (:attr:`Decoder.row_choices
+        <specdraft.decoder.Decoder.row_choices>` checks the choice as it is set.)"""
         if self.row_choices == "auto":
             return device.type != "cpu"
         return self.row_choices == "batched"
