@@ -42,26 +42,18 @@ _GLOBAL_DEFAULTS: dict[str, Any] = {"do_sample": False, "temperature": 1.0, "top
 #: A model whose own generation config sets one of these is refused rather than decoded wrongly.
 _UNSUPPORTED_IF_SET: dict[str, Callable[[Any], bool]] = {
     "num_beams": lambda v: v is not None and v > 1,
-    "no_repeat_ngram_size": lambda v: bool(v),
-    "encoder_no_repeat_ngram_size": lambda v: bool(v),
-    "bad_words_ids": lambda v: v is not None,
-    "sequence_bias": lambda v: v is not None,
-    "min_length": lambda v: bool(v),
-    "min_new_tokens": lambda v: bool(v),
     "typical_p": lambda v: v is not None and v < 1.0,
     "epsilon_cutoff": lambda v: v is not None and 0.0 < v < 1.0,
     "eta_cutoff": lambda v: v is not None and 0.0 < v < 1.0,
-    "top_h": lambda v: v is not None,
     "guidance_scale": lambda v: v is not None and v != 1,
-    "forced_bos_token_id": lambda v: v is not None,
-    "forced_eos_token_id": lambda v: v is not None,
-    "suppress_tokens": lambda v: v is not None,
-    "begin_suppress_tokens": lambda v: v is not None,
-    "exponential_decay_length_penalty": lambda v: v is not None,
-    "watermarking_config": lambda v: v is not None,
-    "renormalize_logits": lambda v: bool(v),
-    "remove_invalid_values": lambda v: bool(v),
     "encoder_repetition_penalty": lambda v: v is not None and v != 1.0,
+    # set when truthy (a size, a length, a switch)
+    **dict.fromkeys(("no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "min_length", "min_new_tokens",
+                     "renormalize_logits", "remove_invalid_values"), bool),
+    # set when given at all
+    **dict.fromkeys(("bad_words_ids", "sequence_bias", "top_h", "forced_bos_token_id", "forced_eos_token_id",
+                     "suppress_tokens", "begin_suppress_tokens", "exponential_decay_length_penalty",
+                     "watermarking_config"), lambda v: v is not None),
 }
 
 #: Options whose meaning only exists under sampling; passing one with greedy decoding raises.
