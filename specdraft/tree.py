@@ -104,6 +104,8 @@ class TokenTree:
         tree = cls(root_token)
         if max_nodes == 0:
             return tree
+        # each rate remembered for this merge, which asks for the same ones again and again
+        rate_of = functools.cache(prior_rate if rate is None else rate)
         # The frontier is expanded lazily: a node's children are made from the branches passing
         # through it only once it is selected, so the tails of branches that never make the cut
         # cost nothing. A node's tie-break is (smallest k through it, depth) packed in one int,
@@ -111,8 +113,6 @@ class TokenTree:
         # reading the branches in turns would first meet it (a unique key, so the heap never
         # compares further). Heap items: (-log value, tie-break, token, parent, entries through
         # it, proposers, source bits).
-        # each rate remembered for this merge, which asks for the same ones again and again
-        rate_of = functools.cache(prior_rate if rate is None else rate)
         log, push, pop = math.log, heapq.heappush, heapq.heappop
         tokens, select = tree.tokens, tree._select
         heap: list[tuple[float, int, int, int, list, tuple, int]] = []
@@ -122,7 +122,7 @@ class TokenTree:
         # one agreeing group) goes on with one same token; there the group is the same each time
         # (its entries, proposers and bits), so it is made without asking every entry again
         run, run_proposers, run_bits = 0, (), 0
-        while True:
+        while len(tokens) <= max_nodes:
             # the node's one child, when it has one: (k, token, entries through it, proposers,
             # source bits, rate); it is selected at once if it beats the whole frontier
             child = None
@@ -150,19 +150,15 @@ class TokenTree:
                     if through is not passing and len(through) > 1:
                         run, run_proposers, run_bits = _agreeing(through, depth + 1), proposers, bits
                     depth, neg, passing = depth + 1, child_neg, through
-                    if len(tokens) > max_nodes:
-                        break
                     continue
                 push(heap, (child_neg, child_key, token, index, through, proposers, bits))
-            if not heap or len(tokens) > max_nodes:
+            if not heap:
                 break
             # select the most valuable node of the frontier
             neg, key, token, parent, passing, proposers, bits = pop(heap)
             depth = key & 0xFFFFFFFF
             index = select(token, parent, depth, bits, proposers)
             run = 0
-            if len(tokens) > max_nodes:
-                break
         return tree
 
     def _select(self, token: int, parent: int, depth: int, bits: int, proposers: tuple) -> int:
