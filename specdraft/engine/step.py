@@ -224,25 +224,16 @@ class Step:
         draft then finds them indexed), and a request in a drafting pause drafts for its next
         step. The read that follows needs none of it, so none of it waits between two forwards."""
         for request in self.running:
-            try:
-                run_queued(request.late)
-            except Exception as exc:  # noqa: BLE001 - a source that raises ends its request alone
-                request.fail(exc)
+            _or_fail(request, run_queued, request.late)
         run_queued(self.behind)
         for m in members:
             request = m.request
             if m.drafts_behind and not request.ending:
-                try:
-                    self.engine.drafter.draft_behind(request)
-                except Exception as exc:  # noqa: BLE001 - a source that raises ends its request alone
-                    request.fail(exc)
+                _or_fail(request, self.engine.drafter.draft_behind, request)
             drafts_later = request.spec.max_new_tokens > 1  # (one token comes from the prompt step alone)
             if m.kind == "chunk" and not request.prefilling and not request.ending and drafts_later \
                     and self.engine.drafter.sources:
-                try:
-                    self.engine.drafter.begin(request)
-                except Exception as exc:  # noqa: BLE001
-                    request.fail(exc)
+                _or_fail(request, self.engine.drafter.begin, request)
 
     # -- 5. read back ---------------------------------------------------------------------------
 
@@ -299,6 +290,14 @@ class Step:
             ran = padding.rows_for(width) if padding is not None else width
             self.engine.budget.observe_step(ran, self.engine.clock() - started, sum(len(t) for _, t in emitted))
         return StepReport(emitted, width, [len(t) - 1 for t in trees])
+
+
+def _or_fail(request: LiveRequest, job: Callable[..., None], *args: object) -> None:
+    """Run ``job(*args)``, host work of ``request``'s sources: one that raises ends the request alone."""
+    try:
+        job(*args)
+    except Exception as exc:  # noqa: BLE001 - a source that raises ends its request alone
+        request.fail(exc)
 
 
 def _node_masks(step: PendingStep, request: LiveRequest, n: int) -> torch.Tensor | None:
