@@ -78,7 +78,7 @@ class Drafter:
         """The sources read the request's prompt: on a CPU at its first draft, after its first
         token is out (the first token never waits for them); on an accelerator while the forward
         that ends its prompt runs (:meth:`~specdraft.engine.step.Step.behind_forward`)."""
-        prompt = request.prompt_context()
+        prompt = request.context(request.prompt_length)
         for source in self.sources:
             source.begin(prompt)
             request.begun.append(source)

@@ -171,19 +171,11 @@ class LiveRequest:
     def output(self) -> list[int]:
         return self.committed[self.prompt_length :]
 
-    def context(self) -> Context:
-        """The sequence as the sources see it: a read-only view, not a copy (O(1) per step)."""
-        return Context(TokenView(self.committed), self.prompt_length, self.request_id)
-
-    def prompt_context(self) -> Context:
-        """The prompt alone (what ``begin`` sees), as a view even after tokens were committed."""
-        return Context(TokenView(self.committed, self.prompt_length), self.prompt_length, self.request_id)
-
-    def commit(self, tokens: Sequence[int]) -> int:
-        """Append ``tokens``; returns the index of the first of them."""
-        start = len(self.committed)
-        self.committed.extend(tokens)
-        return start
+    def context(self, length: int | None = None) -> Context:
+        """The sequence as the sources see it, or its first ``length`` tokens (the prompt, which
+        ``begin`` sees, even after tokens were committed): a read-only view, not a copy (O(1) per
+        step)."""
+        return Context(TokenView(self.committed, length), self.prompt_length, self.request_id)
 
 
 def path_tokens(tree: TokenTree) -> np.ndarray:

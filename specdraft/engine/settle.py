@@ -35,7 +35,8 @@ def settle(engine: Parts, request: LiveRequest, logits: torch.Tensor, readback: 
     now_or_later(later, partial(record, request.stats, step.tree, verdict, len(tokens), engine.drafter.names))
     if step.kind == "tree" and not done:
         engine.runner.store.keep(request.region, [0] + verdict.path)
-    start = request.commit(tokens)
+    start = len(request.committed)  # (the index of the step's first token)
+    request.committed.extend(tokens)
     if request.penalty is not None:
         if request.batched:
             request.unmarked = list(tokens)  # they ride the next step's upload
