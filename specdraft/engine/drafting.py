@@ -133,9 +133,8 @@ class Drafter:
         for tokens in [*draft.branches, side.tokens if side is not None else []]:
             if not _in_vocabulary(tokens, self.vocab_size):
                 bad = [t for t in tokens if not 0 <= int(t) < self.vocab_size]
-                if bad:
-                    raise ValueError(f"draft source {source.name!r} proposed token ids {bad[:5]} outside the "
-                                     f"model's vocabulary [0, {self.vocab_size})")
+                raise ValueError(f"draft source {source.name!r} proposed token ids {bad[:5]} outside the "
+                                 f"model's vocabulary [0, {self.vocab_size})")
         if budget == 0 or depth_limit < 1:
             return Draft(side_block=side)
         return Draft(branches=[list(b[:depth_limit]) for b in draft.branches if len(b)], side_block=side)
