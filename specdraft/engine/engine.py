@@ -72,7 +72,7 @@ class Engine:
             ) -> Batch:
         """A batch of ``specs``, ``concurrency`` at a time; iterate it to run it. ``stats[i]``, if
         given, is filled with request ``i``'s statistics as it runs."""
-        return Batch(self, specs, concurrency, stats, self.text, hold=lambda: self.held(concurrency))
+        return Batch(self, specs, concurrency, stats)
 
     @property
     def hides_host_work(self) -> bool:

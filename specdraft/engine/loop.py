@@ -18,9 +18,8 @@ the iteration :attr:`Batch.outputs` and :attr:`Batch.stats` hold the results.
 from __future__ import annotations
 
 from collections import deque
-from contextlib import nullcontext
 from functools import partial
-from typing import Any, Callable, ContextManager, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..sampling import NodeScorer, PenaltyPrefix
 from ..stats import GenerationStats, SourceStats
@@ -37,14 +36,10 @@ class Batch:
     """One call's requests (see the module docstring)."""
 
     def __init__(self, engine: Parts, specs: Sequence[RequestSpec], concurrency: int,
-                 stats: Sequence[GenerationStats | None] = (),
-                 text: Callable[[Sequence[int]], str | None] = lambda ids: None,
-                 hold: Callable[[], ContextManager[Any]] = nullcontext) -> None:
+                 stats: Sequence[GenerationStats | None] = ()) -> None:
         self.engine = engine
         #: turns an output's token ids into its text (``None`` without a tokenizer)
-        self.text = text
-        #: entered around the whole run: what holds the engine for this call
-        self.hold = hold
+        self.text = engine.text
         self.specs = list(specs)
         #: statistics objects a caller gave for some requests (filled as the request runs)
         self._given_stats = list(stats)
@@ -64,7 +59,7 @@ class Batch:
         self._cancel.add(index)
 
     def __iter__(self) -> Iterator[Emitted]:
-        with self.hold():
+        with self.engine.held(self.concurrency):
             yield from self._loop()
 
     def _loop(self) -> Iterator[Emitted]:

@@ -3,7 +3,7 @@ the engine that runs them (which would make the engine and its step import each 
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
 
@@ -15,8 +15,9 @@ from .widths import Widths
 
 class Parts(Protocol):
     """The model runner, the sources (through the drafter), the budget, the clock, the kernels
-    context entered around each forward, the widths forwards are padded to, and where rows are
-    chosen, and whether host work hides behind the forward."""
+    context entered around each forward, the widths forwards are padded to, where rows are
+    chosen, whether host work hides behind the forward, how token ids become an output's text,
+    and what holds the engine for a call."""
 
     runner: ModelRunner
     drafter: Drafter
@@ -27,5 +28,9 @@ class Parts(Protocol):
     #: the forward runs while the host goes on (an accelerator): work the next read does not
     #: need waits for the launch and runs behind it
     hides_host_work: bool
+    #: an output's text from its token ids (``None`` without a tokenizer)
+    text: Callable[[Sequence[int]], str | None]
 
     def batched_rows(self, device: torch.device) -> bool: ...
+
+    def held(self, concurrency: int) -> ContextManager[None]: ...
