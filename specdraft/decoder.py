@@ -332,9 +332,8 @@ class Decoder:
         fixes the sampling stream; without it the global torch RNG is used, as in transformers.
         Any other keyword raises, naming what is supported.
         """
-        spec = self._spec(prompt, max_new_tokens, stop, seed, dict(
-            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-            repetition_penalty=repetition_penalty, **options))
+        spec = self._spec(prompt, max_new_tokens, stop, seed, do_sample=do_sample, temperature=temperature,
+                          top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, **options)
         batch = self.engine.run([spec], 1)
         for _ in batch:
             pass
@@ -351,9 +350,8 @@ class Decoder:
         """Like :meth:`generate`, but yield output as it is committed: text pieces when the decoder
         has a tokenizer (held back while a character is incomplete), else lists of token ids.
         Pass a :class:`GenerationStats` as ``stats`` to read the statistics afterwards."""
-        spec = self._spec(prompt, max_new_tokens, stop, seed, dict(
-            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-            repetition_penalty=repetition_penalty, **options))
+        spec = self._spec(prompt, max_new_tokens, stop, seed, do_sample=do_sample, temperature=temperature,
+                          top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, **options)
         return self._stream(self.engine.run([spec], 1, [stats]))
 
     def _stream(self, batch) -> Iterator[str | list[int]]:
@@ -402,17 +400,16 @@ class Decoder:
             if isinstance(prompt, BatchRequest):
                 mine.update({k: v for k, v in vars(prompt).items() if k != "prompt" and v is not None})
                 prompt = prompt.prompt
-            new_tokens, stop_here, seed_here = mine.pop("max_new_tokens"), mine.pop("stop"), mine.pop("seed")
             try:
-                specs.append(self._spec(prompt, new_tokens, stop_here, seed_here, mine))
+                specs.append(self._spec(prompt, **mine))
             except (ValueError, TypeError) as exc:
                 raise type(exc)(f"request {index}: {exc}") from exc
         return BatchStream(self.engine.run(specs, concurrency), self.tokenizer)
 
     # -- checking a request -----------------------------------------------------------------
 
-    def _spec(self, prompt: Any, max_new_tokens: int, stop: Any, seed: int | None, options: dict[str, Any]
-              ) -> RequestSpec:
+    def _spec(self, prompt: Any, /, max_new_tokens: int, stop: Any, seed: int | None,
+              **options: Any) -> RequestSpec:
         """Check one request's arguments (each bad one raises, naming it) and resolve them: the
         prompt's ids, the sampling settings over the model's generation config, the stop rule."""
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
