@@ -33,9 +33,6 @@ from ..verify import Draw
 #: batch) keep per-request state under them.
 request_ids = itertools.count(1)
 
-StepKind = Literal["prompt", "tree"]
-
-
 def run_queued(jobs: list[Callable[[], None]]) -> None:
     """Run the work queued in ``jobs`` (host work waiting for a forward), in order, and empty the
     list first, so that a job that raises leaves nothing behind to run twice."""
@@ -78,7 +75,7 @@ class PendingStep:
     (``None``: none this step); ``slots`` say where this request's answers sit in the step's read.
     """
 
-    kind: StepKind
+    kind: Literal["prompt", "tree"]
     tree: TokenTree
     full: TokenTree
     drafts: list[Draft]
@@ -188,9 +185,3 @@ def path_tokens(tree: TokenTree) -> np.ndarray:
         out[i, : d - 1] = out[tree.parents[i], : d - 1]
         out[i, d - 1] = tree.tokens[i]
     return out
-
-
-def prompt_step(root: int, sources: int) -> PendingStep:
-    """The prompt step: the prompt's last row (whose token is ``root``), verified on a root-only tree."""
-    tree = TokenTree(root)
-    return PendingStep("prompt", tree, tree, [], [None] * sources, 1)

@@ -33,11 +33,12 @@ import torch
 
 from ..budget import Ask, Grant
 from ..model.runner import ForwardOutput, Segment
+from ..tree import TokenTree
 from .drafting import Proposal
 from .parts import Parts
 from .layout import tree_rows
 from .readback import ReadPlan, ReadSlots
-from .request import LiveRequest, PendingStep, path_tokens, prompt_step, run_queued
+from .request import LiveRequest, PendingStep, path_tokens, run_queued
 from .row_draws import request_draws
 from .settle import settle
 from .topk import top_k_ids
@@ -208,13 +209,15 @@ class Step:
 
     def _start_decoding(self, request: LiveRequest) -> None:
         """The prompt is in the cache: choose where the request's rows are chosen, make its random
-        draws where its logits live, and set up its prompt step."""
+        draws where its logits live, and set up its prompt step (the prompt's last row, whose token
+        is the root, verified on a root-only tree)."""
         device = self.engine.runner.device
         request.stats.prefill_time = self.engine.clock() - request.admitted
         request.batched = self.engine.batched_rows(device)
         request.draw, request.row_draws = request_draws(device, request.spec.seed, request.batched,
                                                         request.spec.settings.do_sample)
-        request.step = prompt_step(request.root, len(self.engine.drafter.sources))
+        tree = TokenTree(request.root)
+        request.step = PendingStep("prompt", tree, tree, [], [None] * len(self.engine.drafter.sources), 1)
 
     def behind_forward(self, members: Sequence[Member]) -> None:
         """On an accelerator, while the forward runs: what the last step taught is learned (the
