@@ -259,8 +259,7 @@ class NodeScorer:
         else:
             mask = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
             ids = [int(t) for t in input_ids if 0 <= int(t) < scores.shape[-1]]
-            if ids:
-                mask[torch.as_tensor(ids, dtype=torch.long, device=scores.device)] = True
+            mask[torch.as_tensor(ids, dtype=torch.long, device=scores.device)] = True  # (none: no-op)
         return self.process_rows(scores, mask[None])[0]
 
     def process_rows(self, scores: torch.Tensor, seen: torch.Tensor | None) -> torch.Tensor:
