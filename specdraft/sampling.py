@@ -188,14 +188,9 @@ class PenaltyPrefix:
     def __init__(self, vocab_size: int, device: torch.device, tokens: Sequence[int] = ()) -> None:
         self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         #: the committed tokens themselves (the caller's live sequence), for code that wants the
-        #: list (``list(prefix)``); the decoding path reads only :attr:`seen`
+        #: list (the reference verifiers of the exactness tests); the decoding path reads only
+        #: :attr:`seen`
         self.tokens = tokens
-
-    def __iter__(self):
-        return iter(list(self.tokens))
-
-    def __len__(self) -> int:
-        return len(self.tokens)
 
     def add(self, ids: torch.Tensor | Sequence[int]) -> None:
         """Mark ``ids`` (a tensor on the mask's device, or host ints on a CPU) as seen."""

@@ -47,9 +47,15 @@ def _coin(draw, q: float) -> bool:
     return int(draw(torch.tensor([1.0 - q, q], dtype=torch.float64))) == 1
 
 
+def _committed(prefix) -> list[int]:
+    """The committed tokens as a list: ``prefix`` itself, or the token list of the decoder's
+    :class:`~specdraft.sampling.PenaltyPrefix` (which holds them as a mask on the device)."""
+    return list(getattr(prefix, "tokens", prefix))
+
+
 def _multi_round(tree: TokenTree, logits: torch.Tensor, scorer, prefix: Sequence[int], draw,
                  bonus_from_residual: bool) -> Verdict:
-    prefix = list(prefix)
+    prefix = _committed(prefix)
     node, path, tokens = 0, [], []
     while True:
         p = _probs(scorer, logits[node], prefix + tokens)
@@ -85,7 +91,7 @@ def bonus_from_p_verify(tree: TokenTree, logits: torch.Tensor, scorer, prefix: S
 
 def committed_context_verify(tree: TokenTree, logits: torch.Tensor, scorer, prefix: Sequence[int], draw) -> Verdict:
     """MUTANT: draw-then-match, but every node is warped with the committed prefix only."""
-    prefix = list(prefix)
+    prefix = _committed(prefix)
     node, path, tokens = 0, [], []
     while True:
         probs = torch.softmax(scorer(logits[node], prefix), dim=-1)  # BUG: should be prefix + tokens
