@@ -107,7 +107,7 @@ import math
 import numbers
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import pygtrie
 
@@ -134,19 +134,6 @@ class TrieNode:
     out: int
     prompt: int
     stamp: int
-
-
-class _FromStore:
-    """A read-only attribute of :class:`FrequencyTrie`: its node store's attribute of the same name."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, trie: FrequencyTrie | None, owner: type | None = None) -> Any:
-        return self if trie is None else getattr(trie._store, self.name)
-
-    def __set__(self, trie: FrequencyTrie, value: object) -> None:
-        raise AttributeError(f"{self.name} is read-only")
 
 
 class _Request:
@@ -215,19 +202,6 @@ class FrequencyTrie:
         finished request's prompt windows join the shared trie, as prompt counts, and stay).
     """
 
-    #: The shared clock: output windows counted in the shared trie so far.
-    clock = _FromStore()
-    #: How many times pruning ran on the shared trie (per tree or global).
-    prunes = _FromStore()
-    #: Of :attr:`prunes`, the per-tree prunes (a tree past ``capacity``).
-    tree_prunes = _FromStore()
-    #: Of :attr:`prunes`, the global prunes (the trie past ``max_nodes``).
-    global_prunes = _FromStore()
-    #: Shared nodes removed by pruning, in total.
-    pruned_nodes = _FromStore()
-    #: How many times the nodes only running requests taught were pruned.
-    running_prunes = _FromStore()
-
     def __init__(self, decoding_length: int = 64, branch_length: int = 12, capacity: int | None = None,
                  prompt_weight: float = 10_000, min_nodes: int | None = None, mode: str = HIERARCHICAL,
                  prune_to: float = 0.9, insert_prompt: bool = True, insert_output: bool = True,
@@ -260,8 +234,7 @@ class FrequencyTrie:
         self.name = name
         #: observe only counts windows; a draft reads its context and the counts as they stand
         self.observes_late = True
-        #: The lock every public method holds (re-entrant).
-        self.lock = threading.RLock()
+        self._lock = threading.RLock()
         self._view: pygtrie.Trie | None = None  # the pygtrie view of :attr:`trie`, made on demand
         self._view_version = -1
         self._store = NodeStore(capacity, max_nodes, prompt_weight, prune_to)
@@ -275,7 +248,7 @@ class FrequencyTrie:
         ``end`` has its earlier counts taken back first, as ``abort`` would."""
         prompt = [int(t) for t in context.tokens[: context.prompt_length]]
         request = _Request(prompt, len(prompt), self.branch_length)
-        with self.lock:
+        with self._lock:
             self._take_back(self._requests.pop(context.request_id, None))
             if self.insert_prompt and len(prompt) > 1:
                 request.prompt_tick = self._store.add_all(prompt, 0, self.branch_length + 1, True, shared=False)
@@ -290,7 +263,7 @@ class FrequencyTrie:
         """Branch inserting, output part (Algorithm 1, line 24): count the windows the committed
         tokens complete in the running part, each once."""
         context = feedback.context
-        with self.lock:
+        with self._lock:
             request = self._requests.get(context.request_id)
             if request is None:  # observe without begin: track the output anyway, count no prompt
                 n = context.prompt_length
@@ -309,7 +282,7 @@ class FrequencyTrie:
         """The request is over: take its running counts back (its prompt's with them: branch
         eliminating, Sec. 4.3.1; Algorithm 1, line 27) and count every output window in the shared
         part (those running past the end of the output shortened). Unknown request ids are ignored."""
-        with self.lock:
+        with self._lock:
             request = self._requests.pop(context.request_id, None)
             if request is None:
                 return
@@ -327,7 +300,7 @@ class FrequencyTrie:
         counts back. The shared part never held anything of it, so the shared trie is exactly as it
         was before the request began, whatever other requests did meanwhile. Unknown request ids
         are ignored."""
-        with self.lock:
+        with self._lock:
             self._take_back(self._requests.pop(context.request_id, None))
 
     # -- beyond the protocol -------------------------------------------------------------------
@@ -349,7 +322,7 @@ class FrequencyTrie:
         if k <= 0 or len(tokens) == 0:
             return []
         tail = [int(t) for t in tokens[-self.branch_length :]]
-        with self.lock:
+        with self._lock:
             selected = _retrieve(self._store, tail, k, self.branch_length, self.min_nodes)
         return _branches(selected, k, self.mode == PARALLEL) if selected else []
 
@@ -357,7 +330,7 @@ class FrequencyTrie:
         """Insert every window of ``tokens`` as an output branch in the shared trie (persistent),
         e.g. to warm the trie with past answers, as the paper does with its dev set (Sec. 5.1)."""
         tokens = [int(t) for t in tokens]
-        with self.lock:
+        with self._lock:
             self._store.add_all(tokens, 0, self.branch_length + 1)
             self._store.prune_if_needed()
 
@@ -370,7 +343,7 @@ class FrequencyTrie:
         capacity`` down to it, then the trie down to ``prune_to * max_nodes`` if above. What the
         running requests taught stays.
         """
-        with self.lock:
+        with self._lock:
             store = self._store
             if first_token is not None:
                 t = int(first_token)
@@ -386,7 +359,7 @@ class FrequencyTrie:
 
     def clear(self) -> None:
         """Forget everything (counts and running requests)."""
-        with self.lock:
+        with self._lock:
             self._store.clear()
             self._requests.clear()
 
@@ -394,12 +367,12 @@ class FrequencyTrie:
 
     def tree_size(self, first_token: int) -> int:
         """Nodes in the shared tree of ``first_token`` (the nodes whose key starts with it); 0 if none."""
-        with self.lock:
+        with self._lock:
             return self._store.tree_size.get(int(first_token), 0)
 
     def tree_sizes(self) -> dict[int, int]:
         """``first token -> node count`` of every shared tree (a copy)."""
-        with self.lock:
+        with self._lock:
             return dict(self._store.tree_size)
 
     @property
@@ -407,7 +380,7 @@ class FrequencyTrie:
         """Every shared node as a :class:`pygtrie.Trie` (token tuple -> :class:`TrieNode`, its shared
         counts), for reading only. Built from the nodes when first asked for after a change (O(trie
         size))."""
-        with self.lock:
+        with self._lock:
             store = self._store
             version = (store.version, store.clock)
             if self._view is None or self._view_version != version:
@@ -418,6 +391,41 @@ class FrequencyTrie:
                 self._view, self._view_version = view, version
             return self._view
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock every public method holds (re-entrant)."""
+        return self._lock
+
+    @property
+    def clock(self) -> int:
+        """The shared clock: output windows counted in the shared trie so far."""
+        return self._store.clock
+
+    @property
+    def prunes(self) -> int:
+        """How many times pruning ran on the shared trie (per tree or global)."""
+        return self._store.prunes
+
+    @property
+    def tree_prunes(self) -> int:
+        """Of :attr:`prunes`, the per-tree prunes (a tree past ``capacity``)."""
+        return self._store.tree_prunes
+
+    @property
+    def global_prunes(self) -> int:
+        """Of :attr:`prunes`, the global prunes (the trie past ``max_nodes``)."""
+        return self._store.global_prunes
+
+    @property
+    def pruned_nodes(self) -> int:
+        """Shared nodes removed by pruning, in total."""
+        return self._store.pruned_nodes
+
+    @property
+    def running_prunes(self) -> int:
+        """How many times the nodes only running requests taught were pruned."""
+        return self._store.running_prunes
+
     def __len__(self) -> int:
         """The number of shared nodes (distinct non-empty prefixes of inserted windows)."""
         return self._store.size
@@ -425,14 +433,14 @@ class FrequencyTrie:
     @property
     def active_requests(self) -> int:
         """Requests begun and not yet ended."""
-        with self.lock:
+        with self._lock:
             return len(self._requests)
 
     def counts(self, key: Sequence[int], running: bool = False) -> tuple[int, int] | None:
         """``(out, prompt)`` counts of ``key`` in the shared trie, or with ``running`` in what the
         running requests draft from (the running counts added); ``None`` if it has none there."""
         key = [int(t) for t in key]
-        with self.lock:
+        with self._lock:
             store = self._store
             node = store.find(key, 0, len(key))
             if node in (-1, ROOT) or not (running or store.is_shared(node)):  # (the root: the empty key)
@@ -445,7 +453,7 @@ class FrequencyTrie:
         """Every key as ``key -> (out, prompt)``: the shared trie's, or with ``running`` what the
         running requests draft from (the running counts added). For tests and inspection; O(trie
         size)."""
-        with self.lock:
+        with self._lock:
             store = self._store
             if running:
                 return {key: (store.out[n], store.prompt[n]) for key, n in store.items()}
@@ -457,7 +465,7 @@ class FrequencyTrie:
         least the sum of its children's, the per-tree node counts are right and within
         ``capacity``, and the totals within ``max_nodes``; the pygtrie view holds the shared keys;
         with no request running, no running count is left."""
-        with self.lock:
+        with self._lock:
             keys = self._store.check()
             assert set(tuple(k) for k in self.trie.keys()) == set(keys), "the pygtrie view is stale"
             if not self._requests:  # then what requests draft from is the shared trie alone
