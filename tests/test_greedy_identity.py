@@ -19,6 +19,7 @@ from specdraft import Decoder, GenerationStats, PromptLookup
 from specdraft.sources import FrequencyTrie, JacobiLookahead, MultiLevelNGram, TokenRecycling
 from specdraft.sources import SuffixTree
 
+from _suffix_checks import check_source
 from conftest import (FAST, VOCAB, OracleSource, RandomGuess, SideBlockToy, check_side_records,
                       generation_config_override, reference_greedy, tiny_model)
 
@@ -186,7 +187,7 @@ def test_greedy_identity_suffix_tree_across_requests(case, requests, n, max_tree
         out = dec.generate(prompt, max_new_tokens=n)
         assert out.token_ids == reference_greedy(model, prompt, n)
         check_stats(out, n, max_tree_nodes, sources)
-    suffix.check_invariants()
+    check_source(suffix)
     assert suffix.active_requests == 0
 
 
