@@ -52,9 +52,9 @@ On a GPU
 The probe times nothing: it runs each distinct layer shape at every width on random rows and
 compares bits. A bfloat16 output hides most reorderings (the float32 sums differ in their last
 bits, the rounded result only now and then: on an Intel Xeon with AMX about 3 to 6 outputs in
-100,000), so it compares at least :data:`OUTPUTS_PER_WIDTH` outputs per width and layer, enough
-that a kernel summing in another order is caught with near certainty (some 13 flips expected at
-those rates). It takes seconds to a minute for a 0.5B model, so :func:`load_or_probe` keeps the
+100,000), so in 16-bit dtypes it compares at least :data:`OUTPUTS_PER_WIDTH` outputs per width
+and layer, enough that a kernel summing in another order is caught with near certainty (some 13
+flips expected at those rates). It takes seconds to a minute for a 0.5B model, so :func:`load_or_probe` keeps the
 answer per CPU model, torch version, thread count, dtype, layer shapes and kernels, next to the
 kernel-cost measurements (``$XDG_CACHE_HOME/specdraft/exact-rows/``).
 
@@ -96,12 +96,17 @@ WIDE_CHECKS = (96, 128, 256, 512)
 #: Rows of random input compared per width, at least (a width of ``M`` runs ``ceil(rows / M)`` forwards).
 ROWS_PER_WIDTH = 64
 
-#: Outputs compared per width and layer, at least: a layer of ``N`` outputs runs
+#: Outputs compared per width and layer, at least, in 16-bit dtypes: a layer of ``N`` outputs runs
 #: ``max(ROWS_PER_WIDTH, OUTPUTS_PER_WIDTH / N)`` rows per width. Where a kernel sums in another
 #: order, only some bfloat16 outputs show it: measured on an Intel Xeon with AMX (one thread), about
 #: 3 to 6 in 100,000 for inner lengths of 896 and 4864. 64 rows of a 896-output layer then miss a
 #: reordering about one time in seven, so a narrow layer needs many more rows than a vocabulary head.
+#: (A float32 or float64 output shows a reordered sum in most of its outputs.)
 OUTPUTS_PER_WIDTH = 1 << 18
+
+#: The most rows per width that :data:`OUTPUTS_PER_WIDTH` asks for (a key/value projection of 128
+#: outputs runs 2048; tiny test models' layers of 16 outputs would ask for 16,384 one-row forwards).
+MAX_ROWS_PER_WIDTH = 2048
 
 
 class ExactRowsError(RuntimeError):
@@ -318,7 +323,9 @@ def probe_rule(layers: Iterable[nn.Module], dtype: torch.dtype, max_rows: int = 
     common = set(widths)
     wider = True
     for (shape, kernel), layer in sorted(kinds.items(), key=lambda kv: kv[0]):
-        rows = max(rows_per_width, -(-outputs_per_width // shape[1]))
+        rows = rows_per_width
+        if dtype.itemsize <= 2:
+            rows = max(rows, min(MAX_ROWS_PER_WIDTH, -(-outputs_per_width // shape[1])))
         key = (shape, kernel, str(_device_of(layer)), dtype, widths + wide, rows, threads)
         classes = _CLASSES.get(key)  # (one lookup and one store, each atomic: no lock needed across threads)
         if classes is None:
@@ -366,6 +373,7 @@ def rule_cache_key(model: nn.Module, layers: Sequence[nn.Module]) -> dict[str, A
     machine = {name: value for name, value in cache_key(model).items() if name != "linears"}
     return {**machine, "device": _device_name(layers), "version": CACHE_VERSION, "kernels": kernels,
             "max_rows": MAX_WIDTH, "rows_per_width": ROWS_PER_WIDTH, "outputs_per_width": OUTPUTS_PER_WIDTH,
+            "max_rows_per_width": MAX_ROWS_PER_WIDTH,
             "wide": list(WIDE_CHECKS)}
 
 
