@@ -54,9 +54,9 @@ compares bits. A bfloat16 output hides most reorderings (the float32 sums differ
 bits, the rounded result only now and then: on an Intel Xeon with AMX about 3 to 6 outputs in
 100,000), so in 16-bit dtypes it compares at least :data:`OUTPUTS_PER_WIDTH` outputs per width
 and layer, enough that a kernel summing in another order is caught with near certainty (some 13
-flips expected at those rates). It takes seconds to a minute for a 0.5B model, so :func:`load_or_probe` keeps the
-answer per CPU model, torch version, thread count, dtype, layer shapes and kernels, next to the
-kernel-cost measurements (``$XDG_CACHE_HOME/specdraft/exact-rows/``).
+flips expected at those rates). It takes seconds to a minute for a 0.5B model, so
+:func:`load_or_probe` keeps the answer per CPU model, torch version, thread count, dtype, layer
+shapes and kernels, next to the kernel-cost measurements (``$XDG_CACHE_HOME/specdraft/exact-rows/``).
 
 What a decoder in exact mode does with it
     * once, after choosing its kernels: ``rule = load_or_probe(model, packed)`` with the
@@ -132,7 +132,8 @@ def width_classes(layer: Callable[[torch.Tensor], torch.Tensor], in_features: in
         for width in widths:
             start = base - width // 2  # blocks start mid-way, so that no width lines up with another's
             forwards = -(-(width // 2 + rows_per_width) // width)
-            parts = [layer(_alone(inputs[start + i * width : start + (i + 1) * width]))[0] for i in range(forwards)]
+            parts = [layer(_alone(inputs[start + i * width : start + (i + 1) * width]))[0]
+                     for i in range(forwards)]
             outputs[width] = (start, torch.cat(parts))
     classes: list[list[int]] = []
     for width in widths:
