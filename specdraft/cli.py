@@ -361,6 +361,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         record = {"model": args.model, "dtype": args.dtype, "sources": source_names,
                   "max_tree_nodes": decoder.max_tree_nodes, "sampling": options, "seed": args.seed,
                   "prompt_tokens": len(prompt_ids), **stats, "kernels": decoder.kernels.describe(),
+                  "exact": decoder.exact_note,
                   "text": out.text, "token_ids": list(out.token_ids)}
         if comparison is not None:
             record["compare"] = comparison
@@ -371,6 +372,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"{PROG}: {_summary(stats)}", file=sys.stderr)
     if not args.quiet:
         print(f"{PROG}: kernels: {decoder.kernels.describe()}", file=sys.stderr)
+        print(f"{PROG}: {decoder.exact_note}", file=sys.stderr)
     if comparison is not None:
         print(_comparison_line(comparison, args.dtype), file=sys.stderr)
     return 0
@@ -479,6 +481,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"  {name:<17} {len(outputs[name]) / median:6.1f} tokens/s  {plain_median / median:5.2f}x  {same}{extra}",
               file=sys.stderr)
     print(f"  specdraft kernels: {decoder.kernels.describe()}", file=sys.stderr)
+    print(f"  specdraft {decoder.exact_note}", file=sys.stderr)
     return 0
 
 

@@ -21,7 +21,8 @@ from .engine import BatchResult, Drafter, Engine, RequestSpec
 from .engine.widths import RowWidths, exact_buckets, exact_default
 from .model.static import COMPILE_BACKEND, Buckets
 from .kernels.attention_cost import attention_seconds
-from .kernels.exact_rows import load_or_probe
+from .kernels.exact_kernels import PRICE_LIMIT, ExactKernels, choose_exact_kernels
+from .kernels.exact_rows import ExactRowsError, RowRule, load_or_probe
 from .kernels.kernel_costs import choose_kernels
 from .model.attention import ATTENTION_CHOICES, select_attention
 from .model.exact_attention import CHUNK, check_exact_runs_on
@@ -132,10 +133,13 @@ class Decoder:
     (:mod:`specdraft.kernels.exact_rows`, probed once per machine and model) and attention runs
     :mod:`specdraft.model.exact_attention`. Then
     speculation gives the very tokens of plain decoding in bfloat16 and float16 too, where
-    rounding otherwise parts them at near-ties. The default (``None``) is on where it costs
-    little, with ``attention="auto"``: bfloat16 and float16 models on a CPU, and bfloat16 on a
-    CUDA GPU where exact attention's Triton kernels run
-    (:func:`~specdraft.engine.widths.exact_default`).
+    rounding otherwise parts them at near-ties. On a CPU it runs one kernel path at every width,
+    the one whose padded forwards cost least here (:mod:`specdraft.kernels.exact_kernels`). The
+    default (``None``) is on where it costs at most 5%, with ``attention="auto"``: bfloat16 and
+    float16 models on a CPU whose measured price is that low (AMD EPYCs; not an Intel Xeon with
+    AMX, where oneDNN's rows agree only from 37 rows), and bfloat16 on a CUDA GPU where exact
+    attention's Triton kernels run (:func:`~specdraft.engine.widths.exact_default`).
+    :attr:`exact_note` says which and why.
 
     ``compile=True`` (CUDA only) runs the decode forwards through ``torch.compile`` before they
     are captured as CUDA graphs: the compiler fuses the model's many small kernels (norms, rotary
@@ -153,8 +157,11 @@ class Decoder:
         if max_tree_nodes is None:
             max_tree_nodes = default_max_tree_nodes(getattr(model, "device", None))
         _check_options(model, max_tree_nodes, attention, exact, compile)
+        exact, exact_kernels, note = self._choose_exact(model, cpu_kernels, attention, exact, compile)
         #: whether forwards are padded and attention is exact (see the class docstring)
-        self.exact: bool = (exact_default(model, attention) and not compile) if exact is None else exact
+        self.exact: bool = exact
+        #: why exact mode is on or off, and on a CPU which kernels it runs and what it costs
+        self.exact_note: str = note
         #: the draft sources (a list the engine reads: a source added or removed here takes part
         #: from the next request on)
         self.sources: list[DraftSource] = (list(sources) if sources is not None
@@ -177,7 +184,7 @@ class Decoder:
         self.attention = select_attention(model, "exact" if self.exact else attention)
         runner = ModelRunner(model)
         #: the CPU kernels per forward width and their measured costs (see :mod:`specdraft.kernels.kernel_costs`)
-        self.kernels = choose_kernels(model, cpu_kernels)
+        self.kernels = exact_kernels.kernels if exact_kernels is not None else choose_kernels(model, cpu_kernels)
         self.cpu_kernels = cpu_kernels
         #: the packed linear weights swapped in around each forward (``cpu_kernels="auto"``,
         #: ``"packed"`` or ``"fbgemm"``; ``None``: stock kernels)
@@ -189,7 +196,7 @@ class Decoder:
                         warmup=max(WARMUP_STEPS, drafter.warmup_steps))
         self.engine = Engine(runner, drafter, budget, kernels=self._kernels_context, text=self._text,
                              attention=self.attention)
-        self._widths()
+        self._widths(exact_kernels.rule if exact_kernels is not None else None)
         if runner.device.type == "cuda":  # width is nearly free: the whole tree may pay more than rates say
             budget.whole_tree = WholeTreeTrial()
         if previous is not None and previous != self.attention:  # the engine switches it per call
@@ -271,11 +278,44 @@ class Decoder:
         self.budget.set_cost_curve(None)  # the packed curve no longer describes what runs
         self._widths()  # the stock layers may agree at other widths
 
-    def _widths(self) -> None:
+    @staticmethod
+    def _choose_exact(model: Any, cpu_kernels: str, attention: str, exact: bool | None,
+                      compile: bool) -> tuple[bool, ExactKernels | None, str]:
+        """Whether exact mode runs, the kernels it runs on a CPU (``None`` where it does not run
+        or runs elsewhere), and a line saying why.
+
+        Asked for, it runs (on a CPU on the kernel path whose padded forwards cost least,
+        :func:`~specdraft.kernels.exact_kernels.choose_exact_kernels`). By default it runs where
+        :func:`~specdraft.engine.widths.exact_default` allows it and, on a CPU, where its price
+        measured on this machine and model is at most
+        :data:`~specdraft.kernels.exact_kernels.PRICE_LIMIT`."""
+        on_cpu = torch.device(getattr(model, "device", "cpu")).type == "cpu"
+        if exact is not None:
+            kernels = choose_exact_kernels(model, cpu_kernels, priced=False) if exact and on_cpu else None
+            return exact, kernels, f"exact mode {'on' if exact else 'off'}, as asked" + (
+                f": {kernels.describe()}" if kernels is not None else "")
+        if compile or not exact_default(model, attention):
+            return False, None, "exact mode off: not the default for this device, dtype and attention"
+        if not on_cpu:
+            return True, None, "exact mode on: the default for this device and dtype"
+        try:
+            kernels = choose_exact_kernels(model, cpu_kernels, priced=True)
+        except ExactRowsError as exc:
+            return False, None, f"exact mode off: {exc}"
+        verdict = "on" if kernels.cheap else "off (exact=True turns it on)"
+        note = (f"exact mode {verdict}: the default where it costs at most {PRICE_LIMIT:.0%}; "
+                f"its cheapest kernels here: {kernels.describe()}")
+        if not kernels.cheap:
+            kernels.kernels.release_packed()  # (the kernels without exact mode are packed next)
+            return False, None, note
+        return True, kernels, note
+
+    def _widths(self, rule: RowRule | None = None) -> None:
         """The widths forwards run at: in exact mode, those the layers that run now compute every
-        row alike at; on a GPU, a few buckets whose forwards are captured as CUDA graphs
-        (:mod:`specdraft.model.static`); elsewhere, as they come."""
-        rule = load_or_probe(self.model, self.packed_weights) if self.exact else None
+        row alike at (``rule`` where the caller has it); on a GPU, a few buckets whose forwards are
+        captured as CUDA graphs (:mod:`specdraft.model.static`); elsewhere, as they come."""
+        if self.exact and rule is None:
+            rule = load_or_probe(self.model, self.packed_weights)
         # exact attention at fixed shapes reads committed tokens in place from chunk boundaries
         self.runner.store.align = CHUNK if self.exact else 1
         if self.runner.device.type != "cuda":

@@ -4,7 +4,7 @@ The model is issue 43's random 896-wide Llama (two layers, MLP 4864, 14 heads on
 heads, vocabulary 512): wide enough that a forward of several rows computes a row's logits in
 other last bits than a one-row forward, so that without exact mode speculation parts from plain
 decoding at near-ties on most prompts. With ``exact=True`` (the default for these dtypes on a
-CPU) every decode forward is padded to a width at which the linear and normalization layers compute
+CPU where it costs little) every decode forward is padded to a width at which the linear and normalization layers compute
 every row alike
 and the attention is :mod:`specdraft.model.exact_attention`: speculation, alone or batched, greedy
 or sampled, equals exact plain decoding token for token, whatever the sources proposed.
@@ -48,9 +48,13 @@ def speculative(dtype: torch.dtype, names: list[str], exact: bool, **options) ->
                    cpu_kernels="stock", **options)
 
 
-def test_exact_mode_is_the_default_for_bfloat16_and_float16_on_a_cpu() -> None:
-    assert Decoder(wide_model(torch.bfloat16), sources=[], max_tree_nodes=0).exact
-    assert Decoder(wide_model(torch.float16), sources=[], max_tree_nodes=0).exact
+def test_exact_mode_by_default_says_why_and_refuses_what_it_cannot_run() -> None:
+    """By default on a CPU exact mode is on where this machine's price is low
+    (``tests/test_exact_kernels.py``): either way the decoder says which and why."""
+    for dtype in (torch.bfloat16, torch.float16):
+        dec = Decoder(wide_model(dtype), sources=[], max_tree_nodes=0)
+        assert dec.exact_note.startswith("exact mode on:" if dec.exact else "exact mode off")
+        assert "at most 5%" in dec.exact_note and "kernels" in dec.exact_note
     from conftest import tiny_model
 
     assert not Decoder(tiny_model("llama"), max_tree_nodes=4).exact  # float64: exact against generate already
@@ -217,8 +221,8 @@ def test_exact_mode_pads_past_the_widths_where_a_norm_rounds_otherwise(monkeypat
     assert speculated == expected
     # a rule of the linear layers alone that pads to 2+ (the stock bfloat16 kernel's on an AVX2 EPYC);
     # the norms cut at 16 here, so that the trees (up to 25 rows) cross it
-    import specdraft.decoder as decoder_module
+    from specdraft.kernels import exact_kernels
 
-    monkeypatch.setattr(decoder_module, "load_or_probe", lambda model, packed: RowRule(tuple(range(2, 65)), wider=True))
+    monkeypatch.setattr(exact_kernels, "load_or_probe", lambda model, packed=None: RowRule(tuple(range(2, 65)), wider=True))
     expected, speculated, narrowest = outputs(reordered_model(16))
     assert narrowest == 2 and speculated != expected

@@ -458,6 +458,8 @@ class SpecdraftMethod:
                              + f" ({self.decoder.kernels.describe()})")  # which path ran, what it costs
         if self.decoder.exact:
             self.description += f", exact mode ({self.decoder.engine.padding})"
+        if "at most 5%" in self.decoder.exact_note:  # the default was priced on this machine: say how
+            self.description += f"; {self.decoder.exact_note}"
 
     def _decoder_for(self, sources: list[Any], budget: Any = None) -> Any:
         """A Decoder over ``sources`` with this method's options; ``budget``: an adaptive budget to run

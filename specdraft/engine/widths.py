@@ -53,10 +53,12 @@ class RowWidths:
 
 
 def exact_default(model: Any, attention: str) -> bool:
-    """Exact mode by default where it is measured to cost at most 5% of the speed, with the
-    default attention:
+    """Whether exact mode may be the default for this device and dtype, with the default attention
+    (exact mode is the default only where it costs at most 5% of the speed):
 
-    * bfloat16 and float16 on a CPU: a few percent (``benchmarks/results/exact-price-*``);
+    * bfloat16 and float16 on a CPU: where this machine's kernels make it cheap, which the decoder
+      measures per machine and model (:mod:`specdraft.kernels.exact_kernels`): on AMD EPYCs a few
+      percent (``benchmarks/results/exact-price-*``), on an Intel Xeon with AMX far more;
     * bfloat16 on CUDA where exact attention's Triton kernels run: nothing measurable on an H100
       (``benchmarks/results/gpu-h100-2026-11-27-7a7546a``: exact plain decoding ran at 1.04-1.06x
       the speed of plain decoding, median per prompt, and exact speculation at 1.08-1.16x the
@@ -66,9 +68,9 @@ def exact_default(model: Any, attention: str) -> bool:
       layer agreeing at every width (:mod:`specdraft.kernels.exact_rows`): on CUDA exact mode
       narrows the parting, it does not yet close it.
 
-    Off for float32 (exact there already against ``model.generate``, and padding a plain step to
-    several rows costs up to 70% on MKL's kernels), for float16 on CUDA and on other accelerators
-    (not measured)."""
+    Never for float32 (exact there already against ``model.generate``, and padding a plain step to
+    several rows costs up to 70% on MKL's kernels), nor for float16 on CUDA and on other
+    accelerators (not measured)."""
     if attention != "auto":
         return False
     dtype = getattr(model, "dtype", torch.float32)

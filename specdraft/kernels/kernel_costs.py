@@ -305,15 +305,11 @@ def choose_kernels(model: nn.Module, requested: str = "auto") -> KernelChoice:
         return KernelChoice(requested, note="no packed path runs this model here")
     costs = load_or_measure(model, ["stock", *kinds])
     stock = costs.curve("stock")
-    curves = {kind: costs.curve(kind) for kind in kinds if kind in costs.seconds}
-    saving = {kind: sum(max(0.0, base - fast) for base, fast in zip(stock, curve))
-              for kind, curve in curves.items()}
-    best = max(curves, key=lambda kind: saving[kind], default=None)
+    best, plan = auto_mix(costs)
     choice = KernelChoice(requested, costs=costs, curve=stock)
-    if best is None or saving[best] <= 0:
+    if best is None:
         choice.note = "stock is cheapest at every width"
         return choice
-    plan = tuple(c < s for s, c in zip(stock, curves[best]))
     problem = memory_problem(model, best)
     if problem is not None:
         choice.note = f"{best} would be faster but {problem}"
@@ -325,5 +321,18 @@ def choose_kernels(model: nn.Module, requested: str = "auto") -> KernelChoice:
         choice.note = f"{best} left out: {exc}"
         return choice
     choice.kind, choice.plan, choice.packed, choice.extra_bytes = best, plan, packed, packed.nbytes
-    choice.curve = [min(s, c) for s, c in zip(stock, curves[best])]
+    choice.curve = [min(s, c) for s, c in zip(stock, costs.curve(best))]
     return choice
+
+
+def auto_mix(costs: KernelCosts) -> tuple[str | None, tuple[bool, ...]]:
+    """The packed path ``"auto"`` mixes with stock (the one that saves the most over widths
+    1..64; ``None`` where none saves anything) and at which widths it runs it."""
+    stock = costs.curve("stock")
+    curves = {kind: costs.curve(kind) for kind in PACKED_KINDS if kind in costs.seconds}
+    saving = {kind: sum(max(0.0, base - fast) for base, fast in zip(stock, curve))
+              for kind, curve in curves.items()}
+    best = max(curves, key=lambda kind: saving[kind], default=None)
+    if best is None or saving[best] <= 0:
+        return None, ()
+    return best, tuple(c < s for s, c in zip(stock, curves[best]))
