@@ -83,9 +83,10 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from .cpu_kernels import PackedModel, linear_modules
-from .kernel_costs import cache_dir, cache_key, cache_path, model_dtype, write_cache
+from .kernel_costs import PROGRESS_DELAY_S, cache_dir, cache_key, cache_path, model_dtype, write_cache
 
 #: The widest decode forward the rule covers (the adaptive budget's widest tree).
 MAX_WIDTH = 64
@@ -323,7 +324,10 @@ def probe_rule(layers: Iterable[nn.Module], dtype: torch.dtype, max_rows: int = 
     per_shape = []
     common = set(widths)
     wider = True
-    for (shape, kernel), layer in sorted(kinds.items(), key=lambda kv: kv[0]):
+    # (a first probe of a real model takes a minute or more: say so on a terminal, after a moment)
+    shown = tqdm(sorted(kinds.items(), key=lambda kv: kv[0]), desc="specdraft: probing exact-mode widths",
+                 unit="layer kind", delay=PROGRESS_DELAY_S, leave=False, disable=None)
+    for (shape, kernel), layer in shown:
         rows = rows_per_width
         if dtype.itemsize <= 2:
             rows = max(rows, min(MAX_ROWS_PER_WIDTH, -(-outputs_per_width // shape[1])))

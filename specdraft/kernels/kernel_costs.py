@@ -53,6 +53,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from .cpu_kernels import (PACKED_KINDS, CpuKernelError, PackedLinear, PackedModel, check_cpu_kernels,
                           linear_modules, memory_problem, packed_model, proc_field)
@@ -70,6 +71,8 @@ MAX_SAMPLE_ROWS = 8192
 REPEATS = 3
 #: Version of the cache files' content (a new one measures again).
 CACHE_VERSION = 1
+#: Seconds of first-use work (a measurement, a probe) before a progress bar shows (on a terminal).
+PROGRESS_DELAY_S = 3.0
 
 
 def cache_dir() -> Path:
@@ -186,8 +189,10 @@ def measure(model: nn.Module, paths: Sequence[str], widths: Sequence[int] = WIDT
     inputs = {(w, inp): torch.randn(1, w, inp, generator=generator).to(dtype)
               for w in widths for inp in {l.in_features for l, _ in sample}}
     best = {path: [float("inf")] * len(widths) for path in runs}
+    rounds = tqdm(range(max(1, repeats)), desc="specdraft: measuring CPU kernels", unit="round",
+                  delay=PROGRESS_DELAY_S, leave=False, disable=None)
     with torch.inference_mode():
-        for _ in range(max(1, repeats)):
+        for _ in rounds:
             for i, w in enumerate(widths):
                 for path, layers in runs.items():
                     total = 0.0
