@@ -53,7 +53,8 @@ class ExactKernels:
     #: one path at every width (``plan`` is ``None``), with its packed weights where it has any
     kernels: KernelChoice
     rule: RowRule
-    #: exact mode's price against the kernels without it (``None``: not measured, see :attr:`note`)
+    #: exact mode's price against the kernels without it (``None``: not measured, where exact mode
+    #: and one path were both asked for)
     price: float | None
     #: per path looked at: its price, or why it was left out
     paths: dict[str, str] = field(default_factory=dict)
