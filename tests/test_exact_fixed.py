@@ -304,10 +304,25 @@ def test_triton_rows_depend_only_on_their_visible_keys() -> None:
     _in_triton_interpreter("_triton_rows")
 
 
+def _triton_kernels() -> str | None:
+    """The CPU kernels whose rule holds every one of :data:`TRITON_WIDTHS` (``None``: none):
+    stock where it does, as on an AMD EPYC; else FBGEMM's, which give every width alike on an
+    Intel Xeon with AMX, where the stock bfloat16 kernel pads to 37 rows."""
+    from specdraft.kernels.cpu_kernels import CpuKernelError, check_cpu_kernels, packed_model
+
+    model = _model(1)
+    if set(TRITON_WIDTHS) <= set(load_or_probe(model).widths):
+        return "stock"
+    try:
+        check_cpu_kernels(model, "fbgemm")
+    except CpuKernelError:
+        return None
+    return "fbgemm" if set(TRITON_WIDTHS) <= set(load_or_probe(model, packed_model(model, "fbgemm")).widths) else None
+
+
 def test_triton_exact_mode_equals_exact_plain_decoding() -> None:
-    rule = load_or_probe(_model(1))
-    if not set(TRITON_WIDTHS) <= set(rule.widths):
-        pytest.skip(f"this CPU's bfloat16 linear layers need {rule.describe()}: wider than the widths "
+    if _triton_kernels() is None:
+        pytest.skip(f"neither this CPU's stock bfloat16 linear layers nor FBGEMM's hold the widths "
                     f"{TRITON_WIDTHS} the Triton interpreter runs in time")
     # the interpreter's check of every integer operation for overflow (which a GPU build runs only
     # in debug mode) stays on in the row check above, over the same kernels and index arithmetic
@@ -345,12 +360,12 @@ TRITON_WIDTHS = (2, 4, 8, 16)
 def _triton_decoding() -> None:
     """Decoding through "captured" fixed-width forwards on the kernel: speculation gives exact plain
     decoding's tokens, alone and batched."""
-    widths = TRITON_WIDTHS
+    widths, kernels = TRITON_WIDTHS, _triton_kernels()
     # plain decoding steps one row at a time: its narrowest bucket alone is captured (the rule makes
     # a row's bits the same at every width it holds, which is what this checks)
-    plain = _as_on_a_gpu(Decoder(_model(1), sources=[], max_tree_nodes=0, exact=True, cpu_kernels="stock"), widths[:1])
+    plain = _as_on_a_gpu(Decoder(_model(1), sources=[], max_tree_nodes=0, exact=True, cpu_kernels=kernels), widths[:1])
     dec = _as_on_a_gpu(Decoder(_model(1), sources=make_sources(["prompt", "ngram", "suffix"]), max_tree_nodes=8,
-                               adaptive_budget=False, exact=True, cpu_kernels="stock"), widths)
+                               adaptive_budget=False, exact=True, cpu_kernels=kernels), widths)
     assert dec.engine.padding.widths[-1] == 16
     new = 10
     prompts = [repetitive_prompt(s) for s in (0, 1)]
