@@ -126,7 +126,8 @@ def machine(run: str) -> dict:
     cpu = cfg["cpu"]
     flags = cpu.get("flags", [])
     isa = ("AVX-512" if "avx512f" in flags else "AVX2, no AVX-512" if "avx2" in flags
-           else "no AVX2") + (" with AVX512-BF16" if "avx512_bf16" in flags else "")
+           else "no AVX2") + (" with AVX512-BF16" if "avx512_bf16" in flags else "") + (
+        " and AMX-BF16" if "amx_bf16" in flags else "")
     return {"short": f"{cpu['model']}, {isa.split(',')[0]}", "isa": isa,
             "cpu": f"{cpu['model']}, {cpu.get('cpus', '?')} logical CPUs"}
 

@@ -54,7 +54,7 @@ def test_exact_mode_by_default_says_why_and_refuses_what_it_cannot_run() -> None
     for dtype in (torch.bfloat16, torch.float16):
         dec = Decoder(wide_model(dtype), sources=[], max_tree_nodes=0)
         assert dec.exact_note.startswith("exact mode on:" if dec.exact else "exact mode off")
-        assert "at most 5%" in dec.exact_note and "kernels" in dec.exact_note
+        assert "at most 5%" in dec.exact_note or "no kernel path gives every row alike" in dec.exact_note
     from conftest import tiny_model
 
     assert not Decoder(tiny_model("llama"), max_tree_nodes=4).exact  # float64: exact against generate already
