@@ -118,8 +118,11 @@ def machine(run: str) -> dict:
     """``short``, ``cpu`` and ``isa`` of a run's machine: from ``machines.json`` (by the platform
     string the run recorded) or else from the ``cpu`` field newer runs record."""
     cfg = run_config(run)
-    if cfg["platform"] in machines():
-        return machines()[cfg["platform"]]
+    known = machines().get(cfg["platform"])
+    # (a platform string names the kernel, not the CPU: where the run recorded another CPU than
+    # the one machines.json lists for it, the recorded one is the machine)
+    if known is not None and ("cpu" not in cfg or cfg["cpu"]["model"].split()[0] in known["cpu"]):
+        return known
     if "cpu" not in cfg:
         raise KeyError(f"{run}: no CPU recorded for platform {cfg['platform']!r}; "
                        "add it to benchmarks/results/machines.json")
@@ -479,6 +482,8 @@ FIRST_SCREEN = [
     Setting("CPU", "bfloat16", "chat", "first-screen-qwen0.5b-bf16-humaneval5-mtbench5-552a27e"),
     Setting("CPU", "bfloat16", "code", "first-screen-avx2-qwen0.5b-bf16-humaneval5-mtbench5-22ecf8e", variant="AVX2"),
     Setting("CPU", "bfloat16", "chat", "first-screen-avx2-qwen0.5b-bf16-humaneval5-mtbench5-22ecf8e", variant="AVX2"),
+    Setting("CPU", "bfloat16", "code", "first-screen-xeon-amx-qwen0.5b-bf16-humaneval5-mtbench5-f4932f3", variant="AMX"),
+    Setting("CPU", "bfloat16", "chat", "first-screen-xeon-amx-qwen0.5b-bf16-humaneval5-mtbench5-f4932f3", variant="AMX"),
     Setting("GPU", "bfloat16", "code", "gpu-h200-2026-11-28-27af751/main"),
     Setting("GPU", "bfloat16", "chat", "gpu-h200-2026-11-28-27af751/main"),
     Setting("CPU", "bfloat16", "code", "concurrency-qwen0.5b-bf16-humaneval8-552a27e", batch=8),
