@@ -34,6 +34,7 @@ How it is priced
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 from torch import nn
 
 from .cpu_kernels import CpuKernelError, check_cpu_kernels, memory_problem, packed_model
@@ -92,13 +93,13 @@ def lowest_price(curve: list[float], reference: list[float], rows: int = PRICED_
     return sum(f / r for f, r in zip(floors, reference)) / rows - 1
 
 
-def reference_curve(costs: KernelCosts, requested: str) -> list[float]:
+def reference_curve(costs: KernelCosts, requested: str, paths: Sequence[str] = ()) -> list[float]:
     """What each forward width costs without exact mode: on the path asked for, or for ``"auto"``
-    on stock and the packed path it mixes in where that is cheaper."""
+    on stock and the packed path of ``paths`` it mixes in where that is cheaper."""
     if requested != "auto":
         return costs.curve(requested)
     stock = costs.curve("stock")
-    best, _ = auto_mix(costs)
+    best, _ = auto_mix(costs, [path for path in paths if path != "stock"])
     return stock if best is None else [min(s, c) for s, c in zip(stock, costs.curve(best))]
 
 
@@ -126,7 +127,7 @@ def choose_exact_kernels(model: nn.Module, requested: str = "auto", priced: bool
         kernels, rule = _on_path(model, requested, paths[0])
         return ExactKernels(kernels, rule, None)
     costs = load_or_measure(model, paths)
-    reference = reference_curve(costs, requested)
+    reference = reference_curve(costs, requested, paths)
     bounds = {path: lowest_price(costs.curve(path), reference) for path in paths if path in costs.seconds}
     best: ExactKernels | None = None
     seen: dict[str, str] = {path: "cannot run this model" for path in paths if path not in bounds}

@@ -310,7 +310,7 @@ def choose_kernels(model: nn.Module, requested: str = "auto") -> KernelChoice:
         return KernelChoice(requested, note="no packed path runs this model here")
     costs = load_or_measure(model, ["stock", *kinds])
     stock = costs.curve("stock")
-    best, plan = auto_mix(costs)
+    best, plan = auto_mix(costs, kinds)
     choice = KernelChoice(requested, costs=costs, curve=stock)
     if best is None:
         choice.note = "stock is cheapest at every width"
@@ -330,11 +330,11 @@ def choose_kernels(model: nn.Module, requested: str = "auto") -> KernelChoice:
     return choice
 
 
-def auto_mix(costs: KernelCosts) -> tuple[str | None, tuple[bool, ...]]:
-    """The packed path ``"auto"`` mixes with stock (the one that saves the most over widths
-    1..64; ``None`` where none saves anything) and at which widths it runs it."""
+def auto_mix(costs: KernelCosts, kinds: Sequence[str] = PACKED_KINDS) -> tuple[str | None, tuple[bool, ...]]:
+    """The packed path of ``kinds`` that ``"auto"`` mixes with stock (the one that saves the most
+    over widths 1..64; ``None`` where none saves anything) and at which widths it runs it."""
     stock = costs.curve("stock")
-    curves = {kind: costs.curve(kind) for kind in PACKED_KINDS if kind in costs.seconds}
+    curves = {kind: costs.curve(kind) for kind in kinds if kind in costs.seconds}
     saving = {kind: sum(max(0.0, base - fast) for base, fast in zip(stock, curve))
               for kind, curve in curves.items()}
     best = max(curves, key=lambda kind: saving[kind], default=None)
