@@ -33,6 +33,7 @@ from ..verify import Draw
 #: batch) keep per-request state under them.
 request_ids = itertools.count(1)
 
+
 def run_queued(jobs: list[Callable[[], None]]) -> None:
     """Run the work queued in ``jobs`` (host work waiting for a forward), in order, and empty the
     list first, so that a job that raises leaves nothing behind to run twice."""

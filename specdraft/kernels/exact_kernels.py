@@ -98,9 +98,7 @@ def reference_curve(costs: KernelCosts, requested: str, paths: Sequence[str] = (
     on stock and the packed path of ``paths`` it mixes in where that is cheaper."""
     if requested != "auto":
         return costs.curve(requested)
-    stock = costs.curve("stock")
-    best, _ = auto_mix(costs, [path for path in paths if path != "stock"])
-    return stock if best is None else [min(s, c) for s, c in zip(stock, costs.curve(best))]
+    return auto_mix(costs, [path for path in paths if path != "stock"])[2]
 
 
 def _on_path(model: nn.Module, requested: str, path: str) -> tuple[KernelChoice, RowRule]:

@@ -310,7 +310,7 @@ def choose_kernels(model: nn.Module, requested: str = "auto") -> KernelChoice:
         return KernelChoice(requested, note="no packed path runs this model here")
     costs = load_or_measure(model, ["stock", *kinds])
     stock = costs.curve("stock")
-    best, plan = auto_mix(costs, kinds)
+    best, plan, mixed = auto_mix(costs, kinds)
     choice = KernelChoice(requested, costs=costs, curve=stock)
     if best is None:
         choice.note = "stock is cheapest at every width"
@@ -326,18 +326,21 @@ def choose_kernels(model: nn.Module, requested: str = "auto") -> KernelChoice:
         choice.note = f"{best} left out: {exc}"
         return choice
     choice.kind, choice.plan, choice.packed, choice.extra_bytes = best, plan, packed, packed.nbytes
-    choice.curve = [min(s, c) for s, c in zip(stock, costs.curve(best))]
+    choice.curve = mixed
     return choice
 
 
-def auto_mix(costs: KernelCosts, kinds: Sequence[str] = PACKED_KINDS) -> tuple[str | None, tuple[bool, ...]]:
+def auto_mix(costs: KernelCosts, kinds: Sequence[str] = PACKED_KINDS
+             ) -> tuple[str | None, tuple[bool, ...], list[float]]:
     """The packed path of ``kinds`` that ``"auto"`` mixes with stock (the one that saves the most
-    over widths 1..64; ``None`` where none saves anything) and at which widths it runs it."""
+    over widths 1..64; ``None`` where none saves anything), at which widths it runs it, and what
+    each width then costs (stock's curve where nothing is mixed in)."""
     stock = costs.curve("stock")
     curves = {kind: costs.curve(kind) for kind in kinds if kind in costs.seconds}
     saving = {kind: sum(max(0.0, base - fast) for base, fast in zip(stock, curve))
               for kind, curve in curves.items()}
     best = max(curves, key=lambda kind: saving[kind], default=None)
     if best is None or saving[best] <= 0:
-        return None, ()
-    return best, tuple(c < s for s, c in zip(stock, curves[best]))
+        return None, (), stock
+    fast = curves[best]
+    return best, tuple(c < s for s, c in zip(stock, fast)), [min(s, c) for s, c in zip(stock, fast)]
