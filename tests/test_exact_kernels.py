@@ -75,7 +75,6 @@ def made_up(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(exact_kernels, "load_or_measure", measure)
     monkeypatch.setattr(exact_kernels, "load_or_probe", probe)
     monkeypatch.setattr(exact_kernels, "runnable_paths", lambda model: ["packed", "fbgemm"])
-    monkeypatch.setattr(exact_kernels, "memory_problem", lambda model, kind: None)
     monkeypatch.setattr(exact_kernels, "packed_model", lambda model, kind: SimpleNamespace(kind=kind, nbytes=0))
     return seen
 

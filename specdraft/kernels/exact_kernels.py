@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 from torch import nn
 
-from .cpu_kernels import CpuKernelError, check_cpu_kernels, memory_problem, packed_model
+from .cpu_kernels import CpuKernelError, check_cpu_kernels, packed_model
 from .exact_rows import ExactRowsError, RowRule, load_or_probe
 from .kernel_costs import KernelChoice, KernelCosts, auto_mix, load_or_measure, runnable_paths
 
@@ -103,13 +103,11 @@ def reference_curve(costs: KernelCosts, requested: str, paths: Sequence[str] = (
 
 def _on_path(model: nn.Module, requested: str, path: str) -> tuple[KernelChoice, RowRule]:
     """The one-path kernels of ``path`` and their rule (raises :class:`CpuKernelError` or
-    :class:`ExactRowsError` where the path cannot run or agrees at no width)."""
+    :class:`ExactRowsError` where the path cannot run, its copy would not fit in memory, or it
+    agrees at no width)."""
     if path == "stock":
         return KernelChoice(requested), load_or_probe(model)
-    problem = memory_problem(model, path)
-    if problem is not None:
-        raise CpuKernelError(problem)
-    packed = packed_model(model, path)
+    packed = packed_model(model, path)  # (it refuses a copy that would not fit)
     return KernelChoice(requested, path, packed=packed, extra_bytes=packed.nbytes), load_or_probe(model, packed)
 
 
