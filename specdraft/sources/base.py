@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Any, Generic, Iterable, Protocol, Sequence, TypeVar, runtime_checkable
 
 import numpy as np
 import torch
@@ -223,6 +223,18 @@ class DraftSource(Protocol):
         """The request is over (finished, or stopped by a stop rule, the token limit or a caller
         closing its stream); drop its per-request state."""
         ...
+
+
+def within_budget(branches: Iterable[Sequence[int]], budget: int) -> list[list[int]]:
+    """The ``branches`` in order while their lengths add up to at most ``budget``, the last one cut
+    to fit (a prefix shared by two branches counted in each)."""
+    kept: list[list[int]] = []
+    for branch in branches:
+        if budget <= 0:
+            break
+        kept.append(list(branch[:budget]))
+        budget -= len(kept[-1])
+    return kept
 
 
 #: The optional attributes of a draft source, with the value the decoder assumes when absent.

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from ..checks import check_int
-from .base import Context, Draft, Feedback, SideBlock, SourceBase
+from .base import Context, Draft, Feedback, SideBlock, SourceBase, within_budget
 
 __all__ = ["JacobiLookahead", "NGramPool", "LookaheadWindow", "window_side_block"]
 
@@ -262,14 +262,7 @@ class JacobiLookahead(SourceBase[LookaheadWindow]):
             st.pending = None
             return Draft()
         root = int(context.root)
-        branches: list[list[int]] = []
-        left = budget
-        for cont in st.pool.get(root, self.max_candidates):
-            if left <= 0:
-                break
-            branch = list(cont[:left])
-            branches.append(branch)
-            left -= len(branch)
+        branches = within_budget(st.pool.get(root, self.max_candidates), budget)
         side = window_side_block(st.levels)
         st.pending = dict(root=root, filled=st.filled, level0=len(st.levels[0]))
         return Draft(branches=branches, side_block=side)

@@ -394,12 +394,9 @@ class TokenRecycling(SourceBase[_Undo]):
             return
         new = max(rows, have + have // 2)
         new = -(-new // _GROW_ROWS) * _GROW_ROWS
-        grown = np.full((new + 1, self.k), -1, dtype=np.int32)  # the sentinel row stays last and empty
-        grown[:have] = self._matrix[:-1]
-        self._matrix = grown
-        writer = np.zeros(new + 1, dtype=np.int32)
-        writer[:have] = self._writer[:-1]
-        self._writer = writer
+        # new rows are empty, and the sentinel row stays last and empty
+        self._matrix = np.pad(self._matrix[:-1], ((0, new + 1 - have), (0, 0)), constant_values=-1)
+        self._writer = np.pad(self._writer[:-1], (0, new + 1 - have))
 
     # --- the protocol -----------------------------------------------------------------------
 

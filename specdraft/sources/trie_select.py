@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
+from .base import within_budget
 from .trie_store import NodeStore
 
 __all__ = ["Selected", "branches", "retrieve"]
@@ -95,12 +96,4 @@ def branches(selected: list[Selected], k: int, parallel: bool) -> list[list[int]
             path.append(t)
         path.reverse()
         paths.append(path)
-    if parallel:
-        kept, left = [], k
-        for path in paths:
-            if left <= 0:
-                break
-            kept.append(path[:left])
-            left -= len(kept[-1])
-        paths = kept
-    return paths
+    return within_budget(paths, k) if parallel else paths
