@@ -145,12 +145,12 @@ class _Request:
 
     __slots__ = ("tokens", "prompt_length", "prompt_tick", "first", "ticks")
 
-    def __init__(self, tokens: list[int], prompt_length: int, branch_length: int) -> None:
-        self.tokens = tokens
-        self.prompt_length = prompt_length
+    def __init__(self, context: Context, branch_length: int) -> None:
+        self.tokens = [int(t) for t in context.tokens[: context.prompt_length]]
+        self.prompt_length = len(self.tokens)
         self.prompt_tick = 0
         # the first window holding a generated token starts ``branch_length`` tokens before them
-        self.first = max(0, prompt_length - branch_length)
+        self.first = max(0, self.prompt_length - branch_length)
         self.ticks: list[int] = []  # the running clock of each output window counted, in order
 
 
@@ -246,12 +246,11 @@ class FrequencyTrie:
         """Branch inserting, prompt part (Sec. 4.3.1; Algorithm 1, lines 5-10): every window of the
         prompt, counted as prompt (amplified) in the running part. A request id begun again without
         ``end`` has its earlier counts taken back first, as ``abort`` would."""
-        prompt = [int(t) for t in context.tokens[: context.prompt_length]]
-        request = _Request(prompt, len(prompt), self.branch_length)
+        request = _Request(context, self.branch_length)
         with self._lock:
             self._take_back(self._requests.pop(context.request_id, None))
-            if self.insert_prompt and len(prompt) > 1:
-                request.prompt_tick = self._store.add_all(prompt, 0, self.branch_length + 1, True, shared=False)
+            if self.insert_prompt and request.prompt_length > 1:
+                request.prompt_tick = self._store.add_all(request.tokens, 0, self.branch_length + 1, True, shared=False)
                 self._store.prune_if_needed()
             self._requests[context.request_id] = request
 
@@ -266,9 +265,7 @@ class FrequencyTrie:
         with self._lock:
             request = self._requests.get(context.request_id)
             if request is None:  # observe without begin: track the output anyway, count no prompt
-                n = context.prompt_length
-                request = _Request([int(t) for t in context.tokens[:n]], n, self.branch_length)
-                self._requests[context.request_id] = request
+                request = self._requests[context.request_id] = _Request(context, self.branch_length)
             tokens = request.tokens
             tokens.extend(map(int, context.tokens[len(tokens) :]))
             if not self.insert_output:
@@ -346,8 +343,7 @@ class FrequencyTrie:
         with self._lock:
             store = self._store
             if first_token is not None:
-                t = int(first_token)
-                removed = store.prune(store.tree_watermark if target is None else max(0, int(target)), t)
+                removed = store.prune(store.tree_watermark if target is None else max(0, int(target)), int(first_token))
             elif target is not None:
                 removed = store.prune(max(0, int(target)))
             else:

@@ -115,17 +115,7 @@ class NodeStore:
             node = child
             i += 1
         if i < stop:  # below a missing node everything is missing: make the rest, counted once
-            made = stop - i
-            free = self._free
-            run = free[-made:]
-            if len(run) == made and run[-1] - run[0] == made - 1 and run == [*range(run[0], run[0] + made)]:
-                del free[-made:]  # (the common case of _make, without its calls)
-                self._place(node, tokens[i:stop], (0, 1, tick, tick, 0, 0, 0) if as_prompt else
-                            (1, 0, tick, tick, 0, 0, 0), run[0])
-                self._count_sizes(tokens[start], 0, made)
-                self.version += 1
-            else:
-                self._make(node, tokens, start, i, stop, as_prompt, False)
+            self._make(node, tokens, start, i, stop, as_prompt, False)
         return tick
 
     def add_shared(self, tokens: Sequence[int], start: int, stop: int, as_prompt: bool = False) -> None:
