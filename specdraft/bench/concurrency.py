@@ -29,17 +29,13 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 __all__ = ["run_concurrency"]
 
 METHODS = ("generate", "hf-batched", "plain-batched", "default-batched")
-
-
-def _groups(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def trim_at_eos(tokens: Sequence[int], eos: set[int]) -> list[int]:
@@ -53,39 +49,32 @@ def trim_at_eos(tokens: Sequence[int], eos: set[int]) -> list[int]:
 Timed = tuple[list[list[int]], list[float], float, dict[str, Any]]
 
 
-def run_sequential(generate_one: Callable[[list[int]], list[int]], prompts: Sequence[list[int]], n: int) -> Timed:
-    """One request after another, in groups of ``n`` (what a user without batching runs): a request's
-    latency runs from its group's start, the moment it could have started."""
+def run_groups(prompts: Sequence[list[int]], n: int,
+               run_group: Callable[[Sequence[list[int]]], Iterable[list[int]]]) -> Timed:
+    """The requests in groups of ``n``, one group after another: a request's latency runs from its
+    group's start, the moment it could have started, to the moment ``run_group`` gives its output."""
     outputs, latencies = [], []
     started = time.perf_counter()
-    for group in _groups(prompts, n):
+    for group in (prompts[i : i + n] for i in range(0, len(prompts), n)):
         group_start = time.perf_counter()
-        for ids in group:
-            outputs.append(generate_one(list(ids)))
+        for output in run_group(group):
+            outputs.append(output)
             latencies.append(time.perf_counter() - group_start)
     return outputs, latencies, time.perf_counter() - started, {}
 
 
-def run_hf_batched(model: Any, prompts: Sequence[list[int]], n: int, max_new_tokens: int, pad_id: int,
-                   eos: set[int]) -> Timed:
-    """transformers' batched ``generate`` per group of ``n``, left padding."""
+def hf_batched(model: Any, group: Sequence[list[int]], max_new_tokens: int, pad_id: int) -> list[list[int]]:
+    """transformers' batched ``generate`` on one group, left padding; the rows run to the group's
+    longest (the caller trims each at its EOS), and every one is ready when the group is."""
     import torch
 
-    outputs, latencies = [], []
-    started = time.perf_counter()
-    for group in _groups(prompts, n):
-        group_start = time.perf_counter()
-        width = max(len(p) for p in group)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in group], device=model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=model.device)
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=pad_id)
-        seconds = time.perf_counter() - group_start
-        for row in out[:, width:].tolist():
-            outputs.append(trim_at_eos(row, eos))
-            latencies.append(seconds)
-    return outputs, latencies, time.perf_counter() - started, {}
+    width = max(len(p) for p in group)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in group], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=model.device)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=pad_id)
+    return out[:, width:].tolist()
 
 
 def run_ours_batched(decoder: Any, prompts: Sequence[list[int]], n: int, max_new_tokens: int) -> Timed:
@@ -112,8 +101,6 @@ def run_concurrency(model: Any, tokenizer: Any, prompts: Sequence[list[int]], le
     eos = set(eos_ids(model))
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else \
         (min(eos) if eos else 0)
-    if tokenizer is not None:
-        tokenizer.padding_side = "left"
     plain = Decoder(model, tokenizer, sources=[], max_tree_nodes=0)
     ours = Decoder(model, tokenizer, max_tree_nodes=max_tree_nodes)
     alone = Decoder(model, tokenizer, max_tree_nodes=max_tree_nodes)
@@ -121,13 +108,13 @@ def run_concurrency(model: Any, tokenizer: Any, prompts: Sequence[list[int]], le
     plain.generate_batch(list(prompts[:2]), max_new_tokens=4, concurrency=2)
     ours.generate_batch(list(prompts[:2]), max_new_tokens=4, concurrency=2)
     runners: dict[str, Callable[[int], Timed]] = {  # in the order of each level's rows
-        "generate": lambda n: run_sequential(
-            lambda ids: time_plain_generate(model, ids, max_new_tokens, do_sample=False)[0], prompts, n),
-        "hf-batched": lambda n: run_hf_batched(model, prompts, n, max_new_tokens, pad_id, eos),
+        "generate": lambda n: run_groups(prompts, n, lambda group: (
+            time_plain_generate(model, list(ids), max_new_tokens, do_sample=False)[0] for ids in group)),
+        "hf-batched": lambda n: run_groups(prompts, n, lambda group: hf_batched(model, group, max_new_tokens, pad_id)),
         "plain-batched": lambda n: run_ours_batched(plain, prompts, n, max_new_tokens),
         "default-batched": lambda n: run_ours_batched(ours, prompts, n, max_new_tokens),
-        "default-alone": lambda n: run_sequential(
-            lambda ids: list(alone.generate(ids, max_new_tokens=max_new_tokens).token_ids), prompts, 1),
+        "default-alone": lambda n: run_groups(prompts, 1, lambda group: (
+            list(alone.generate(list(ids), max_new_tokens=max_new_tokens).token_ids) for ids in group)),
     }
     rows: list[dict[str, Any]] = []
     for li, n in enumerate(levels):
@@ -175,9 +162,7 @@ def tree_sizes_by_load(summary: dict[str, Any], method: str = "default-batched")
     """Mean tree nodes per decoding request, by how many requests the forward carried, over every
     level's run of ``method``: how the budget split the rows."""
     nodes: dict[int, list[int]] = {}
-    for row in summary["rows"]:
-        if row["method"] != method:
-            continue
+    for row in (r for r in summary["rows"] if r["method"] == method):
         for active, per in row.get("tree_sizes", []):
             if per:
                 nodes.setdefault(int(active), []).extend(per)
