@@ -57,10 +57,16 @@ last run uses the live sources, so the state after the prompt is exactly "saw it
 from __future__ import annotations
 
 import pickle
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
+from ..baseline import time_plain_generate
+from ..decoder import Decoder
 from ..model.compat import cache_keyword
+from ..source_spec import SourceSpecError, parse_source_spec, split_top_level
+from ..sources import registry
 from .checkpoint import dumps_with_locks
 
 __all__ = ["BASELINE", "DEFAULT", "HF_PROMPT_LOOKUP", "PLAIN", "STATIC_GENERATE", "SUFFIX_KINDS", "Method",
@@ -140,16 +146,12 @@ BENCH_ONLY_SOURCES: dict[str, Callable[..., Any]] = {"arctic-suffix": _arctic_su
 
 def _sources() -> dict[str, Callable[..., Any]]:
     """The library's registered sources plus the benchmark-only peers."""
-    from specdraft.sources import registry
-
     return {**registry.SOURCES, **BENCH_ONLY_SOURCES}
 
 
 def default_method_names() -> list[str]:
     """baseline, hf-prompt-lookup, every registered source alone, and ``default`` when it
     combines more than one source (with a single source it would repeat ``specdraft:<it>``)."""
-    from specdraft.sources import registry
-
     names = [BASELINE, HF_PROMPT_LOOKUP] + [PREFIX + s for s in registry.SOURCES]
     if len(registry.default_source_names()) > 1:
         names.append(DEFAULT)
@@ -253,14 +255,12 @@ def _canonical(name: str) -> str:
         return base + suffixes
     if name in (BASELINE, HF_PROMPT_LOOKUP, STATIC_GENERATE, DEFAULT, PLAIN):
         return name
-    from specdraft.source_spec import SourceSpecError, parse_source_spec, split_top_level
-
     body = name[len(PREFIX):] if name.startswith(PREFIX) else name
-    registry = _sources()
-    if body not in registry and not any(c in body for c in "[+"):  # one bare word: not a method at all
+    sources = _sources()
+    if body not in sources and not any(c in body for c in "[+"):  # one bare word: not a method at all
         raise MethodError(f"unknown method {name!r}; valid: {valid_method_names()}")
     try:
-        parts = [parse_source_spec(p, registry).text for p in split_top_level(body, "+")]
+        parts = [parse_source_spec(p, sources).text for p in split_top_level(body, "+")]
     except SourceSpecError as exc:
         raise MethodError(f"method {name!r}: {exc}; valid methods: {valid_method_names()}") from None
     except ImportError as exc:  # a benchmark-only peer that is not installed: its message says how
@@ -280,8 +280,6 @@ def parse_methods(text: str | None) -> list[str]:
     if text is None or not text.strip():
         return default_method_names()
     names: list[str] = []
-    from specdraft.source_spec import SourceSpecError, split_top_level
-
     try:
         parts = split_top_level(text)
     except SourceSpecError as exc:
@@ -301,50 +299,46 @@ def parse_methods(text: str | None) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-class _ForwardRecorder:
-    """Counts the model's forward calls during one ``generate`` and reads the KV-cache length
-    at each, which gives the tokens each forward committed. It is a forward pre-hook (a public
-    torch API), so nothing in transformers is patched; the cost is one attribute read per call."""
+@contextmanager
+def _cache_lengths(model: Any) -> Iterator[list[int | None]]:
+    """The KV-cache length at each of the model's forward calls inside the block (``None`` where it
+    cannot be read), which gives the tokens each forward committed (:func:`_accept_lengths`). It is
+    a forward pre-hook (a public torch API), so nothing in transformers is patched; the cost is one
+    attribute read per call."""
+    lengths: list[int | None] = []
+    keyword = cache_keyword(model)  # generate() passes the cache under the keyword this release's forward takes
 
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.cache_lengths: list[int | None] = []
-        # generate() passes the cache under the keyword this release's forward takes
-        self._cache_keyword = cache_keyword(model)
-
-    def __enter__(self) -> "_ForwardRecorder":
-        self.cache_lengths = []
-        self._handle = self.model.register_forward_pre_hook(self._hook, with_kwargs=True)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._handle.remove()
-
-    def _hook(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        cache = kwargs.get(self._cache_keyword)
+    def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        cache = kwargs.get(keyword)
         try:
-            self.cache_lengths.append(int(cache.get_seq_length()) if cache is not None else None)
+            lengths.append(int(cache.get_seq_length()) if cache is not None else None)
         except Exception:  # an exotic cache type: fall back to counting calls only
-            self.cache_lengths.append(None)
+            lengths.append(None)
 
-    def accept_lengths(self, prompt_length: int, new_tokens: int) -> list[int] | None:
-        """Tokens committed per forward, if the cache lengths tell them consistently.
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield lengths
+    finally:
+        handle.remove()
 
-        The first forward sees the whole prompt; later ones start with the cache holding every
-        committed token but the newest. So the committed length before forward ``k >= 1`` is
-        ``cache_length_k + 1``, and the differences between successive committed lengths are the
-        accept lengths. Anything inconsistent (a cache not reported, a step of 0) gives ``None``.
-        """
-        lengths = self.cache_lengths
-        if not lengths or new_tokens == 0:
-            return [] if new_tokens == 0 else None
-        if any(v is None for v in lengths[1:]):
-            return None
-        committed = [prompt_length] + [v + 1 for v in lengths[1:]] + [prompt_length + new_tokens]  # type: ignore[operator]
-        steps = [b - a for a, b in zip(committed, committed[1:])]
-        if any(s < 1 for s in steps) or sum(steps) != new_tokens:
-            return None
-        return steps
+
+def _accept_lengths(lengths: list[int | None], prompt_length: int, new_tokens: int) -> list[int] | None:
+    """Tokens committed per forward, if the cache lengths tell them consistently.
+
+    The first forward sees the whole prompt; later ones start with the cache holding every
+    committed token but the newest. So the committed length before forward ``k >= 1`` is
+    ``cache_length_k + 1``, and the differences between successive committed lengths are the
+    accept lengths. Anything inconsistent (a cache not reported, a step of 0) gives ``None``.
+    """
+    if not lengths or new_tokens == 0:
+        return [] if new_tokens == 0 else None
+    if any(v is None for v in lengths[1:]):
+        return None
+    committed = [prompt_length] + [v + 1 for v in lengths[1:]] + [prompt_length + new_tokens]  # type: ignore[operator]
+    steps = [b - a for a, b in zip(committed, committed[1:])]
+    if any(s < 1 for s in steps) or sum(steps) != new_tokens:
+        return None
+    return steps
 
 
 class PlainGenerate:
@@ -357,12 +351,10 @@ class PlainGenerate:
         self.description = description
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool = True) -> MethodResult:
-        from specdraft.baseline import time_plain_generate
-
-        with _ForwardRecorder(self.model) as recorder:
+        with _cache_lengths(self.model) as lengths:
             tokens, seconds = time_plain_generate(self.model, list(prompt_ids), max_new_tokens, **self.gen_kwargs)
-        accept = recorder.accept_lengths(len(prompt_ids), len(tokens))
-        steps = len(accept) if accept is not None else len(recorder.cache_lengths)
+        accept = _accept_lengths(lengths, len(prompt_ids), len(tokens))
+        steps = len(accept) if accept is not None else len(lengths)
         return MethodResult(token_ids=list(tokens), wall_time=seconds, accept_lengths=accept, steps=steps)
 
     def get_state(self) -> None:
@@ -388,8 +380,6 @@ class StaticGenerate(PlainGenerate):
     warm_tokens = 0
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool = True) -> MethodResult:
-        from specdraft.baseline import time_plain_generate
-
         _warm_up_if_short(self, prompt_ids, max_new_tokens)
         # no forward hook here: inside the compiled forward its read of the cache length breaks
         # the graph and waits for the device at every step. Every forward commits one token.
@@ -399,8 +389,6 @@ class StaticGenerate(PlainGenerate):
 
     def warm_up(self, prompt_ids: Sequence[int], cache_tokens: int) -> None:
         """One untimed call whose prompt and new tokens fill ``cache_tokens`` positions."""
-        from specdraft.baseline import time_plain_generate
-
         length = cache_tokens - self.WARM_STEPS
         filler = (list(prompt_ids) * (length // max(1, len(prompt_ids)) + 1))[:length]
         time_plain_generate(self.model, filler, self.WARM_STEPS, **self.gen_kwargs)
@@ -433,8 +421,6 @@ class SpecdraftMethod:
                  max_tree_nodes: int | None = None, adaptive_budget: bool = True, cpu_kernels: str = DEFAULT_KERNELS,
                  exact: bool | None = None, drafting_pauses: bool = True, attention: str = "auto",
                  compile: bool = False, whole_tree_trial: bool = True) -> None:
-        from specdraft.sources.registry import make_sources
-
         self.name = name
         self.source_names = list(source_names)
         #: ``Decoder``'s keyword arguments; the budget's two switches below are set on each decoder
@@ -452,7 +438,7 @@ class SpecdraftMethod:
                             + (", compile=True" if compile else ""))
         self.model = model
         self.tokenizer = tokenizer
-        self.sources = make_sources(self.source_names, _sources())
+        self.sources = registry.make_sources(self.source_names, _sources())
         self.decoder = self._decoder_for(self.sources)
         self.description += ((f", max_tree_nodes={self.decoder.max_tree_nodes}" if self.source_names else "")
                              + f" ({self.decoder.kernels.describe()})")  # which path ran, what it costs
@@ -464,8 +450,6 @@ class SpecdraftMethod:
     def _decoder_for(self, sources: list[Any], budget: Any = None) -> Any:
         """A Decoder over ``sources`` with this method's options; ``budget``: an adaptive budget to run
         instead of a fresh one (a copy, or one restored from a checkpoint)."""
-        from specdraft.decoder import Decoder
-
         decoder = Decoder(self.model, self.tokenizer, sources=sources, **self.decoder_options)
         if not self.drafting_pauses:
             decoder.budget.drafting_share = 0.0
@@ -496,8 +480,6 @@ class SpecdraftMethod:
         self.warm_tokens = cache_tokens
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int, learn: bool = True) -> MethodResult:
-        import time
-
         _warm_up_if_short(self, prompt_ids, max_new_tokens)
         decoder = self.decoder if learn else self._throwaway_decoder()
         start = time.perf_counter()
@@ -533,9 +515,6 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int | No
     if name == STATIC_GENERATE:
         return StaticGenerate(name, model, {"do_sample": False, "cache_implementation": "static"},
                               'model.generate(do_sample=False, cache_implementation="static")')
-    from specdraft.source_spec import split_top_level
-    from specdraft.sources.registry import default_source_names
-
     base, chosen = _split_suffixes(name)
     suffix = _suffixes(chosen)
     attention = chosen["attention"] or "auto"
@@ -549,7 +528,7 @@ def build_method(name: str, model: Any, tokenizer: Any, max_tree_nodes: int | No
     budget = chosen["budget"]
     options.update(adaptive_budget=budget != "fixed", drafting_pauses=budget in ("adaptive", "notrial"),
                    whole_tree_trial=budget != "notrial")
-    sources = "+".join(default_source_names(getattr(model, "device", None))) if base == DEFAULT else base
+    sources = "+".join(registry.default_source_names(getattr(model, "device", None))) if base == DEFAULT else base
     canonical = _canonical(sources)
     return SpecdraftMethod((DEFAULT if base == DEFAULT else canonical) + suffix, model, tokenizer,
                            split_top_level(canonical[len(PREFIX):], "+"), max_tree_nodes, **options)
