@@ -20,8 +20,8 @@ from typing import Any, Iterator
 
 from ..errors import UsageError
 from .checkpoint import CheckpointMismatch
-from .datasets import DatasetError, DatasetSpec, PromptRecord, load_prompts, resolve_dataset
-from .methods import MethodError, build_methods, parse_methods
+from .datasets import DatasetSpec, load_prompts, resolve_dataset
+from .methods import build_methods, parse_methods
 from .report import PlotUnavailableError, markdown_report, plot, require_matplotlib, summarize, write_specbench_jsonl
 from .runner import run_benchmark
 
@@ -41,11 +41,6 @@ def _usage_errors(*errors: type[Exception], prefix: str = "") -> Iterator[None]:
         raise UsageError(prefix + str(exc)) from None
 
 
-def _prompts(spec: DatasetSpec, args: argparse.Namespace, tokenizer: Any, chat: Any) -> list[PromptRecord]:
-    with _usage_errors(DatasetError):
-        return load_prompts(spec, args.limit or None, tokenizer, chat=chat)
-
-
 def _write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
@@ -61,8 +56,7 @@ def _dataset_specs(text: str) -> list[DatasetSpec]:
         raise UsageError(f"dataset {twice!r} is listed twice in --dataset")
     specs: list[DatasetSpec] = []
     for item in items:
-        with _usage_errors(DatasetError):
-            spec = resolve_dataset(item)
+        spec = resolve_dataset(item)
         if any(s.key == spec.key for s in specs):
             raise UsageError(f"dataset {spec.key!r} is listed twice in --dataset")
         specs.append(spec)
@@ -80,11 +74,8 @@ def _portable(text: str) -> str:
     if "site-packages" in parts:
         return str(Path(*parts[parts.index("site-packages"):]))
     for base, shown in ((Path.cwd(), ""), (Path.home(), "~")):
-        try:
-            relative = path.relative_to(base)
-        except ValueError:
-            continue
-        return str(Path(shown) / relative) if shown else str(relative)
+        if path.is_relative_to(base):
+            return str(Path(shown) / path.relative_to(base))
     return path.name
 
 
@@ -127,8 +118,7 @@ def _cpu() -> dict[str, Any]:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark described by the parsed arguments; print the markdown table on stdout."""
-    with _usage_errors(MethodError):
-        method_names = parse_methods(args.methods)
+    method_names = parse_methods(args.methods)
     specs = _dataset_specs(args.dataset)
     chat: Any = {"auto": "auto", "on": True, "off": False}[args.chat]
     out_dir = Path(args.out).expanduser()
@@ -177,7 +167,7 @@ def _run(args: argparse.Namespace, model: Any, tokenizer: Any, method_names: lis
         return _run_concurrency(args, model, tokenizer, specs, chat, out_dir, config, say)
     summaries: list[dict[str, Any]] = []
     for spec in specs:
-        prompts = _prompts(spec, args, tokenizer, chat)
+        prompts = load_prompts(spec, args.limit or None, tokenizer, chat=chat)
         say(f"{spec.key}: {len(prompts)} prompts x {len(method_names)} methods x {args.repeats} repeat(s), "
             f"max {args.max_new_tokens} new tokens")
         # Fresh method objects per dataset: a learning source starts each dataset empty.
@@ -221,7 +211,7 @@ def _run_concurrency(args: argparse.Namespace, model: Any, tokenizer: Any, specs
     config = {**config, "concurrency": list(args.concurrency)}
     datasets: dict[str, str] = {}
     for spec in specs:
-        prompts = _prompts(spec, args, tokenizer, chat)
+        prompts = load_prompts(spec, args.limit or None, tokenizer, chat=chat)
         say(f"{spec.key}: {len(prompts)} prompts at concurrency {args.concurrency}")
         summary = run_concurrency(model, tokenizer, [p.token_ids for p in prompts], args.concurrency,
                                   args.max_new_tokens, args.max_tree_nodes, say=say)
