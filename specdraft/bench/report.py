@@ -80,7 +80,6 @@ def _geomean(values: Sequence[float]) -> float | None:
 def summarize(run: DatasetRun) -> dict[str, Any]:
     """Per-method metrics and per-prompt details of one dataset (JSON-ready)."""
     baseline = run.runs[BASELINE]
-    mismatched = {(m.method, json.dumps(m.prompt_id)) for m in run.mismatches}
     methods: dict[str, Any] = {}
     for method in run.methods:
         prompt_runs = run.runs[method.name]
@@ -88,7 +87,6 @@ def summarize(run: DatasetRun) -> dict[str, Any]:
         wall = sum(p.wall_time for p in prompt_runs)
         steps = _total(p.result.steps for p in prompt_runs)
         ratios = _ratios(baseline, prompt_runs)
-        identical = sum(1 for prompt in run.prompts if (method.name, json.dumps(prompt.id)) not in mismatched)
         methods[method.name] = {
             "description": getattr(method, "description", method.name),
             "prompts": len(prompt_runs),
@@ -101,7 +99,7 @@ def summarize(run: DatasetRun) -> dict[str, Any]:
             "speedup_max": max(ratios) if ratios else None,
             "steps": steps,
             "mean_accepted": new_tokens / steps if steps else None,
-            "identical": identical,
+            "identical": sum(p.result.token_ids == b.result.token_ids for b, p in zip(baseline, prompt_runs)),
             "compared": len(run.prompts),
             "reference": method.name == BASELINE,
             "per_source": _per_source(prompt_runs, new_tokens),
@@ -202,8 +200,10 @@ def write_specbench_jsonl(run: DatasetRun, out_dir: Path, model_id: str, tokeniz
 # markdown
 # --------------------------------------------------------------------------------------------
 
-COLUMNS = ["method", "tokens/s", "speedup median", "speedup geomean", "min speedup", "mean accepted",
-           "identical n/N", "per-source accepted share"]
+#: The table's columns; the two on our plain decoding (:data:`PLAIN_COLUMNS`) only in a run that has it.
+COLUMNS = ["method", "tokens/s", "speedup median", "speedup geomean", "min speedup", "vs plain (same kernels)",
+           "mean accepted", "identical n/N", "= plain n/N", "per-source accepted share"]
+PLAIN_COLUMNS = ("vs plain (same kernels)", "= plain n/N")
 
 
 def _x(value: float | None) -> str:
@@ -221,21 +221,16 @@ def _shares(per_source: dict[str, dict[str, Any]]) -> str:
 def markdown_table(summary: dict[str, Any]) -> str:
     """The per-method table of one dataset summary (see :func:`summarize`)."""
     with_plain = any("plain_reference" in m for m in summary["methods"].values())
-    columns = COLUMNS[:5] + ["vs plain (same kernels)"] + COLUMNS[5:7] + ["= plain n/N"] + COLUMNS[7:] \
-        if with_plain else COLUMNS
-    lines = ["| " + " | ".join(columns) + " |",
-             "|" + "|".join(["---"] + ["---:"] * (len(columns) - 2) + ["---"]) + "|"]
+    shown = [i for i, column in enumerate(COLUMNS) if with_plain or column not in PLAIN_COLUMNS]
+    lines = ["| " + " | ".join(COLUMNS[i] for i in shown) + " |",
+             "|" + "|".join(["---"] + ["---:"] * (len(shown) - 2) + ["---"]) + "|"]
     for name, m in summary["methods"].items():
-        identical = f"{m['identical']}/{m['compared']}" + (" (ref)" if m["reference"] else "")
         cells = [f"`{name}`", _num(m["tokens_per_s"], 1), _x(m["speedup_median"]), _x(m["speedup_geomean"]),
-                 _x(m["speedup_min"])]
-        if with_plain:
-            cells.append(_x(m["speedup_vs_plain_geomean"]) if "plain_reference" in m else "-")
-        cells += [_num(m["mean_accepted"]), identical]
-        if with_plain:
-            cells.append(f"{m['identical_to_plain']}/{m['compared']}" if "identical_to_plain" in m else "-")
-        cells.append(_shares(m["per_source"]))
-        lines.append("| " + " | ".join(cells) + " |")
+                 _x(m["speedup_min"]), _x(m["speedup_vs_plain_geomean"]) if "plain_reference" in m else "-",
+                 _num(m["mean_accepted"]), f"{m['identical']}/{m['compared']}" + (" (ref)" if m["reference"] else ""),
+                 f"{m['identical_to_plain']}/{m['compared']}" if "identical_to_plain" in m else "-",
+                 _shares(m["per_source"])]
+        lines.append("| " + " | ".join(cells[i] for i in shown) + " |")
     return "\n".join(lines)
 
 
