@@ -18,15 +18,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from typing import Any, Callable, Sequence
 
+import torch
+
 from .errors import UsageError
+from .baseline import time_plain_generate, warmup_forward
 from .bench.runner import first_difference
+from .decoder import Decoder
 from .kernels.cpu_kernels import CPU_KERNELS
 from .prompts import encode_prompt
-from .sources import registry
+from .source_spec import SourceSpecError
+from .sources import PromptLookup, registry
 from .sources.registry import DEFAULT_SOURCES, GPU_DEFAULT_SOURCES, SOURCES, make_sources
 
 __all__ = ["SOURCES", "UsageError", "build_parser", "main", "make_sources", "parse_source_names"]
@@ -37,8 +43,6 @@ PROG = "specdraft"
 def parse_source_names(text: str) -> list[str]:
     """Check a ``--sources`` value against the registry (:mod:`specdraft.sources.registry`);
     a bad one is a :class:`UsageError` naming what is allowed."""
-    from specdraft.source_spec import SourceSpecError
-
     try:
         return registry.parse_source_names(text)
     except SourceSpecError as exc:
@@ -308,8 +312,6 @@ def _summary(stats: dict[str, Any]) -> str:
 
 def _check_compile_flag(args: argparse.Namespace) -> None:
     """``--compile`` is for a CUDA GPU and runs without exact mode: refused before the model loads."""
-    import torch
-
     if args.compile and args.exact:
         raise UsageError("--compile runs without exact mode (its widths are probed on eager kernels); drop --exact")
     if args.compile and not (args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())):
@@ -322,11 +324,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     source_names = parse_source_names(args.sources) if args.sources is not None else None
     options = _sampling_kwargs(args)
     prompt_text = _read_prompt(args)
-
-    import torch
-
     _check_compile_flag(args)
-    from specdraft.baseline import time_plain_generate, warmup_forward
     from specdraft.models import load_model
 
     torch.set_num_threads(args.threads)
@@ -334,8 +332,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if source_names is None:
         source_names = list(registry.default_source_names(model.device))
     sources = make_sources(source_names)
-    from specdraft.decoder import Decoder  # imported late: it is the newest module
-
     prompt_ids = _encode_prompt(tokenizer, prompt_text, args.chat)
     decoder = Decoder(model, tokenizer, sources=sources, max_tree_nodes=args.max_tree_nodes,
                       adaptive_budget=not args.fixed_budget, attention=args.attention, cpu_kernels=args.cpu_kernels,
@@ -394,12 +390,9 @@ def _comparison(token_ids: Sequence[int], ours_seconds: float, plain_ids: list[i
         "speedup": ours_tps / plain_tps if plain_tps > 0 else None,
     }
     if sampled:
-        comparison["identical"] = None
-    else:
-        diff = first_difference(token_ids, plain_ids)
-        comparison["identical"] = diff is None
-        comparison["first_difference"] = diff
-    return comparison
+        return {**comparison, "identical": None}
+    diff = first_difference(token_ids, plain_ids)
+    return {**comparison, "identical": diff is None, "first_difference": diff}
 
 
 def _comparison_line(comparison: dict[str, Any], dtype: str) -> str:
@@ -438,14 +431,7 @@ Rewrite the same function with the name `summarize_numbers`, keeping the body un
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """``specdraft demo``: specdraft vs plain decoding vs transformers' prompt lookup, one process."""
-    import statistics
-
-    import torch
-
-    from specdraft.baseline import time_plain_generate, warmup_forward
-    from specdraft.decoder import Decoder
     from specdraft.models import load_model
-    from specdraft.sources import PromptLookup
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=args.dtype, progress=not args.quiet, device=args.device)
