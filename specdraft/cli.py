@@ -27,6 +27,7 @@ import torch
 
 from .errors import UsageError
 from .baseline import time_plain_generate, warmup_forward
+from .bench.command import run_bench
 from .bench.runner import first_difference
 from .decoder import Decoder
 from .kernels.cpu_kernels import CPU_KERNELS
@@ -243,14 +244,7 @@ def _add_bench_command(sub: Any) -> None:
                             "batched plain and default decoding; writes concurrency.json/.md per dataset")
     bench.add_argument("--no-plot", action="store_true", help="skip speedup.png (no matplotlib needed)")
     bench.add_argument("-q", "--quiet", action="store_true", help="no progress bar or messages on stderr")
-    bench.set_defaults(func=cmd_bench)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    """``specdraft bench``: see :mod:`specdraft.bench` (imported only when this command runs)."""
-    from specdraft.bench.command import run_bench
-
-    return run_bench(args)
+    bench.set_defaults(func=run_bench)  # see specdraft.bench.command
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """``specdraft bench``: the command behind the CLI subcommand (arguments are parsed in
-:mod:`specdraft.cli`; this module is imported only when the subcommand runs).
+:mod:`specdraft.cli`).
 
 Every argument is checked before the model is loaded: method names, datasets (installed
 package or readable file), matplotlib for the plot, the output directory.
