@@ -211,9 +211,7 @@ def _mismatches(model: Any, prompts: Sequence[PromptRecord], names: Sequence[str
     baseline = runs[BASELINE]
     found: list[Mismatch] = []
     scored: dict[int, list[Mismatch]] = {}  # prompt index -> its mismatches where the baseline has a token
-    for name in names:
-        if name == BASELINE:
-            continue
+    for name in (n for n in names if n != BASELINE):
         for index, (ours, ref) in enumerate(zip(runs[name], baseline)):
             ref_ids, our_ids = ref.result.token_ids, ours.result.token_ids
             position = first_difference(our_ids, ref_ids)
