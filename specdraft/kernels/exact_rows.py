@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -393,14 +394,12 @@ def load_or_probe(model: nn.Module, packed: PackedModel | None = None) -> RowRul
     layers = row_layers(model, packed)
     key = rule_cache_key(model, layers)
     path = rule_cache_path(key)
-    try:
+    with suppress(OSError, ValueError, KeyError, TypeError):  # no cache file, or an unreadable one
         data = json.loads(path.read_text())
         if data["key"] == key:
             return RowRule(tuple(int(w) for w in data["widths"]),
                            tuple((tuple(shape), tuple(widths)) for shape, widths in data["per_shape"]),
                            bool(data["wider"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
     rule = probe_rule(layers, model_dtype(model))
     write_cache(path, json.dumps({"key": key, **asdict(rule)}))
     return rule

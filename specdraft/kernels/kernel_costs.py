@@ -46,10 +46,10 @@ import time
 import warnings
 from collections import Counter
 from contextlib import suppress
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from itertools import groupby
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -119,9 +119,6 @@ class KernelCosts:
         """Seconds per forward of 1..:data:`MAX_ROWS` rows on ``path``, interpolated."""
         return _interpolate(self.widths, self.seconds[path], MAX_ROWS)
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
-
     @classmethod
     def from_json(cls, text: str) -> "KernelCosts":
         data = json.loads(text)
@@ -177,32 +174,31 @@ def _path_layers(sample: list[tuple[nn.Linear, float]], path: str) -> list[tuple
     return [(linear if layer is None else layer, scale) for layer, (linear, scale) in zip(fast, sample)]
 
 
-def measure(model: nn.Module, paths: Sequence[str], widths: Sequence[int] = WIDTHS, repeats: int = REPEATS,
-            clock: Callable[[], float] = time.perf_counter) -> KernelCosts:
-    """Time ``paths`` on a sample of ``model``'s linear layers at ``widths`` (see the module
+def measure(model: nn.Module, paths: Sequence[str], repeats: int = REPEATS) -> KernelCosts:
+    """Time ``paths`` on a sample of ``model``'s linear layers at :data:`WIDTHS` (see the module
     docstring). A path that cannot run any sampled layer is left out of the result."""
-    started = clock()
+    started = time.perf_counter()
     sample = _sample(model)
     runs = {path: layers for path in paths if (layers := _path_layers(sample, path)) is not None}
     dtype = model_dtype(model)
     generator = torch.Generator().manual_seed(0)  # (its own: the caller's random stream stays where it was)
     inputs = {(w, inp): torch.randn(1, w, inp, generator=generator).to(dtype)
-              for w in widths for inp in {l.in_features for l, _ in sample}}
-    best = {path: [float("inf")] * len(widths) for path in runs}
+              for w in WIDTHS for inp in {l.in_features for l, _ in sample}}
+    best = {path: [float("inf")] * len(WIDTHS) for path in runs}
     rounds = tqdm(range(max(1, repeats)), desc="specdraft: measuring CPU kernels", unit="round",
                   delay=PROGRESS_DELAY_S, leave=False, disable=None)
     with torch.inference_mode():
         for _ in rounds:
-            for i, w in enumerate(widths):
+            for i, w in enumerate(WIDTHS):
                 for path, layers in runs.items():
                     total = 0.0
                     for layer, scale in layers:
                         x = inputs[(w, layer.in_features)]
-                        t0 = clock()
+                        t0 = time.perf_counter()
                         layer(x)
-                        total += (clock() - t0) * scale
+                        total += (time.perf_counter() - t0) * scale
                     best[path][i] = min(best[path][i], total)
-    return KernelCosts(cache_key(model), list(widths), best, clock() - started)
+    return KernelCosts(cache_key(model), list(WIDTHS), best, time.perf_counter() - started)
 
 
 def load_or_measure(model: nn.Module, paths: Sequence[str]) -> KernelCosts:
@@ -210,29 +206,25 @@ def load_or_measure(model: nn.Module, paths: Sequence[str]) -> KernelCosts:
     written to the cache (skipped where the cache cannot be written)."""
     key = cache_key(model)
     path = cache_path(key)
-    try:
+    with suppress(OSError, ValueError, KeyError, TypeError):  # no cache file, or an unreadable one
         cached = KernelCosts.from_json(path.read_text())
         same = {k: v for k, v in cached.key.items() if k != "unrunnable"} == key
         if same and set(paths) <= set(cached.seconds) | set(cached.key.get("unrunnable", [])):
             return cached
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
     costs = measure(model, paths)
     costs.key["unrunnable"] = sorted(set(paths) - set(costs.seconds))
-    write_cache(path, costs.to_json())
+    write_cache(path, json.dumps(asdict(costs), indent=1))
     return costs
 
 
 def write_cache(path: Path, text: str) -> None:
     """Write a cache file whole (through a temporary file and a rename, so that a reader never
     sees half of it); skipped where the cache cannot be written."""
-    try:
+    with suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(text)
         os.replace(tmp, path)
-    except OSError:
-        pass
 
 
 @dataclass
@@ -325,9 +317,7 @@ def choose_kernels(model: nn.Module, requested: str = "auto") -> KernelChoice:
     except CpuKernelError as exc:  # e.g. fbgemm: the weights turned out not to be float16 numbers
         choice.note = f"{best} left out: {exc}"
         return choice
-    choice.kind, choice.plan, choice.packed, choice.extra_bytes = best, plan, packed, packed.nbytes
-    choice.curve = mixed
-    return choice
+    return replace(choice, kind=best, plan=plan, packed=packed, curve=mixed, extra_bytes=packed.nbytes)
 
 
 def auto_mix(costs: KernelCosts, kinds: Sequence[str] = PACKED_KINDS
