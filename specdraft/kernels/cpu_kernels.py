@@ -155,15 +155,14 @@ class PackedLinear(LinearStandIn):
     Inputs the packed kernel cannot take (another dtype, a tensor that needs gradients) go to the
     original."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
-        self.batch_hint = batch_hint
         self.refresh()
 
     def _pack(self, weight: torch.Tensor) -> bool:
         """Pack ``weight`` (always possible for oneDNN: ``True``)."""
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
         #: bytes of the packed copy (what this layer adds to the model's memory)
         self.nbytes = weight.numel() * weight.element_size()
         return True
@@ -259,8 +258,7 @@ class PackedModel:
     (which shares one per model and kind between decoders).
     """
 
-    def __init__(self, model: nn.Module, kind: str = "packed", batch_hint: int = BATCH_HINT,
-                 plan: tuple[bool, ...] | None = None) -> None:
+    def __init__(self, model: nn.Module, kind: str = "packed", plan: tuple[bool, ...] | None = None) -> None:
         if kind not in PACKED_KINDS:
             raise ValueError(f"kind must be one of {list(PACKED_KINDS)}, got {kind!r}")
         self.kind = kind
@@ -276,7 +274,7 @@ class PackedModel:
         self.stock_layers: list[str] = []
         self.layers: dict[str, PackedLinear | Fp16Linear | MixedLinear] = {}
         for name, module in linears:
-            layer = PackedLinear(module, batch_hint) if kind == "packed" else Fp16Linear.build(module)
+            layer = PackedLinear(module) if kind == "packed" else Fp16Linear.build(module)
             if layer is None:
                 self.stock_layers.append(name)
             else:
@@ -311,16 +309,12 @@ class PackedModel:
             raise RuntimeError("the model these packed weights belong to no longer exists")
         with self._lock:
             if self._depth == 0:
-                moved, other = [], False
-                for parent, child, layer in self._slots:
-                    current = getattr(parent, child)
-                    if current is not layer.original:
-                        moved.append(child)
-                        other = other or isinstance(current, LinearStandIn)
-                if other:
+                current = [getattr(parent, child) for parent, child, _ in self._slots]
+                if any(isinstance(now, LinearStandIn) for now in current):
                     raise RuntimeError(f"another decoder is running a forward of this model on other packed kernels "
                                        f"right now; decoders sharing one model across threads must use the same "
                                        f"cpu_kernels (this one: {self.kind!r})")
+                moved = [child for (_, child, layer), now in zip(self._slots, current) if now is not layer.original]
                 if moved:
                     raise RuntimeError(f"the model's linear layers changed since their weights were packed ({moved[:3]} "
                                        "replaced); build a new Decoder (or packed_model) for the changed model")
