@@ -17,6 +17,7 @@ position for the whole model (every layer). A CPU-only measurement: elsewhere it
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -25,15 +26,6 @@ import torch
 _COLUMNS = 1024
 _ROWS = (1, 9)
 _ROUNDS = 5
-
-
-class _Layer(torch.nn.Module):
-    """What ``sdpa_attention_forward`` reads of an attention module."""
-
-    def __init__(self, groups: int) -> None:
-        super().__init__()
-        self.num_key_value_groups = groups
-        self.is_causal = False
 
 
 def attention_seconds(model: Any) -> float:
@@ -54,7 +46,8 @@ def attention_seconds(model: Any) -> float:
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     dtype = getattr(model, "dtype", torch.float32)
-    layer = _Layer(max(1, heads // kv_heads)).eval()
+    # what sdpa_attention_forward reads of an attention module (in eval mode)
+    layer = SimpleNamespace(num_key_value_groups=max(1, heads // kv_heads), is_causal=False, training=False)
     generator = torch.Generator().manual_seed(0)
     key = torch.randn(1, kv_heads, _COLUMNS, head_dim, generator=generator).to(dtype)
     value = torch.randn(1, kv_heads, _COLUMNS, head_dim, generator=generator).to(dtype)
