@@ -286,17 +286,6 @@ def _share_like_umask(directory: Path) -> None:
             os.chmod(item, 0o666 & ~umask)
 
 
-def _provenance(mirror: Mirror) -> dict[str, Any]:
-    return {
-        "alias": mirror.alias,
-        "hub_id": mirror.hub_id,
-        "requirements": [p.requirement for p in mirror.parts],
-        "gguf_sha256": mirror.sha256,
-        "dtype": "float32",
-        "note": "dequantized from a 4-bit GGUF: close to, not identical with, the hub weights",
-    }
-
-
 # ------------------------------------------------------------------------------ the cache entry
 
 
@@ -351,7 +340,14 @@ def _build(mirror: Mirror, target: Path, work: Path, progress: bool) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{mirror.alias}.tmp-", dir=target.parent))
     try:
         convert_gguf_to_checkpoint(gguf, tmp)
-        write_marker(tmp, _provenance(mirror))
+        write_marker(tmp, {
+            "alias": mirror.alias,
+            "hub_id": mirror.hub_id,
+            "requirements": [p.requirement for p in mirror.parts],
+            "gguf_sha256": mirror.sha256,
+            "dtype": "float32",
+            "note": "dequantized from a 4-bit GGUF: close to, not identical with, the hub weights",
+        })
         _share_like_umask(tmp)
         fsync_path(tmp)
         os.rename(tmp, target)
