@@ -247,7 +247,7 @@ class Decoder:
     @property
     def row_choices(self) -> str:
         """How each step chooses every tree row's token: "auto", "batched" or "walk" (see
-        :meth:`specdraft.engine.Engine.batched_rows`)."""
+        :attr:`specdraft.engine.Engine.batched_rows`)."""
         return self.engine.row_choices
 
     @row_choices.setter

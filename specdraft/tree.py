@@ -187,11 +187,9 @@ class TokenTree:
         cut.sources = self.sources[:n]
         cut.proposers = self.proposers[:n]
         cut.full = self.full if self.full is not None else self
-        children: list[dict[int, int]] = [{} for _ in range(n)]
-        tokens, parents = cut.tokens, cut.parents
+        cut._children = [{} for _ in range(n)]
         for i in range(1, n):
-            children[parents[i]][tokens[i]] = i
-        cut._children = children
+            cut._children[cut.parents[i]][cut.tokens[i]] = i
         return cut
 
     def path_to(self, node: int) -> list[int]:

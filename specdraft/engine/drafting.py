@@ -27,10 +27,9 @@ from .request import LaggedDrafts, LiveRequest, PendingStep
 
 @dataclass(frozen=True)
 class Proposal:
-    """A request's drafts for one step: every source's draft, the side blocks that fit, and the
-    merged full tree."""
+    """A request's drafts for one step: the side blocks that fit, and every source's draft merged
+    into the full tree."""
 
-    drafts: list[Draft]
     sides: list[SideBlock | None]
     full: TokenTree
     #: the sources drafted (``False``: asked with a budget of 0, a step of a drafting pause)
@@ -93,8 +92,7 @@ class Drafter:
         request.lagged = None  # (drafts made behind an earlier forward: these are newer)
         budget = self.max_tree_nodes if drafting else 0
         drafts = self._drafts(request, budget)
-        return Proposal(drafts, self._fitting_sides(drafts, request.region.length), _merge(request, drafts, budget),
-                        drafting)
+        return Proposal(self._fitting_sides(drafts, request.region.length), _merge(request, drafts, budget), drafting)
 
     def draft_behind(self, request: LiveRequest) -> None:
         """On an accelerator, in a step of the request's drafting pause: every source drafts behind
@@ -117,7 +115,7 @@ class Drafter:
             n = len(since)
             drafts = [Draft(branches=[list(b[n : n + depth_limit]) for b in d.branches
                                       if len(b) > n and list(b[:n]) == since]) for d in lagged.drafts]
-        return Proposal(drafts, [None] * len(drafts), _merge(request, drafts, self.max_tree_nodes),
+        return Proposal([None] * len(drafts), _merge(request, drafts, self.max_tree_nodes),
                         drafted=lagged is not None, lagged=True)
 
     def _drafts(self, request: LiveRequest, budget: int) -> list[Draft]:

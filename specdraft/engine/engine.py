@@ -14,8 +14,6 @@ import time
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
-import torch
-
 from ..budget import Budget
 from ..model.packed_attention import packed_attention_for
 from ..model.runner import ModelRunner
@@ -48,7 +46,7 @@ class Engine:
         #: on a simulated clock (``benchmarks/budget_replay.py``) swaps it, with the runner.
         self.clock: Callable[[], float] = time.perf_counter
         #: how each step chooses every tree row's token: "auto" (all rows at once on an
-        #: accelerator, node by node on a CPU), "batched" or "walk"; see :meth:`batched_rows`
+        #: accelerator, node by node on a CPU), "batched" or "walk"; see :attr:`batched_rows`
         self.row_choices: str = "auto"
         #: whether the host work the next read does not need (the learning from the last step, the
         #: prompt indexing, the ends of finished requests' sources) runs behind each forward
@@ -81,14 +79,15 @@ class Engine:
             return self.runner.device.type != "cpu"
         return bool(self.hide_host_work)
 
-    def batched_rows(self, device: torch.device) -> bool:
+    @property
+    def batched_rows(self) -> bool:
         """Whether each step chooses every tree row's token on the device at once (one read per
         step) rather than walking node by node (a read per node visited). On a CPU a read costs
         nothing and the walk touches only the rows it visits, so it stays the cheaper; elsewhere
         one read per step is what keeps the device busy. (:attr:`Decoder.row_choices
         <specdraft.decoder.Decoder.row_choices>` checks the choice as it is set.)"""
         if self.row_choices == "auto":
-            return device.type != "cpu"
+            return self.runner.device.type != "cpu"
         return self.row_choices == "batched"
 
     @contextmanager

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, ContextManager, Protocol, Sequence
 
-import torch
-
 from ..budget import Budget
 from ..model.runner import ModelRunner
 from .drafting import Drafter
@@ -31,6 +29,7 @@ class Parts(Protocol):
     #: an output's text from its token ids (``None`` without a tokenizer)
     text: Callable[[Sequence[int]], str | None]
 
-    def batched_rows(self, device: torch.device) -> bool: ...
+    #: whether each step chooses every tree row's token on the device at once
+    batched_rows: bool
 
     def held(self, concurrency: int) -> ContextManager[None]: ...

@@ -71,17 +71,14 @@ class PendingStep:
 
     ``kind`` is ``"prompt"`` for the prompt step (the prefill's last row verified on a root-only
     tree: no drafts, nothing to learn) and ``"tree"`` for a drafted step. ``tree`` is the checked
-    tree, ``full`` the full tree it was cut from (what the budget and the merge learn from);
+    tree (its ``full``: the full tree it was cut from, what the budget and the merge learn from);
     ``side_slices[s]`` are source ``s``'s side-block rows of the forward's output for this request
     (``None``: none this step); ``slots`` say where this request's answers sit in the step's read.
     """
 
     kind: Literal["prompt", "tree"]
     tree: TokenTree
-    full: TokenTree
-    drafts: list[Draft]
     side_slices: list[slice | None]
-    width: int
     slots: ReadSlots | None = None
     #: each node's path tokens on the device, ``[nodes, depth]`` (repetition penalty, batched rows)
     path_tokens: torch.Tensor | None = None

@@ -56,7 +56,7 @@ def settle(engine: Parts, request: LiveRequest, logits: torch.Tensor, readback: 
             request.fail(exc)
             return tokens
         acceptance = engine.budget.acceptance
-        acceptance.count_step(request.acceptance, step.full, start)
+        acceptance.count_step(request.acceptance, step.tree.full, start)
         now_or_later(later, partial(acceptance.walk, request.acceptance, request.committed))
         if step.drafted and not step.exploring:
             budget = engine.budget

@@ -105,7 +105,6 @@ class Step:
 
     def draft(self) -> list[Member]:
         members = []
-        decoding = any(r.decoding for r in self.running)
         padding = self.engine.padding
         if padding is not None and not padding.mixes_prompts:
             # exact mode where wide forwards compute rows in other bits: a prompt runs alone in
@@ -114,7 +113,7 @@ class Step:
             prefilling = next((r for r in self.running if r.prefilling), None)
             if prefilling is not None:
                 return [Member(prefilling, "chunk", chunk_rows=prefilling.prompt_length - prefilling.prefilled)]
-        chunk_left = PREFILL_CHUNK if decoding else None
+        chunk_left = PREFILL_CHUNK if any(r.decoding for r in self.running) else None
         for request in self.running:
             if request.prefilling:
                 rows = request.prompt_length - request.prefilled
@@ -176,8 +175,7 @@ class Step:
             rows = tree_rows(tree, sides)
             if len(rows.tokens) > region.free:  # side blocks too wide for the region: they stay out
                 rows = tree_rows(tree, [None] * len(sides))
-            request.step = PendingStep("tree", tree, proposal.full, proposal.drafts, rows.side_slices,
-                                       len(rows.tokens), drafted=proposal.drafted, lagged=proposal.lagged,
+            request.step = PendingStep("tree", tree, rows.side_slices, drafted=proposal.drafted, lagged=proposal.lagged,
                                        exploring=self.engine.budget.exploring)
             m.segment = Segment(region, rows.tokens, rows.offsets + region.length, rows.block, range(len(rows.tokens)))
             if request.penalty is not None and request.batched:
@@ -211,13 +209,12 @@ class Step:
         """The prompt is in the cache: choose where the request's rows are chosen, make its random
         draws where its logits live, and set up its prompt step (the prompt's last row, whose token
         is the root, verified on a root-only tree)."""
-        device = self.engine.runner.device
         request.stats.prefill_time = self.engine.clock() - request.admitted
-        request.batched = self.engine.batched_rows(device)
-        request.draw, request.row_draws = request_draws(device, request.spec.seed, request.batched,
+        request.batched = self.engine.batched_rows
+        request.draw, request.row_draws = request_draws(self.engine.runner.device, request.spec.seed, request.batched,
                                                         request.spec.settings.do_sample)
         tree = TokenTree(request.root)
-        request.step = PendingStep("prompt", tree, tree, [], [None] * len(self.engine.drafter.sources), 1)
+        request.step = PendingStep("prompt", tree, [None] * len(self.engine.drafter.sources))
 
     def behind_forward(self, members: Sequence[Member]) -> None:
         """On an accelerator, while the forward runs: what the last step taught is learned (the
