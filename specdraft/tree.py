@@ -125,22 +125,12 @@ class TokenTree:
         while len(tokens) <= max_nodes:
             # the node's one child, when it has one: (k, token, entries through it, proposers,
             # source bits, rate); it is selected at once if it beats the whole frontier
-            child = None
-            if len(passing) == 1:  # one branch's tail (the common case): its own rate, no grouping
-                k, source, branch = passing[0]
-                if len(branch) > depth:
-                    child = (k, int(branch[depth]), passing, ((source, 0),), 1 << source,
-                             _clipped(rate_of(source, depth + 1, 0)))
+            if run:  # what _only_child would find: every entry goes on with the first one's token
+                run -= 1
+                child = (passing[0][0], int(passing[0][2][depth]), passing, run_proposers, run_bits,
+                         _noisy_or(rate_of, run_proposers, depth + 1))
             else:
-                if run:  # what _one_group would find: every entry goes on with the first one's token
-                    run -= 1
-                    group = (passing[0][0], int(passing[0][2][depth]), passing, run_proposers, run_bits)
-                else:
-                    group = _one_group(passing, depth)
-                if group is None:  # the branches part: a child per next token
-                    _push_groups(heap, passing, depth, index, neg, rate_of)
-                elif group:  # every branch through the node goes on with one token (sources agreeing)
-                    child = (*group, _noisy_or(rate_of, group[3], depth + 1))
+                child = _only_child(heap, passing, depth, index, neg, rate_of)
             if child is not None:
                 k, token, through, proposers, bits, q = child
                 child_neg, child_key = neg - log(q), (k << 32) | (depth + 1)
@@ -244,11 +234,18 @@ def _entries(branches_per_source: Sequence[Sequence[Sequence[int]]]) -> list[tup
     return entries
 
 
-def _one_group(passing: list, depth: int) -> tuple | None:
-    """The one child of a node when every branch ``passing`` through it that goes on carries the
-    same next token, as :func:`_push_groups` would make it: ``(k, token, entries through it,
-    proposers, source bits)``; ``()`` when no branch goes on; ``None`` when the branches part
-    (then :func:`_push_groups` groups them). Sources often agree, and this skips the grouping."""
+def _only_child(heap: list, passing: list, depth: int, index: int, neg: float,
+                rate_of: Callable[[int, int, int], float]) -> tuple | None:
+    """The one child of node ``index`` (at ``depth``, value ``-neg`` in log space) when every branch
+    ``passing`` through it that goes on carries the same next token: ``(k, token, entries through
+    it, proposers, source bits, rate)``, as :func:`_push_groups` would make it. ``None`` when no
+    branch goes on, or when the branches part: then :func:`_push_groups` pushes its children on
+    ``heap``. Sources often agree, and this skips the grouping."""
+    if len(passing) == 1:  # one branch's tail (the common case): its own rate, no grouping
+        k, source, branch = passing[0]
+        if len(branch) <= depth:
+            return None
+        return k, int(branch[depth]), passing, ((source, 0),), 1 << source, _clipped(rate_of(source, depth + 1, 0))
     token = None
     through: list = []
     proposers: list[tuple[int, int]] = []
@@ -259,7 +256,8 @@ def _one_group(passing: list, depth: int) -> tuple | None:
             continue
         if token is None:
             token = branch[depth]
-        elif branch[depth] != token:
+        elif branch[depth] != token:  # the branches part: a child per next token
+            _push_groups(heap, passing, depth, index, neg, rate_of)
             return None
         source = entry[1]
         if not bits >> source & 1:
@@ -267,14 +265,14 @@ def _one_group(passing: list, depth: int) -> tuple | None:
             bits |= 1 << source
         through.append(entry)
     if token is None:
-        return ()
-    return through[0][0], int(token), through, tuple(proposers), bits
+        return None
+    return through[0][0], int(token), through, tuple(proposers), bits, _noisy_or(rate_of, proposers, depth + 1)
 
 
 def _agreeing(entries: list, depth: int) -> int:
     """How many depths from ``depth`` on every one of ``entries`` goes on, all with the same token
     (0 when one ends or they part at ``depth``, or a branch is not a list: then each depth is
-    grouped by :func:`_one_group`). Compared by slices, not token by token."""
+    grouped by :func:`_only_child`). Compared by slices, not token by token."""
     first = entries[0][2]
     if first.__class__ is not list:
         return 0
@@ -293,7 +291,7 @@ def _agreeing(entries: list, depth: int) -> int:
         if other != ref:
             same = 0
             for mine, theirs in zip(ref, other):
-                if theirs != mine:  # as _one_group compares: the entry's token against the first one's
+                if theirs != mine:  # as _only_child compares: the entry's token against the first one's
                     break
                 same += 1
             if not same:
