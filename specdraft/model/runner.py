@@ -197,22 +197,19 @@ class ModelRunner:
             scratch = self._scratch_region(1)  # before the test: a new scratch region may grow the store
             if not self.store.needs_growth():
                 return self._static_forward(segments, plan, riders, scratch)
-        sources, destinations = self.store.take_moves()
-        parts = upload([plan.ids.reshape(1, -1), plan.positions.reshape(1, -1), plan.write_columns,
-                        plan.keep_rows, np.asarray(sources, dtype=np.int64), np.asarray(destinations, dtype=np.int64),
-                        plan.region_start, plan.region_length, plan.segment, plan.tree_rows, plan.tree_block, *riders],
-                       self.device)
-        ids, positions, write_columns, keep_rows, source_rows, destination_rows = parts[:6]
-        region_start, region_length, segment, tree_rows, tree_block = parts[6:11]
-        if sources:
-            self.store.apply_moves(source_rows, destination_rows)  # the last step's accepted rows, into place
+        moves = np.asarray(self.store.take_moves(), dtype=np.int64)  # [2, moves]: sources, destinations
+        table, keep_rows, moves, tree_rows, tree_block, *rider_tensors = upload(
+            [plan.table, plan.keep_rows, moves, plan.tree_rows, plan.tree_block, *riders], self.device)
+        ids, positions, write_columns, region_start, region_length, segment = table  # PLAN_FIELDS, in order
+        if moves.shape[1]:
+            self.store.apply_moves(moves[0], moves[1])  # the last step's accepted rows, into place
         contiguous = plan.contiguous_span()
         self.store.writes = Writes(None if contiguous else write_columns, contiguous, plan.width,
                                    plan.width - plan.total)
         kwargs: dict = {self._cache_keyword: self.store}
         mask = None
         if not self._needs_no_mask(segments):
-            layout = RowLayout(positions[0], region_start, region_length, segment, write_columns,
+            layout = RowLayout(positions, region_start, region_length, segment, write_columns,
                                tree_rows if plan.tree_rows.size else None, tree_block if plan.tree_rows.size else None)
             mask = layer_masks(layout, plan.width, self.windows, self.mask_kind, self.model.dtype)
             if getattr(self.model.config, "_attn_implementation", None) == PACKED_NAME:
@@ -222,15 +219,12 @@ class ModelRunner:
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = keep_rows
         try:
-            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True, **kwargs)
+            out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=True,
+                             **kwargs)
         finally:
             self.store.writes = None
         logits = out.logits[0] if self._takes_logits_to_keep else out.logits[0].index_select(0, keep_rows)
-        for seg in segments:
-            seg.region.pending = len(seg.tokens)
-        if self._scratch is not None:
-            self._scratch.pending = 0  # pad rows are never kept
-        return ForwardOutput(_logits_for_decoding(logits), plan.logit_spans, ids[0], plan.id_spans, parts[11:])
+        return self._output(segments, plan, logits, ids, rider_tensors)
 
     def _static_forward(self, segments: Sequence[Segment], plan: "_Plan", riders: Sequence[np.ndarray],
                         scratch: Region) -> ForwardOutput:
@@ -244,11 +238,16 @@ class ModelRunner:
                 self._capture_on_pad_rows(width, scratch, forward)
         rider_tensors = static.pack(plan, self.store.take_moves(), scratch.start, riders)
         logits = static.run(plan.total, forward, self.store)
+        return self._output(segments, plan, logits, static.views(plan.total)[0]["ids"], rider_tensors)
+
+    def _output(self, segments: Sequence[Segment], plan: "_Plan", logits: torch.Tensor, ids: torch.Tensor,
+                riders: list[torch.Tensor]) -> ForwardOutput:
+        """A forward's output; its segments' new rows are now pending (pad rows never are: never kept)."""
         for seg in segments:
             seg.region.pending = len(seg.tokens)
-        scratch.pending = 0
-        return ForwardOutput(_logits_for_decoding(logits), plan.logit_spans, static.views(plan.total)[0]["ids"],
-                             plan.id_spans, rider_tensors)
+        if self._scratch is not None:
+            self._scratch.pending = 0
+        return ForwardOutput(_logits_for_decoding(logits), plan.logit_spans, ids, plan.id_spans, riders)
 
     def _capture_on_pad_rows(self, width: int, scratch: Region, forward: Callable[..., torch.Tensor]) -> None:
         """Capture the forward of ``width`` over pad rows alone (they write to the scratch region
@@ -303,12 +302,6 @@ class ModelRunner:
                 "model with attn_implementation='sdpa' (or use a newer transformers release) to decode it in batches")
 
 
-def _table_row(field: str) -> property:
-    """The row of :attr:`_Plan.table` that holds ``field`` (:data:`~specdraft.model.static.PLAN_FIELDS`)."""
-    row = PLAN_FIELDS.index(field)
-    return property(lambda plan: plan.table[row])
-
-
 @dataclass
 class _Plan:
     """A forward's rows laid out on the host: what :meth:`ModelRunner.forward` uploads. The
@@ -324,13 +317,6 @@ class _Plan:
     logit_spans: list[slice]
     id_spans: list[slice]
     width: int
-
-    ids = _table_row("ids")
-    positions = _table_row("positions")
-    write_columns = _table_row("write")
-    region_start = _table_row("region_start")
-    region_length = _table_row("region_length")
-    segment = _table_row("segment")
 
     @property
     def total(self) -> int:
@@ -393,7 +379,7 @@ class _Plan:
 
     def contiguous_span(self) -> tuple[int, int] | None:
         """(first, end) when the new rows are written to one run of consecutive buffer rows."""
-        columns = self.write_columns
+        columns = self.table[PLAN_FIELDS.index("write")]
         first = int(columns[0])
         if int(columns[-1]) - first + 1 == len(columns) and (len(columns) == 1 or bool(np.all(np.diff(columns) == 1))):
             return first, first + len(columns)
