@@ -62,23 +62,15 @@ def allowed_columns(layout: RowLayout, width: int, window: int | None) -> torch.
     """``allowed[row, column]`` (bool, on the device) for a forward whose attention reads the
     first ``width`` buffer columns (see the module docstring)."""
     positions = layout.positions
-    device = positions.device
-    columns = torch.arange(width, device=device)
+    columns = torch.arange(width, device=positions.device)
     start = layout.region_start[:, None]
     allowed = (columns[None, :] >= start) & (columns[None, :] < start + layout.region_length[:, None])
+    new_rows = layout.new_rows
     if window is not None:
         allowed &= (positions[:, None] - (columns[None, :] - start)) < window
-    allowed.index_copy_(1, layout.write_columns, new_rows_allowed(layout, window))
+        new_rows = new_rows & ((positions[:, None] - positions[None, :]) < window)
+    allowed.index_copy_(1, layout.write_columns, new_rows)
     return allowed
-
-
-def new_rows_allowed(layout: RowLayout, window: int | None = None) -> torch.Tensor:
-    """:attr:`RowLayout.new_rows` within a sliding ``window`` (a new tensor), or without one the
-    layout's own (read only)."""
-    if window is None:
-        return layout.new_rows
-    positions = layout.positions
-    return layout.new_rows & ((positions[:, None] - positions[None, :]) < window)
 
 
 def model_mask(allowed: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
@@ -115,4 +107,4 @@ def flash_layout(layout: RowLayout, spans: Sequence[tuple[int, int, int, int]] |
     committed part ends where the segment's own rows begin."""
     committed = None if spans is None else [(r0, r1, c0, c1 - (r1 - r0)) for r0, r1, c0, c1 in spans]
     return FlashLayout(layout.region_start, layout.region_length, layout.segment, layout.write_columns,
-                       new_rows_allowed(layout), committed)
+                       layout.new_rows, committed)
