@@ -125,11 +125,13 @@ def _zero_padded(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(*x.shape[:dim], missing, *x.shape[dim + 1 :])], dim=dim)
 
 
-def _allowed(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """``[batch, q, kv]`` bool, contiguous: which key columns each query row may attend to. Without
-    a mask the ``q`` rows are the last ``q`` positions of a causal sequence over the ``kv`` columns."""
+def _allowed(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device: torch.device,
+             columns: int = 0) -> torch.Tensor:
+    """``[batch, q, kv]`` bool, contiguous: which key columns each query row may attend to, padded
+    with hidden columns to ``columns`` where that is more. Without a mask the ``q`` rows are the
+    last ``q`` positions of a causal sequence over the ``kv`` columns."""
     allowed = visible(mask, q_len, kv_len, device)[:, 0]  # a [B, 1, q, kv] mask (checked by exact_attention)
-    return allowed.expand(batch, q_len, kv_len).contiguous()
+    return _zero_padded(allowed.expand(batch, q_len, kv_len).contiguous(), 2, columns)
 
 
 def _rank_columns(allowed: torch.Tensor) -> torch.Tensor:
@@ -364,16 +366,10 @@ _FIXED_LAYOUTS = _PerMask()
 _ROW_ORDERS = _PerMask()
 
 
-def _padded_visible(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, columns: int,
-                    device: torch.device) -> torch.Tensor:
-    """:func:`_allowed` padded with hidden columns to ``columns``."""
-    return _zero_padded(_allowed(mask, batch, q_len, kv_len, device), 2, columns)
-
-
 def _fixed_layout(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, columns: int,
                   device: torch.device, heads_kv: int, groups: int) -> list[list[_FixedBlock]]:
     """Each batch entry's row blocks (rows per block bounded by :data:`FIXED_BLOCK_ELEMENTS`)."""
-    allowed = _padded_visible(mask, batch, q_len, kv_len, columns, device)
+    allowed = _allowed(mask, batch, q_len, kv_len, device, columns)
     slots = 1 << (columns // CHUNK).bit_length()
     per_block = max(1, min(ROW_BLOCK, FIXED_BLOCK_ELEMENTS // (slots * heads_kv * groups * CHUNK)))
     return [[_fixed_block(allowed[b, at : at + per_block], at) for at in range(0, q_len, per_block)]
@@ -384,7 +380,7 @@ def _row_order(mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, c
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """For the Triton kernel: ``[B, q, columns]`` int32, each row's visible columns first in column
     order, and ``[B, q]`` int32, how many it sees (fixed shapes, on the device)."""
-    allowed = _padded_visible(mask, batch, q_len, kv_len, columns, device)
+    allowed = _allowed(mask, batch, q_len, kv_len, device, columns)
     return _rank_columns(allowed).to(torch.int32).contiguous(), allowed.sum(dim=2).to(torch.int32).contiguous()
 
 
