@@ -92,7 +92,6 @@ class StaticForwards:
         self._ints = 8 * w * len(_FIELDS)
         self._bools = w * w
         size = self._ints + self._bools + 8 * RIDER_CAPACITY
-        self.device = device
         self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)  # filled by one copy per step
         self.host = torch.zeros(size, dtype=torch.uint8)
         if device.type == "cuda" and torch.cuda.is_available():
@@ -101,7 +100,7 @@ class StaticForwards:
         self._host_bytes = self.host.numpy()
         self._host_ints = self._host_bytes[: self._ints].view(np.int64).reshape(len(_FIELDS), w)
         self._host_block = self._host_bytes[self._ints : self._ints + self._bools].view(np.bool_).reshape(w, w)
-        self._arange = np.arange(w, dtype=np.int64)
+        self._host_ints[_TREE_ROWS] = np.arange(w)  # every row of a decode forward is a tree row, in order
         ints = self.buffer[: self._ints].view(torch.int64).view(len(_FIELDS), w)
         self.fields = {name: ints[i] for i, name in enumerate(_FIELDS)}
         self.block = self.buffer[self._ints : self._ints + self._bools].view(torch.bool).view(w, w)
@@ -150,7 +149,6 @@ class StaticForwards:
         ints, block = self._host_ints, self._host_block
         ints[_TABLE_ROWS, :n] = plan.table  # ids, positions, write, region start and length, segment
         ints[_KEEP, :n] = plan.keep_rows
-        ints[_TREE_ROWS, :n] = self._arange[:n]
         sources, destinations = moves
         if len(sources) > self.max_width:
             raise ValueError(f"{len(sources)} cache moves do not fit the {self.max_width} slots of the static buffers")
