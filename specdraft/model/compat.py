@@ -20,10 +20,9 @@ CACHE_KEYWORD = "cache"
 
 def forward_parameters(model: Any) -> Mapping[str, inspect.Parameter]:
     """The parameters ``model.forward``'s signature names (none where it has no readable one)."""
-    forward = getattr(model, "forward", None)
     try:
-        return inspect.signature(forward).parameters if forward is not None else {}
-    except (TypeError, ValueError):
+        return inspect.signature(getattr(model, "forward", None)).parameters
+    except (TypeError, ValueError):  # no forward (``None`` is no callable), or no readable signature
         return {}
 
 
