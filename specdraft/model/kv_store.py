@@ -85,13 +85,11 @@ class _StoreLayer(DynamicLayer):
             raise RuntimeError("the KV store was written outside a forward of the model runner")
         if not _holds(self.key_buffer, key_states) or self.key_buffer.shape[-2] < store.capacity:
             self._resize(key_states, value_states, store.capacity)
-        if writes.span is not None:
-            first, end = writes.span
-            self.key_buffer[..., first:end, :].copy_(key_states)
-            self.value_buffer[..., first:end, :].copy_(value_states)
-        else:
-            self.key_buffer.index_copy_(-2, writes.rows, key_states)
-            self.value_buffer.index_copy_(-2, writes.rows, value_states)
+        for buffer, states in ((self.key_buffer, key_states), (self.value_buffer, value_states)):
+            if writes.span is not None:
+                buffer[..., writes.span[0] : writes.span[1], :].copy_(states)
+            else:
+                buffer.index_copy_(-2, writes.rows, states)
         self.keys = self.key_buffer[..., : writes.view, :]
         self.values = self.value_buffer[..., : writes.view, :]
         return self.keys, self.values
