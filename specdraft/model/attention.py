@@ -43,7 +43,7 @@ import torch
 from . import flash_merge_triton
 from .flash_kernels import (FLASH_DTYPES, FLASH_LAYOUT_KEYWORD, AttentionBackendError, FlashLayout,
                             cpu_flash_available, dense_with_lse, fa2_available, fa4_available, flash_with_lse,
-                            prefix_attention, shared_heads)
+                            prefix_attention)
 from .masks import visible
 from .packed_attention import register_backend
 
@@ -120,9 +120,7 @@ def _split_by_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     seen = layout.region_length > 0  # a row whose request has nothing committed: part (b) alone
     old_lse = torch.where(seen, old_lse, float("-inf"))
     old_out = torch.where(seen[:, None], old_out, 0.0)
-    heads = query.shape[1]
-    new_key = shared_heads(key.index_select(2, layout.write_columns), heads)
-    new_value = shared_heads(value.index_select(2, layout.write_columns), heads)
+    new_key, new_value = key.index_select(2, layout.write_columns), value.index_select(2, layout.write_columns)
     new_out, new_lse = dense_with_lse(query, new_key, new_value, scale, layout.new_allowed[None, None])
     out = merge_partial_attention(old_out, old_lse, new_out, new_lse)
     return out.transpose(1, 2).contiguous().to(query.dtype)
@@ -132,7 +130,6 @@ def _split_by_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    scale: float) -> torch.Tensor:
     """The split for a caller without a layout: the ``q`` new tokens are the last ``q`` keys."""
     batch, heads, q_len, _ = query.shape
-    key, value = shared_heads(key, heads), shared_heads(value, heads)
     kv_len = key.shape[2]
     prefix = kv_len - q_len
     if attention_mask is None and (prefix == 0 or q_len == 1):  # a plain prefill or one-token decode

@@ -108,8 +108,10 @@ def _fa4_varlen() -> Any:
 
 def flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One flash-kernel call over ``[B, H, n, D]`` tensors (same head count): ``(out, lse)``, lse
-    ``[B, H, n]``. flash-attn 2 or FlashAttention 4 on CUDA, torch's CPU kernel elsewhere."""
+    """One flash-kernel call of ``q`` ``[B, H, n, D]`` over ``k`` / ``v`` ``[B, Hkv, m, D]`` (their
+    heads repeated for the query's, :func:`shared_heads`): ``(out, lse)``, lse ``[B, H, n]``.
+    flash-attn 2 or FlashAttention 4 on CUDA, torch's CPU kernel elsewhere."""
+    k, v = shared_heads(k, q.shape[1]), shared_heads(v, q.shape[1])
     if q.is_cuda:
         if fa2_available():
             from flash_attn import flash_attn_func  # type: ignore[import-not-found]
@@ -134,10 +136,12 @@ def flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 def dense_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                    allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked attention of q against k/v in float32 (or float64), with its log-sum-exp.
+    """Masked attention of q against k/v (their heads repeated for q's, :func:`shared_heads`) in
+    float32 (or float64), with its log-sum-exp.
 
     Rows with nothing allowed get lse = -inf and a zero output, so they vanish in the merge.
     """
+    k, v = shared_heads(k, q.shape[1]), shared_heads(v, q.shape[1])
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     scores = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
@@ -171,8 +175,7 @@ def _prefix_dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
     columns = torch.arange(key.shape[2], device=key.device)
     start = layout.region_start[:, None]
     allowed = (columns[None, :] >= start) & (columns[None, :] < start + layout.region_length[:, None])
-    heads = query.shape[1]
-    return dense_with_lse(query, shared_heads(key, heads), shared_heads(value, heads), scale, allowed[None, None])
+    return dense_with_lse(query, key, value, scale, allowed[None, None])
 
 
 def _prefix_spans(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -184,9 +187,8 @@ def _prefix_spans(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     for row_start, row_end, first, committed_end in spans:
         if committed_end <= first:
             continue  # nothing committed yet: the rows see only each other
-        part_out, part_lse = flash_with_lse(query[:, :, row_start:row_end],
-                                            shared_heads(key[:, :, first:committed_end], heads),
-                                            shared_heads(value[:, :, first:committed_end], heads), scale, causal=False)
+        part_out, part_lse = flash_with_lse(query[:, :, row_start:row_end], key[:, :, first:committed_end],
+                                            value[:, :, first:committed_end], scale, causal=False)
         out[:, :, row_start:row_end] = part_out.to(work)
         lse[:, :, row_start:row_end] = part_lse.to(work)
     return out, lse
