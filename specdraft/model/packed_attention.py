@@ -51,13 +51,9 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if layout is None or attention_mask is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
     kwargs.pop("is_causal", None)
-    outputs = []
-    for row_start, row_end, column_start, column_end in layout.spans:
-        out, _ = sdpa_attention_forward(module, query[:, :, row_start:row_end], key[:, :, column_start:column_end],
-                                        value[:, :, column_start:column_end],
-                                        attention_mask[:, :, row_start:row_end, column_start:column_end],
-                                        *args, is_causal=False, **kwargs)
-        outputs.append(out)
+    outputs = [sdpa_attention_forward(module, query[:, :, r0:r1], key[:, :, c0:c1], value[:, :, c0:c1],
+                                      attention_mask[:, :, r0:r1, c0:c1], *args, is_causal=False, **kwargs)[0]
+               for r0, r1, c0, c1 in layout.spans]  # each request's rows [r0, r1) and columns [c0, c1)
     return torch.cat(outputs, dim=1), None
 
 
