@@ -254,8 +254,7 @@ class ModelRunner:
         only, and no cache move is due), so that the widths a decoder uses are captured together
         before its first tree instead of one by one in the middle of answers (on an H100 a
         capture costs tens of milliseconds, a request's tokens about 4 each)."""
-        pad = self._pad_segment(width)
-        plan = _Plan.of([pad], self.max_positions)
+        plan = _Plan.of([self._pad_segment(width)], self.max_positions)
         plan.pad_kept(width)
         self.static.pack(plan, ([], []), scratch.start, [])
         self.static.run(width, forward, self.store)

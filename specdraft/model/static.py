@@ -156,11 +156,10 @@ class StaticForwards:
         if sources:
             ints[_MOVES, : len(sources)] = (sources, destinations)
         block[:n, :n] = plan.tree_block
-        host = self._host_bytes
         at, out = self._ints + self._bools, []
         for rider in riders:  # (views of the device buffer: the one copy below fills them)
             rider = np.ascontiguousarray(rider, dtype=np.int64)
-            host[at : at + rider.nbytes] = rider.reshape(-1).view(np.uint8)
+            self._host_bytes[at : at + rider.nbytes] = rider.reshape(-1).view(np.uint8)
             out.append(self.buffer[at : at + rider.nbytes].view(torch.int64).view(rider.shape))
             at += rider.nbytes
         self.buffer.copy_(self.host, non_blocking=True)
@@ -304,16 +303,14 @@ class CompiledPass:
 
     def __call__(self, *args: Any) -> torch.Tensor:
         if self.failure is None:
-            compiled = _compiled.get(self.backend)
-            if compiled is None:
-                compiled = _compiled[self.backend] = torch.compile(model_pass_eager, backend=self.backend,
-                                                                     dynamic=True)
+            if self.backend not in _compiled:
+                _compiled[self.backend] = torch.compile(model_pass_eager, backend=self.backend, dynamic=True)
             # dynamo's name for its recompile limit (``cache_size_limit`` before torch 2.6)
             limit = ("recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit")
                      else "cache_size_limit")
             try:
                 with torch._dynamo.config.patch(**{limit: RECOMPILE_LIMIT}):
-                    return compiled(*args)
+                    return _compiled[self.backend](*args)
             except torch._dynamo.exc.TorchDynamoException as exc:  # compiling failed (a rerun is harmless)
                 cause = getattr(exc, "inner_exception", None) or exc
                 first_line = next(iter(str(cause).strip().splitlines()), "")
