@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, Callable
 
 
 def check_int(name: str, value: Any, minimum: int, meaning: str = "", none_ok: bool = False,
@@ -18,3 +18,10 @@ def check_int(name: str, value: Any, minimum: int, meaning: str = "", none_ok: b
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral if numpy_ok else int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}{' or None' if none_ok else ''}{meaning}, got {value!r}")
+
+
+def check_number(name: str, value: Any, allowed: str, ok: Callable[[float], bool]) -> None:
+    """Refuse ``value`` unless it is a real number (numpy's too, not a bool) for which ``ok`` holds;
+    ``allowed`` says which in the message (``"a finite number >= 1"``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(value):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")

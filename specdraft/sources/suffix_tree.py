@@ -89,7 +89,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..checks import check_int
+from ..checks import check_int, check_number
 from .base import Context, Draft, Feedback, SourceBase
 from .suffix_trie import SuffixDraft, SuffixTrie
 
@@ -137,12 +137,9 @@ class SuffixTree(SourceBase[_Request]):
                  max_spec_offset: float = 0.0, tree: bool = True, name: str = "suffix") -> None:
         super().__init__()
         check_int("max_depth", max_depth, 2, " (one matched token plus one drafted)")
-        if not (isinstance(max_spec_factor, (int, float)) and math.isfinite(max_spec_factor) and max_spec_factor > 0):
-            raise ValueError(f"max_spec_factor must be a finite number > 0, got {max_spec_factor!r}")
-        if not (isinstance(max_spec_offset, (int, float)) and math.isfinite(max_spec_offset)):
-            raise ValueError(f"max_spec_offset must be a finite number, got {max_spec_offset!r}")
-        if not (isinstance(min_token_prob, (int, float)) and 0.0 <= min_token_prob <= 1.0):
-            raise ValueError(f"min_token_prob must be a number in [0, 1], got {min_token_prob!r}")
+        check_number("max_spec_factor", max_spec_factor, "a finite number > 0", lambda v: math.isfinite(v) and v > 0)
+        check_number("max_spec_offset", max_spec_offset, "a finite number", math.isfinite)
+        check_number("min_token_prob", min_token_prob, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
         max_spec_tokens = max_depth if max_spec_tokens is None else max_spec_tokens
         check_int("max_spec_tokens", max_spec_tokens, 1, " (or None for max_depth)")
         check_int("max_cached_requests", max_cached_requests, 0, " (0: no global tree)")

@@ -104,14 +104,13 @@ documentation's "How the defaults were chosen" and in ``docs/reliability.md``.
 from __future__ import annotations
 
 import math
-import numbers
 import threading
 from dataclasses import dataclass
 from typing import Sequence
 
 import pygtrie
 
-from ..checks import check_int
+from ..checks import check_int, check_number
 from .base import Context, Draft, Feedback
 from .trie_select import branches as _branches
 from .trie_select import retrieve as _retrieve
@@ -211,15 +210,12 @@ class FrequencyTrie:
         capacity = 16 * decoding_length if capacity is None else capacity
         check_int("capacity", capacity, 1, " (or None for 16 x decoding_length)")
         check_int("max_nodes", max_nodes, 1)
-        if (isinstance(prompt_weight, bool) or not isinstance(prompt_weight, numbers.Real)
-                or not (prompt_weight >= 1 and math.isfinite(prompt_weight))):
-            raise ValueError(f"prompt_weight must be a finite number >= 1, got {prompt_weight!r}")
+        check_number("prompt_weight", prompt_weight, "a finite number >= 1", lambda v: v >= 1 and math.isfinite(v))
         min_nodes = branch_length if min_nodes is None else min_nodes
         check_int("min_nodes", min_nodes, 1)
         if mode not in (HIERARCHICAL, PARALLEL):
             raise ValueError(f"mode must be {HIERARCHICAL!r} or {PARALLEL!r}, got {mode!r}")
-        if isinstance(prune_to, bool) or not isinstance(prune_to, numbers.Real) or not 0.0 <= prune_to <= 1.0:
-            raise ValueError(f"prune_to must be in [0, 1], got {prune_to!r}")
+        check_number("prune_to", prune_to, "in [0, 1]", lambda v: 0.0 <= v <= 1.0)
         self.decoding_length = decoding_length
         self.branch_length = branch_length
         self.capacity = capacity
