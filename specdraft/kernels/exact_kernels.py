@@ -93,7 +93,7 @@ def lowest_price(curve: list[float], reference: list[float], rows: int = PRICED_
     return sum(f / r for f, r in zip(floors, reference)) / rows - 1
 
 
-def reference_curve(costs: KernelCosts, requested: str, paths: Sequence[str] = ()) -> list[float]:
+def reference_curve(costs: KernelCosts, requested: str, paths: Sequence[str]) -> list[float]:
     """What each forward width costs without exact mode: on the path asked for, or for ``"auto"``
     on stock and the packed path of ``paths`` it mixes in where that is cheaper."""
     if requested != "auto":

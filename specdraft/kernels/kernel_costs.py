@@ -320,8 +320,7 @@ def choose_kernels(model: nn.Module, requested: str = "auto") -> KernelChoice:
     return replace(choice, kind=best, plan=plan, packed=packed, curve=mixed, extra_bytes=packed.nbytes)
 
 
-def auto_mix(costs: KernelCosts, kinds: Sequence[str] = PACKED_KINDS
-             ) -> tuple[str | None, tuple[bool, ...], list[float]]:
+def auto_mix(costs: KernelCosts, kinds: Sequence[str]) -> tuple[str | None, tuple[bool, ...], list[float]]:
     """The packed path of ``kinds`` that ``"auto"`` mixes with stock (the one that saves the most
     over widths 1..64; ``None`` where none saves anything), at which widths it runs it, and what
     each width then costs (stock's curve where nothing is mixed in)."""
