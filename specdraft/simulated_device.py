@@ -181,8 +181,15 @@ class SimulatedDevice(TorchFunctionMode):
     def _count(self, kind: str, func: Callable) -> None:
         """Count a ``"sync"`` or an ``"upload"``, in the forward or around it (logged there)."""
         inside = self._in_forward > 0
-        counter = f"forward_{kind}s" if inside else f"{kind}s"  # a field of TransferCounts
-        setattr(self.counts, counter, getattr(self.counts, counter) + 1)
+        if kind == "sync":
+            if inside:
+                self.counts.forward_syncs += 1
+            else:
+                self.counts.syncs += 1
+        elif inside:
+            self.counts.forward_uploads += 1
+        else:
+            self.counts.uploads += 1
         if not inside:
             self.counts.log.append(f"{kind}: {getattr(func, '__qualname__', None) or getattr(func, '__name__', func)}")
 
