@@ -58,6 +58,7 @@ import torch
 from soak import rss_mib  # benchmarks/soak.py: the same /proc reading
 
 from specdraft import BatchRequest, Decoder
+from specdraft.bench.report import PlotUnavailableError, require_matplotlib
 from specdraft.sources import Context, Draft, Feedback
 from specdraft.sources.base import SourceBase
 from specdraft.sources.registry import default_sources
@@ -1166,8 +1167,9 @@ def package_commit() -> tuple[str, bool]:
     return commit_of(Path(specdraft.__file__).resolve().parent)
 
 
-def write_results(report: SoakReport, out: Path, command: str, commit: str, dirty: bool) -> dict[str, Any]:
-    """``summary.json``, ``soak.csv``, ``soak.png`` and ``README.md`` in ``out``."""
+def write_results(report: SoakReport, out: Path, command: str, commit: str, dirty: bool,
+                  draw: bool = True) -> dict[str, Any]:
+    """``summary.json``, ``soak.csv``, ``README.md`` and (with ``draw``) ``soak.png`` in ``out``."""
     import transformers
 
     out.mkdir(parents=True, exist_ok=True)
@@ -1188,9 +1190,10 @@ def write_results(report: SoakReport, out: Path, command: str, commit: str, dirt
         writer.writeheader()
         writer.writerows(report.rows)
     cfg = report.config
-    plot(report.rows, out / "soak.png",
-         f"batched soak: {summary['requests']} requests, tiny float64 Qwen2, vocab {cfg.vocab_size}\n"
-         f"{summary['machine']['cpu']}, commit {summary['commit']}", report.caps)
+    if draw:
+        plot(report.rows, out / "soak.png",
+             f"batched soak: {summary['requests']} requests, tiny float64 Qwen2, vocab {cfg.vocab_size}\n"
+             f"{summary['machine']['cpu']}, commit {summary['commit']}", report.caps)
     o, r, lat, wait = summary["outcomes"], summary["rss_mib"], summary["latency_admission_to_finish_ms"], \
         summary["latency_call_to_output_ms"]
     t, ph = summary["rss_trimmed_mib"], summary["python_heap"]
@@ -1249,7 +1252,7 @@ def write_results(report: SoakReport, out: Path, command: str, commit: str, dirt
         "",
         "Files: `summary.json` (all figures, the configuration, an example error message per invalid kind), "
         "`soak.csv` (a row every "
-        f"{cfg.every} requests), `soak.png`.",
+        f"{cfg.every} requests)" + (", `soak.png`." if draw else "."),
         "",
     ]
     (out / "README.md").write_text("\n".join(lines), encoding="utf-8")
@@ -1267,7 +1270,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=250, help="a CSV row every N requests (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results directory (default: benchmarks/results/batch-soak-<date>-<commit>)")
+    parser.add_argument("--no-plot", action="store_true", help="write no soak.png (needs no matplotlib)")
     args = parser.parse_args(argv)
+    if not args.no_plot:
+        try:
+            require_matplotlib()  # now, not after a half-hour run
+        except PlotUnavailableError as exc:
+            parser.error(str(exc))
     for name in ("requests", "greedy_check_every", "every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -1287,7 +1296,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = Soak(config, progress).run()
     command = "python benchmarks/batch_soak.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    summary = write_results(report, out, command.strip(), commit, dirty)
+    summary = write_results(report, out, command.strip(), commit, dirty, draw=not args.no_plot)
     for line in report.problems[:20]:
         print("PROBLEM:", line, file=sys.stderr)
     shown = ("requests", "seconds", "outcomes", "mismatches", "problems", "rss_mib", "rss_trimmed_mib",

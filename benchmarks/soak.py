@@ -116,8 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-every", type=int, default=25, help="compare every N-th greedy output")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True, help="directory for soak.csv and soak.png")
-    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--no-plot", action="store_true", help="write no soak.png (needs no matplotlib)")
     args = parser.parse_args(argv)
+    if not args.no_plot:
+        from specdraft.bench.report import PlotUnavailableError, require_matplotlib
+
+        try:
+            require_matplotlib()  # now, not after a half-hour run
+        except PlotUnavailableError as exc:
+            parser.error(str(exc))
     for name in ("requests", "vocab_size", "prompt_vocab", "max_prompt", "max_new_tokens", "every", "check_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
