@@ -14,7 +14,11 @@ load that slows everything alike cancels.
 Single requests: per prompt, the seconds of ``generate``, the base decoder and the new one (the
 default sources and kernels); the medians of the per-prompt ratios. Concurrency: for each level,
 ``generate_batch`` of all prompts with both versions, tokens per second, alternating order over
-``--repeats`` rounds. Outputs are compared too (greedy: both versions must give the same tokens in
+``--repeats`` rounds. The decoders keep what their sources learn from round to round, so from the
+second round on the drafts replay answers of the same prompts seen before, and in bfloat16 a batch
+that parts from them at a near-tie runs on without drafts: ``--fresh`` makes every round's decoders
+new (what a server meets with prompts it has not seen), which measures the engine rather than the
+memory. Outputs are compared too (greedy: both versions must give the same tokens in
 float32; in bfloat16 they may part at near-ties).
 """
 
@@ -107,17 +111,22 @@ def single(model, tokenizer, prompts, decoders: dict[str, Any], new_tokens: int)
     return {"rows": rows, "summary": summary}
 
 
-def concurrency(prompts, decoders: dict[str, Any], new_tokens: int, levels: list[int], repeats: int) -> dict:
-    """Tokens per second of ``generate_batch`` over all prompts at each level, both versions."""
+def concurrency(prompts, decoders: dict[str, Any], new_tokens: int, levels: list[int], repeats: int,
+                makers: dict[str, Any] | None = None) -> dict:
+    """Tokens per second of ``generate_batch`` over all prompts at each level, both versions; with
+    ``makers``, each round on decoders made for it (and closed after it)."""
     names = list(decoders)
     out: dict[str, Any] = {}
     for level in levels:
         runs: dict[str, list[float]] = {name: [] for name in names}
         for r in range(repeats):
             for name in names[r % len(names):] + names[: r % len(names)]:
-                seconds, result = timed(lambda: decoders[name].generate_batch(
+                decoder = makers[name]() if makers else decoders[name]
+                seconds, result = timed(lambda: decoder.generate_batch(
                     [list(p.token_ids) for p in prompts], max_new_tokens=new_tokens, concurrency=level))
                 runs[name].append(sum(len(o.token_ids) for o in result) / seconds)
+                if makers:
+                    decoder.close()
         out[str(level)] = {name: {"tokens_per_s": statistics.median(v), "runs": v} for name, v in runs.items()}
         for name in names[1:]:
             ratio = out[str(level)][name]["tokens_per_s"] / out[str(level)][names[0]]["tokens_per_s"]
@@ -136,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="default: the library's default model")
     parser.add_argument("--concurrency", default=None, help="levels, e.g. 1,4,8 (instead of single requests)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds per concurrency level")
+    parser.add_argument("--fresh", action="store_true",
+                        help="concurrency: new decoders for every round (nothing learned in one round drafts the next)")
     parser.add_argument("--variants", default="base,new",
                         help="decoders to compare, in order (the first is the reference): base, new, new with exact "
                              "mode forced off or on (new-inexact, new-exact), and new-plain (our plain decoding, "
@@ -170,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                               "kernels": {n: d.kernels.describe() for n, d in decoders.items()}}
     if args.concurrency:
         levels = [int(x) for x in args.concurrency.split(",")]
-        report["concurrency"] = concurrency(prompts, decoders, args.max_new_tokens, levels, args.repeats)
+        report["fresh"] = args.fresh
+        report["concurrency"] = concurrency(prompts, decoders, args.max_new_tokens, levels, args.repeats,
+                                            {n: makers[n] for n in decoders} if args.fresh else None)
     else:
         report["single"] = single(model, tokenizer, prompts, decoders, args.max_new_tokens)
         print(json.dumps(report["single"]["summary"], indent=1, default=str), file=sys.stderr)
