@@ -195,3 +195,23 @@ def test_after_close_every_request_has_an_output(fresh: bs.Soak) -> None:
     stream.close()
     assert all(out is not None and out.cancelled for out in stream.outputs)
     assert len(stream.result()) == len(prompts)
+
+
+def test_results_without_a_plot_say_which_files_there_are(soaked, tmp_path: Path) -> None:
+    _, report = soaked
+    bs.write_results(report, tmp_path, "python benchmarks/batch_soak.py --no-plot", "0000000", False, draw=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "soak.csv", "summary.json"]
+    assert "soak.png" not in (tmp_path / "README.md").read_text()
+
+
+def test_a_missing_plotting_library_stops_the_run_before_it_starts(monkeypatch, capsys, tmp_path: Path) -> None:
+    def missing() -> None:
+        raise bs.PlotUnavailableError("the plot needs matplotlib: pip install 'specdraft[bench]', or pass --no-plot")
+
+    monkeypatch.setattr(bs, "require_matplotlib", missing)
+    monkeypatch.setattr(bs, "Soak", None)  # a run would fail on this: the check must come first
+    with pytest.raises(SystemExit) as exit_info:
+        bs.main(["--requests", "1", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "--no-plot" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
