@@ -16,7 +16,7 @@ The model is a tiny random Qwen2 (hidden 32, 2 layers) with ``--vocab-size`` tok
 contexts span the real range. A random model's greedy continuations are noise over the whole
 vocabulary, so almost every output window is new to the trie: the worst case for its growth.
 
-    python benchmarks/soak.py --requests 10000 --out benchmarks/results/soak
+    python benchmarks/soak.py --requests 10000 --out benchmarks/results/soak-<date>-<commit>
     python benchmarks/soak.py --requests 500 --vocab-size 1000 --out soak-out   # a quick look
 """
 
