@@ -55,10 +55,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from soak import rss_mib  # benchmarks/soak.py: the same /proc reading
+from soak import check_plotting, rss_mib  # benchmarks/soak.py: the same /proc reading and plot check
 
 from specdraft import BatchRequest, Decoder
-from specdraft.bench.report import PlotUnavailableError, require_matplotlib
+from specdraft.bench.report import require_matplotlib
 from specdraft.sources import Context, Draft, Feedback
 from specdraft.sources.base import SourceBase
 from specdraft.sources.registry import default_sources
@@ -1083,11 +1083,7 @@ def summarize(report: SoakReport) -> dict[str, Any]:
 def plot(rows: Sequence[dict[str, Any]], path: Path, title: str, caps: dict[str, int]) -> None:
     """RSS, per-interval latency, the shared sources' sizes and the Python heap over the run (200 dpi,
     12 pt)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = require_matplotlib()
     plt.rcParams.update({"font.size": 12})
     x = [r["requests"] for r in rows]
     total = x[-1] if x else 0
@@ -1272,11 +1268,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="results directory (default: benchmarks/results/batch-soak-<date>-<commit>)")
     parser.add_argument("--no-plot", action="store_true", help="write no soak.png (needs no matplotlib)")
     args = parser.parse_args(argv)
-    if not args.no_plot:
-        try:
-            require_matplotlib()  # now, not after a half-hour run
-        except PlotUnavailableError as exc:
-            parser.error(str(exc))
+    check_plotting(parser, args.no_plot)
     for name in ("requests", "greedy_check_every", "every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -75,12 +75,23 @@ def live(source: Any) -> int:
     return value if isinstance(value, int) else len(value)
 
 
+def check_plotting(parser: argparse.ArgumentParser, no_plot: bool) -> None:
+    """Stop at once, with the install command, where the plot cannot be drawn: not after a run of
+    half an hour (``--no-plot`` skips the plot and the check)."""
+    if no_plot:
+        return
+    from specdraft.bench.report import PlotUnavailableError, require_matplotlib
+
+    try:
+        require_matplotlib()
+    except PlotUnavailableError as exc:
+        parser.error(str(exc))
+
+
 def plot(rows: list[dict[str, float]], path: Path, title: str, caps: dict[str, int]) -> None:
-    import matplotlib
+    from specdraft.bench.report import require_matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = require_matplotlib()
     x = [r["requests"] for r in rows]
     fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     axes[0].plot(x, [r["rss_mib"] for r in rows], label="RSS")
@@ -118,13 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="directory for soak.csv and soak.png")
     parser.add_argument("--no-plot", action="store_true", help="write no soak.png (needs no matplotlib)")
     args = parser.parse_args(argv)
-    if not args.no_plot:
-        from specdraft.bench.report import PlotUnavailableError, require_matplotlib
-
-        try:
-            require_matplotlib()  # now, not after a half-hour run
-        except PlotUnavailableError as exc:
-            parser.error(str(exc))
+    check_plotting(parser, args.no_plot)
     for name in ("requests", "vocab_size", "prompt_vocab", "max_prompt", "max_new_tokens", "every", "check_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

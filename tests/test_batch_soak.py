@@ -205,10 +205,12 @@ def test_results_without_a_plot_say_which_files_there_are(soaked, tmp_path: Path
 
 
 def test_a_missing_plotting_library_stops_the_run_before_it_starts(monkeypatch, capsys, tmp_path: Path) -> None:
-    def missing() -> None:
-        raise bs.PlotUnavailableError("the plot needs matplotlib: pip install 'specdraft[bench]', or pass --no-plot")
+    from specdraft.bench import report
 
-    monkeypatch.setattr(bs, "require_matplotlib", missing)
+    def missing() -> None:
+        raise report.PlotUnavailableError("the plot needs matplotlib: pip install 'specdraft[bench]', or pass --no-plot")
+
+    monkeypatch.setattr(report, "require_matplotlib", missing)
     monkeypatch.setattr(bs, "Soak", None)  # a run would fail on this: the check must come first
     with pytest.raises(SystemExit) as exit_info:
         bs.main(["--requests", "1", "--out", str(tmp_path)])
