@@ -182,8 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency:
         levels = [int(x) for x in args.concurrency.split(",")]
         report["fresh"] = args.fresh
+        if args.fresh:  # the warmed-up decoders only named the variants: free their packed weights
+            for decoder in decoders.values():
+                decoder.close()
         report["concurrency"] = concurrency(prompts, decoders, args.max_new_tokens, levels, args.repeats,
-                                            {n: makers[n] for n in decoders} if args.fresh else None)
+                                            makers if args.fresh else None)
     else:
         report["single"] = single(model, tokenizer, prompts, decoders, args.max_new_tokens)
         print(json.dumps(report["single"]["summary"], indent=1, default=str), file=sys.stderr)
